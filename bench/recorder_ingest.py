@@ -1,0 +1,173 @@
+"""How fast the recorder gets calls into DuckDB, against a naive per-row INSERT, in one run.
+
+Each call looks like an agent turn late in an episode: a 2k-token prompt (engine ids plus an ~8 kB JSON request
+whose text is unique per call), one ~200-token completion with float logprobs, and a ~1 kB JSON response.
+The recorder path is end to end: `record_call` N times, then `close()` (everything committed), wall time.
+The baseline inserts fewer calls one row per statement, as a first implementation would.
+Goal (from the issue): >= 5,000 calls/s through the recorder.
+
+    python bench/recorder_ingest.py [--n 20000] [--baseline-n 300] [--no-docs]
+
+Writes its section of docs/BENCHMARKS.md (between the recorder_ingest markers) unless --no-docs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import random
+import sys
+import tempfile
+import time
+import uuid
+from datetime import date
+from pathlib import Path
+
+import duckdb
+import orjson
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from harness.records import ENGINE, OK, Call, Choice  # noqa: E402
+from harness.recorder import Recorder  # noqa: E402
+from harness.store import Store  # noqa: E402
+
+PROMPT_TOKENS = 2000
+COMPLETION_TOKENS = 200
+VOCAB = 151_000
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "BENCHMARKS.md"
+START, END = "<!-- recorder_ingest:start -->", "<!-- recorder_ingest:end -->"
+
+
+def make_calls(n: int, seed: int = 0) -> list[Call]:
+    """n realistic calls. Token id lists come from a pool (conversion cost does not depend on sharing them);
+    request text is a unique slice of a random-word corpus, so compression sees text, not repeats."""
+    rng = random.Random(seed)
+    words = ["".join(rng.choices("abcdefghijklmnopqrstuvwxyz", k=rng.randint(2, 9))) for _ in range(5000)]
+    corpus = " ".join(rng.choices(words, k=2_000_000))
+    pool = [[rng.randrange(VOCAB) for _ in range(PROMPT_TOKENS)] for _ in range(64)]
+    completions = [[rng.randrange(VOCAB) for _ in range(COMPLETION_TOKENS)] for _ in range(64)]
+    logprobs = [[-rng.expovariate(2.0) for _ in range(COMPLETION_TOKENS)] for _ in range(64)]
+    calls = []
+    for i in range(n):
+        start = rng.randrange(len(corpus) - 9000)
+        prompt, answer = corpus[start : start + 8000], corpus[start + 8000 : start + 8800]
+        request = {"model": "policy", "messages": [{"role": "system", "content": "You are an agent."},
+                                                   {"role": "user", "content": prompt}], "logprobs": True}  # fmt: skip
+        response = {"id": f"chatcmpl-{i}", "object": "chat.completion", "model": "policy",
+                    "choices": [{"index": 0, "message": {"role": "assistant", "content": answer},
+                                 "finish_reason": "stop"}],
+                    "usage": {"prompt_tokens": PROMPT_TOKENS, "completion_tokens": COMPLETION_TOKENS}}  # fmt: skip
+        calls.append(
+            Call(
+                call_id=uuid.uuid4().hex, run_id="bench", episode_id=f"ep-{i // 8}", call_index=i % 8,
+                endpoint="chat", stream=False, requested_model="gpt-4o-mini", served_model="policy",
+                role_key="r0", system_hash="s0", tools_hash=None, request=orjson.dumps(request),
+                response=orjson.dumps(response), prompt_ids=pool[i % 64],
+                choices=[Choice(0, completions[i % 64], logprobs[i % 64], "stop", answer)],
+                token_source=ENGINE, status=OK, http_status=200, error=None, started_at=time.time(),
+                latency_ms=850.0, ttft_ms=None, weight_version=3, prompt_tokens=PROMPT_TOKENS,
+                completion_tokens=COMPLETION_TOKENS,
+            )  # fmt: skip
+        )
+    return calls
+
+
+def bench_recorder(calls: list[Call], path: Path) -> dict:
+    store = Store.open(path)
+    recorder = Recorder(store)
+    t0 = time.perf_counter()
+    for call in calls:
+        recorder.record_call(call)
+    t_recorded = time.perf_counter()
+    recorder.close()
+    wall = time.perf_counter() - t0
+    assert recorder.calls_written == len(calls), (recorder.calls_written, recorder.last_error)
+    store.checkpoint()
+    store.close()
+    return {
+        "calls_per_s": len(calls) / wall,
+        "record_call_us": (t_recorded - t0) / len(calls) * 1e6,
+        "bytes_per_call": path.stat().st_size / len(calls),
+    }
+
+
+def bench_per_row_insert(calls: list[Call], path: Path) -> dict:
+    """The naive way: one INSERT per call and per choice, lists passed as Python parameters."""
+    store = Store.open(path)
+    cur = store.cursor()
+    t0 = time.perf_counter()
+    for c in calls:
+        cur.execute(
+            "INSERT INTO calls VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, to_timestamp(?)::TIMESTAMP,"
+            " ?, ?, ?, ?, ?, ?)",
+            [c.call_id, c.run_id, c.episode_id, c.call_index, c.endpoint, c.stream, c.requested_model,
+             c.served_model, c.role_key, c.system_hash, c.tools_hash, c.request.decode(), c.response.decode(),
+             c.prompt_ids, c.token_source, c.status, c.http_status, c.error, c.started_at, c.latency_ms,
+             c.ttft_ms, c.weight_version, c.prompt_tokens, c.completion_tokens, orjson.dumps(c.extra).decode()],
+        )  # fmt: skip
+        for ch in c.choices:
+            cur.execute(
+                "INSERT INTO choices VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                [c.call_id, ch.index, ch.completion_ids, ch.logprobs, ch.finish_reason, ch.text, None, None],
+            )
+    wall = time.perf_counter() - t0
+    store.close()
+    return {"calls_per_s": len(calls) / wall}
+
+
+def write_docs(text: str) -> None:
+    section = f"{START}\n{text}\n{END}"
+    current = DOCS.read_text() if DOCS.exists() else "# Benchmarks\n\nNumbers written by the scripts in bench/.\n"
+    if START in current and END in current:
+        before, rest = current.split(START, 1)
+        updated = before + section + rest.split(END, 1)[1]
+    else:
+        updated = current.rstrip("\n") + "\n\n" + section + "\n"
+    DOCS.parent.mkdir(parents=True, exist_ok=True)
+    DOCS.write_text(updated)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--n", type=int, default=20_000, help="calls through the recorder")
+    parser.add_argument("--baseline-n", type=int, default=300, help="calls through per-row INSERT")
+    parser.add_argument("--no-docs", action="store_true", help="print only; leave docs/BENCHMARKS.md alone")
+    args = parser.parse_args()
+
+    print(f"building {args.n} calls ...", flush=True)
+    calls = make_calls(args.n)
+    with tempfile.TemporaryDirectory() as tmp:
+        baseline = bench_per_row_insert(calls[: args.baseline_n], Path(tmp) / "baseline.duckdb")
+        recorder = bench_recorder(calls, Path(tmp) / "recorder.duckdb")
+    ratio = recorder["calls_per_s"] / baseline["calls_per_s"]
+    machine = (
+        f"{os.cpu_count()} CPUs, Python {platform.python_version()}, DuckDB {duckdb.__version__}, "
+        f"{platform.machine()}"
+    )
+    lines = [
+        "## recorder_ingest",
+        "",
+        f"`python bench/recorder_ingest.py --n {args.n} --baseline-n {args.baseline_n}` on {date.today()}, "
+        f"{machine}.",
+        f"Calls of {PROMPT_TOKENS} prompt tokens (~8 kB JSON request) and {COMPLETION_TOKENS} completion tokens "
+        "with logprobs. Goal: >= 5,000 calls/s.",
+        "",
+        "| path | calls | calls/s |",
+        "| --- | ---: | ---: |",
+        f"| Recorder (record_call, then close: all committed) | {args.n} | {recorder['calls_per_s']:,.0f} |",
+        f"| per-row INSERT baseline | {args.baseline_n} | {baseline['calls_per_s']:,.0f} |",
+        "",
+        f"- Recorder / per-row INSERT: **{ratio:.1f}x**",
+        f"- record_call on the event loop: {recorder['record_call_us']:.2f} us per call",
+        f"- on disk after CHECKPOINT: {recorder['bytes_per_call'] / 1024:.1f} KiB per call",
+    ]
+    text = "\n".join(lines)
+    print(text)
+    if not args.no_docs:
+        write_docs(text)
+        print(f"updated {DOCS}")
+
+
+if __name__ == "__main__":
+    main()

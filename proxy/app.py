@@ -1,0 +1,269 @@
+"""The proxy as an aiohttp application: routes, episode attribution, and the admin surface.
+
+    agent -> /v1/chat/completions -> capture.prepare -> capture.forward -> engine
+                                                      \\-> Recorder -> DuckDB
+
+Admin routes (/harness/...) need the admin token: `Authorization: Bearer <admin_token>`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+
+import aiohttp
+import duckdb
+import orjson
+from aiohttp import web
+
+from harness import __version__
+from harness.records import CANCELLED, ERROR, NONE, Call
+from harness.recorder import Recorder
+from harness.store import ReadOnlyError, Store, check_read_only
+from proxy.capture import CHAT, COMPLETIONS, Capture, forward, prepare
+from proxy.config import ProxyConfig
+from proxy.episodes import Episodes
+from proxy.errors import ApiError, error_middleware, json_response
+
+log = logging.getLogger("harness.proxy")
+
+
+@dataclass
+class RunState:
+    run_id: str
+    served_model: str | None
+    weight_version: int = 0  # set by the trainer after each weight sync
+
+
+CONFIG = web.AppKey("config", ProxyConfig)
+STATE = web.AppKey("state", RunState)
+STORE = web.AppKey("store", Store)
+RECORDER = web.AppKey("recorder", Recorder)
+EPISODES = web.AppKey("episodes", Episodes)
+SESSION = web.AppKey("session", aiohttp.ClientSession)
+
+
+def create_app(config: ProxyConfig) -> web.Application:
+    app = web.Application(client_max_size=config.max_body_bytes, middlewares=[error_middleware])
+    app[CONFIG] = config
+    app[STATE] = RunState(run_id=uuid.uuid4().hex[:16], served_model=config.served_model)
+    app.cleanup_ctx.append(_resources)
+    for prefix in ("/v1", "/e/{episode}/v1"):
+        app.router.add_post(prefix + "/chat/completions", chat_completions)
+        app.router.add_post(prefix + "/completions", completions)
+        app.router.add_get(prefix + "/models", models)
+    app.router.add_get("/health", health)
+    app.router.add_post("/harness/sql", sql)
+    app.router.add_post("/harness/episodes", open_episode)
+    app.router.add_post("/harness/weights", set_weight_version)
+    app.router.add_get("/harness/status", status)
+    return app
+
+
+def public_config(config: ProxyConfig) -> dict:
+    """The config as stored with the run: never a token."""
+    out = dataclasses.asdict(config)
+    for secret in ("auth_token", "admin_token"):
+        out.pop(secret, None)
+    return orjson.loads(orjson.dumps(out, default=str))
+
+
+async def _resources(app: web.Application):
+    config, state = app[CONFIG], app[STATE]
+    store = Store.open(config.db_path)
+    store.start_run(state.run_id, public_config(config), __version__)
+    recorder = Recorder(store, max_batch=config.record_batch, max_delay_s=config.record_delay_s)
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=config.connect_timeout_s, sock_read=config.read_timeout_s)
+    session = aiohttp.ClientSession(
+        timeout=timeout, connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300), auto_decompress=False,
+        skip_auto_headers=("User-Agent",),
+    )
+
+    async def next_index(episode_id: str) -> int:
+        return await asyncio.to_thread(store.next_call_index, episode_id)
+
+    app[STORE], app[RECORDER], app[SESSION] = store, recorder, session
+    app[EPISODES] = Episodes(
+        state.run_id, auto_open=config.auto_episodes, next_index_from_store=next_index,
+        on_new=recorder.record_episode,
+    )
+    if state.served_model is None:
+        state.served_model = await _discover_model(session, config)
+    try:
+        yield
+    finally:
+        await session.close()
+        recorder.close()
+        store.end_run(state.run_id)
+        store.close()
+
+
+async def _discover_model(session: aiohttp.ClientSession, config: ProxyConfig) -> str | None:
+    url = config.upstream_base + "/v1/models"
+    try:
+        async with session.get(url, timeout=aiohttp.ClientTimeout(total=5)) as resp:
+            data = await resp.json()
+        return data["data"][0]["id"]
+    except Exception as exc:  # the engine may come up later; calls then keep the model name they asked for
+        log.warning("could not ask %s which model it serves (%s); requests keep the model name they send", url, exc)
+        return None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The OpenAI surface.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _api_key(request: web.Request) -> str | None:
+    auth = request.headers.get("Authorization", "")
+    if auth[:7].lower() == "bearer ":
+        return auth[7:].strip() or None
+    return request.headers.get("api-key") or None
+
+
+def _check_agent_auth(request: web.Request, api_key: str | None) -> None:
+    token = request.app[CONFIG].auth_token
+    if token and api_key != token and not request.app[EPISODES].is_token(api_key):
+        raise ApiError(401, "missing or wrong api key: this proxy requires its auth token or an episode token",
+                       code="invalid_api_key")
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _llm_call(request, CHAT)
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _llm_call(request, COMPLETIONS)
+
+
+async def _llm_call(request: web.Request, endpoint: str) -> web.StreamResponse:
+    app = request.app
+    config, state, episodes = app[CONFIG], app[STATE], app[EPISODES]
+    api_key = _api_key(request)
+    _check_agent_auth(request, api_key)
+    episode_id = await episodes.resolve(request.match_info.get("episode"), api_key)
+    raw = await request.read()
+    try:
+        prepared = prepare(endpoint, raw, config, state.served_model)
+    except ApiError as exc:
+        app[RECORDER].record_call(_rejected_call(state, episodes, episode_id, endpoint, exc))
+        raise
+    cap = Capture(prepared, run_id=state.run_id, episode_id=episode_id,
+                  call_index=episodes.next_index(episode_id), weight_version=state.weight_version)
+    url = f"{config.upstream_base}/v1/{'chat/completions' if endpoint == CHAT else 'completions'}"
+    try:
+        return await forward(request, app[SESSION], url, cap)
+    except asyncio.CancelledError:
+        cap.fail(CANCELLED, 0, "the agent disconnected before the answer was complete")
+        raise
+    finally:
+        app[RECORDER].record_call(cap.to_call())
+
+
+def _rejected_call(state: RunState, episodes: Episodes, episode_id: str, endpoint: str, exc: ApiError) -> Call:
+    """A request the proxy refused: recorded (without its body, which may not even be JSON) so nothing vanishes."""
+    return Call(
+        call_id=uuid.uuid4().hex, run_id=state.run_id, episode_id=episode_id,
+        call_index=episodes.next_index(episode_id), endpoint=endpoint, stream=False, requested_model=None,
+        served_model=None, role_key="", system_hash=None, tools_hash=None, request=b"null", response=None,
+        prompt_ids=None, choices=[], token_source=NONE, status=ERROR, http_status=exc.status,
+        error=exc.message, started_at=time.time(), latency_ms=0.0, ttft_ms=None,
+        weight_version=state.weight_version,
+    )
+
+
+async def models(request: web.Request) -> web.Response:
+    config = request.app[CONFIG]
+    _check_agent_auth(request, _api_key(request))
+    url = config.upstream_base + "/v1/models"
+    try:
+        async with request.app[SESSION].get(url) as resp:
+            return web.Response(body=await resp.read(), status=resp.status, content_type="application/json")
+    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        raise ApiError(502, f"the engine at {url} is unreachable: {exc}", code="upstream_unavailable") from None
+
+
+async def health(request: web.Request) -> web.Response:
+    state, recorder = request.app[STATE], request.app[RECORDER]
+    return json_response({"status": "ok", "run_id": state.run_id, "served_model": state.served_model,
+                          "pending_records": recorder.pending})
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Admin surface: SQL, episodes, weight version.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _check_admin(request: web.Request) -> None:
+    if _api_key(request) != request.app[CONFIG].admin_token:
+        raise ApiError(401, "admin routes need the admin token (Authorization: Bearer <admin_token>); "
+                       "`harness sql` finds it in the run's proxy.json", code="invalid_admin_token")
+
+
+async def _json_body(request: web.Request) -> dict:
+    try:
+        body = orjson.loads(await request.read())
+    except orjson.JSONDecodeError as exc:
+        raise ApiError(400, f"request body is not valid JSON: {exc}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, f"request body must be a JSON object, got {type(body).__name__}", code="invalid_json")
+    return body
+
+
+async def sql(request: web.Request) -> web.Response:
+    """Read-only SQL over the live store; everything recorded so far is flushed first."""
+    _check_admin(request)
+    body = await _json_body(request)
+    query, max_rows = body.get("sql"), body.get("max_rows")
+    if not isinstance(query, str):
+        raise ApiError(400, f"'sql' must be a string, got {type(query).__name__}", param="sql")
+    if max_rows is not None and (not isinstance(max_rows, int) or max_rows < 0):
+        raise ApiError(400, f"'max_rows' must be a non-negative integer, got {max_rows!r}", param="max_rows")
+    try:
+        check_read_only(query)
+    except ReadOnlyError as exc:
+        raise ApiError(403, str(exc), code="read_only") from None
+    except (ValueError, duckdb.Error) as exc:
+        raise ApiError(400, f"SQL error: {exc}", code="sql_error") from None
+    await asyncio.to_thread(request.app[RECORDER].flush)
+    try:
+        result = await asyncio.to_thread(request.app[STORE].query, query, max_rows=max_rows)
+    except duckdb.Error as exc:
+        raise ApiError(400, f"SQL error: {exc}", code="sql_error") from None
+    payload = {"columns": result.columns, "types": result.types, "rows": result.rows, "truncated": result.truncated}
+    return web.Response(body=orjson.dumps(payload, default=str, option=orjson.OPT_SERIALIZE_NUMPY),
+                        content_type="application/json")
+
+
+async def open_episode(request: web.Request) -> web.Response:
+    _check_admin(request)
+    body = await _json_body(request)
+    episode_id, meta = body.get("episode_id"), body.get("meta") or {}
+    if episode_id is not None and not isinstance(episode_id, str):
+        raise ApiError(400, f"'episode_id' must be a string, got {type(episode_id).__name__}", param="episode_id")
+    if not isinstance(meta, dict):
+        raise ApiError(400, f"'meta' must be an object, got {type(meta).__name__}", param="meta")
+    return json_response(await request.app[EPISODES].open(episode_id, meta=meta))
+
+
+async def set_weight_version(request: web.Request) -> web.Response:
+    _check_admin(request)
+    version = (await _json_body(request)).get("version")
+    if not isinstance(version, int) or isinstance(version, bool) or version < 0:
+        raise ApiError(400, f"'version' must be a non-negative integer, got {version!r}", param="version")
+    request.app[STATE].weight_version = version
+    return json_response({"weight_version": version})
+
+
+async def status(request: web.Request) -> web.Response:
+    _check_admin(request)
+    state, recorder = request.app[STATE], request.app[RECORDER]
+    return json_response({
+        "run_id": state.run_id, "served_model": state.served_model, "weight_version": state.weight_version,
+        "calls_written": recorder.calls_written, "calls_spilled": recorder.calls_spilled,
+        "pending_records": recorder.pending, "last_error": recorder.last_error and str(recorder.last_error),
+    })

@@ -1,0 +1,542 @@
+"""The path of one call: check and translate the agent's request, forward it to the engine, hand the answer back
+(a stream chunk by chunk, as it arrives), and collect what the recorder needs on the side.
+
+What changes on the way to the engine: `return_token_ids` and `logprobs` are added, the model name becomes the
+served policy's, training-time sampling overrides apply. What changes on the way back: exactly those additions
+are removed again and the model name is the one the agent asked for, so the agent sees the shape it asked for.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import aiohttp
+import orjson
+from aiohttp import web
+
+from harness.records import CANCELLED, ENGINE, ERROR, NONE, OK, Call, Choice
+from proxy.config import ProxyConfig
+from proxy.errors import ApiError, error_body
+
+CHAT = "chat"
+COMPLETIONS = "completions"
+_SECRET_KEYS = {"api_key", "apikey", "api-key", "authorization", "openai_api_key", "access_token", "password"}
+_SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "Connection": "keep-alive"}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The request: validate what we touch, translate, fingerprint the role.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Prepared:
+    """An agent request checked and translated for the engine."""
+
+    endpoint: str
+    upstream_body: bytes
+    stream: bool
+    requested_model: str | None
+    asked_logprobs: bool  # the agent asked for logprobs itself: keep them in its answer
+    asked_token_ids: bool  # the agent asked for token ids itself: keep them in its answer
+    record_request: bytes  # the request as stored (secrets removed)
+    system_hash: str | None
+    tools_hash: str | None
+    role_key: str
+    overrides: dict  # sampling values replaced by config: {key: agent's value}
+
+
+def _digest(data: bytes) -> str:
+    return hashlib.blake2b(data, digest_size=8).hexdigest()
+
+
+def _check_type(body: dict, key: str, types: tuple, what: str) -> None:
+    value = body.get(key)
+    if value is None:
+        return
+    if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+        raise ApiError(400, f"'{key}' must be {what}, got {type(value).__name__} {_short(value)}", param=key)
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _validate(endpoint: str, body: dict) -> None:
+    _check_type(body, "model", (str,), "a string")
+    _check_type(body, "stream", (bool,), "a boolean")
+    _check_type(body, "n", (int,), "an integer")
+    _check_type(body, "max_tokens", (int,), "an integer")
+    _check_type(body, "max_completion_tokens", (int,), "an integer")
+    _check_type(body, "temperature", (int, float), "a number")
+    _check_type(body, "top_p", (int, float), "a number")
+    _check_type(body, "stream_options", (dict,), "an object")
+    if body.get("n") is not None and body["n"] < 1:
+        raise ApiError(400, f"'n' must be at least 1, got {body['n']}", param="n")
+    if endpoint == CHAT:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise ApiError(400, "'messages' must be a non-empty list of message objects", param="messages")
+        for i, message in enumerate(messages):
+            if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+                raise ApiError(
+                    400, f"messages[{i}] must be an object with a string 'role', got {_short(message)}",
+                    param=f"messages[{i}]",
+                )
+        _check_type(body, "tools", (list,), "a list of tool objects")
+        _check_type(body, "logprobs", (bool,), "a boolean")
+    else:
+        prompt = body.get("prompt")
+        single = isinstance(prompt, str) or (
+            isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt)
+        )
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            single = True
+        if not single:
+            raise ApiError(
+                400, f"'prompt' must be one string or one list of token ids, got {_short(prompt)}; "
+                "the recording proxy takes one prompt per request", param="prompt",
+            )
+        _check_type(body, "logprobs", (int,), "an integer")
+
+
+def _fingerprint(endpoint: str, body: dict) -> tuple[str | None, str | None, str]:
+    system_hash = tools_hash = None
+    if endpoint == CHAT:
+        for message in body["messages"]:
+            if message.get("role") in ("system", "developer"):
+                system_hash = _digest(orjson.dumps(message.get("content"), option=orjson.OPT_SORT_KEYS))
+                break
+        if body.get("tools"):
+            tools_hash = _digest(orjson.dumps(body["tools"], option=orjson.OPT_SORT_KEYS))
+    model = body.get("model") or ""
+    role_key = _digest(f"{model}\0{system_hash or ''}\0{tools_hash or ''}".encode())
+    return system_hash, tools_hash, role_key
+
+
+def prepare(endpoint: str, raw: bytes, config: ProxyConfig, served_model: str | None) -> Prepared:
+    """Parse, check and translate one agent request; raises ApiError(400) naming what is wrong."""
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise ApiError(400, f"request body is not valid JSON: {exc}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, f"request body must be a JSON object, got {type(body).__name__}", code="invalid_json")
+    _validate(endpoint, body)
+
+    secrets_found = [k for k in body if k.lower() in _SECRET_KEYS]
+    record_request = raw
+    if secrets_found:
+        for key in secrets_found:
+            del body[key]
+        record_request = orjson.dumps(body)
+
+    system_hash, tools_hash, role_key = _fingerprint(endpoint, body)
+    requested_model = body.get("model")
+    stream = bool(body.get("stream"))
+    asked_token_ids = bool(body.get("return_token_ids"))
+    if endpoint == CHAT:
+        asked_logprobs = bool(body.get("logprobs"))
+        body["logprobs"] = True
+    else:
+        asked_logprobs = body.get("logprobs") is not None
+        if body.get("logprobs") is None:
+            body["logprobs"] = 0
+    if config.returns_token_ids:
+        body["return_token_ids"] = True
+    if served_model:
+        body["model"] = served_model
+    overrides = _apply_overrides(body, config)
+    return Prepared(
+        endpoint=endpoint,
+        upstream_body=orjson.dumps(body),
+        stream=stream,
+        requested_model=requested_model,
+        asked_logprobs=asked_logprobs,
+        asked_token_ids=asked_token_ids,
+        record_request=record_request,
+        system_hash=system_hash,
+        tools_hash=tools_hash,
+        role_key=role_key,
+        overrides=overrides,
+    )
+
+
+def _apply_overrides(body: dict, config: ProxyConfig) -> dict:
+    sampling = config.sampling
+    if not sampling.active:
+        return {}
+    replaced = {}
+    for key, value in (("temperature", sampling.temperature), ("top_p", sampling.top_p)):
+        if value is not None:
+            replaced[key] = body.get(key)
+            body[key] = value
+    if sampling.max_tokens_cap is not None:
+        for key in ("max_tokens", "max_completion_tokens"):
+            asked = body.get(key)
+            if asked is None or asked > sampling.max_tokens_cap:
+                replaced[key] = asked
+                body[key] = sampling.max_tokens_cap
+        if "max_completion_tokens" in replaced and replaced["max_completion_tokens"] is None:
+            del body["max_completion_tokens"]  # send one cap, not two
+            del replaced["max_completion_tokens"]
+    return replaced
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The answer: collect ids, logprobs and text per choice while passing everything through.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _take(obj: dict, key: str, keep: bool):
+    """Read a field the proxy asked for; unless the agent asked too, leave it as vLLM sends it unasked (null)."""
+    value = obj.get(key)
+    if value is not None and not keep:
+        obj[key] = None
+    return value
+
+
+@dataclass
+class _ChoiceAcc:
+    index: int
+    ids: list[int] | None = None
+    logprobs: list[float] | None = None
+    finish_reason: str | None = None
+    text: list[str] = field(default_factory=list)
+    reasoning: list[str] = field(default_factory=list)
+    tool_calls: dict[int, dict] = field(default_factory=dict)
+
+    def add_ids(self, ids) -> None:
+        if ids is None:
+            return
+        if self.ids is None:
+            self.ids = []
+        self.ids.extend(ids)
+
+    def add_logprobs(self, endpoint: str, lp) -> None:
+        if not lp:
+            return
+        values = [e["logprob"] for e in lp.get("content") or ()] if endpoint == CHAT else lp.get("token_logprobs")
+        if values is None:
+            return
+        if self.logprobs is None:
+            self.logprobs = []
+        self.logprobs.extend(values)
+
+    def add_tool_call_delta(self, delta: dict) -> None:
+        slot = self.tool_calls.setdefault(delta.get("index", len(self.tool_calls)), {"function": {"arguments": ""}})
+        for key in ("id", "type"):
+            if delta.get(key):
+                slot[key] = delta[key]
+        fn = delta.get("function") or {}
+        if fn.get("name"):
+            slot["function"]["name"] = fn["name"]
+        if fn.get("arguments"):
+            slot["function"]["arguments"] += fn["arguments"]
+
+    def to_choice(self) -> Choice:
+        calls = [self.tool_calls[k] for k in sorted(self.tool_calls)] or None
+        return Choice(
+            index=self.index,
+            completion_ids=self.ids,
+            logprobs=self.logprobs,
+            finish_reason=self.finish_reason,
+            text="".join(self.text) if self.text else None,
+            tool_calls=calls,
+            reasoning="".join(self.reasoning) if self.reasoning else None,
+        )
+
+
+class Capture:
+    """Everything the recorder needs about one call, filled in as the call goes."""
+
+    def __init__(self, prepared: Prepared, *, run_id: str, episode_id: str, call_index: int, weight_version: int):
+        self.p = prepared
+        self.run_id = run_id
+        self.episode_id = episode_id
+        self.call_index = call_index
+        self.weight_version = weight_version
+        self.started_at = time.time()
+        self.t0 = time.perf_counter()
+        self.ttft_ms: float | None = None
+        self.served_model: str | None = None
+        self.prompt_ids: list[int] | None = None
+        self.choices: dict[int, _ChoiceAcc] = {}
+        self.usage: dict | None = None
+        self.response: bytes | None = None
+        self.first_chunk: dict | None = None  # id and created of a stream's first chunk
+        self.status = OK
+        self.http_status = 200
+        self.error: str | None = None
+
+    def _acc(self, index: int) -> _ChoiceAcc:
+        acc = self.choices.get(index)
+        if acc is None:
+            acc = self.choices[index] = _ChoiceAcc(index)
+        return acc
+
+    def fail(self, status: str, http_status: int, error: str) -> None:
+        self.status, self.http_status, self.error = status, http_status, error
+
+    # The engine's answer in one piece.
+    def take_response(self, obj: dict) -> dict:
+        """Collect ids, logprobs and text from a complete answer; strip what the agent did not ask for."""
+        p = self.p
+        self.served_model = obj.get("model")
+        self.usage = obj.get("usage")
+        keep = p.asked_token_ids
+        prompt_ids = _take(obj, "prompt_token_ids", keep)
+        for choice in obj.get("choices") or ():
+            acc = self._acc(choice.get("index", 0))
+            acc.add_ids(_take(choice, "token_ids", keep))
+            if p.endpoint == COMPLETIONS:
+                prompt_ids = prompt_ids or _take(choice, "prompt_token_ids", keep)
+                acc.text.append(choice.get("text") or "")
+            else:
+                message = choice.get("message") or {}
+                if message.get("content") is not None:
+                    acc.text.append(message["content"])
+                reasoning = message.get("reasoning_content") or message.get("reasoning")
+                if reasoning:
+                    acc.reasoning.append(reasoning)
+                for i, call in enumerate(message.get("tool_calls") or ()):
+                    acc.tool_calls[i] = call
+            acc.add_logprobs(p.endpoint, choice.get("logprobs"))
+            if not p.asked_logprobs:
+                choice["logprobs"] = None
+            acc.finish_reason = choice.get("finish_reason")
+        self.prompt_ids = prompt_ids
+        if p.requested_model is not None:
+            obj["model"] = p.requested_model
+        return obj
+
+    # The engine's answer as a stream, one chunk at a time.
+    def take_chunk(self, chunk: dict) -> dict | None:
+        """Collect from one stream chunk; returns the chunk for the agent, or None if the agent gets nothing."""
+        p = self.p
+        keep = p.asked_token_ids
+        ids = _take(chunk, "prompt_token_ids", keep)
+        if ids is not None:
+            self.prompt_ids = ids
+        if self.served_model is None:
+            self.served_model = chunk.get("model")
+        if chunk.get("usage"):
+            self.usage = chunk["usage"]
+        choices = chunk.get("choices") or ()
+        for choice in choices:
+            acc = self._acc(choice.get("index", 0))
+            acc.add_ids(_take(choice, "token_ids", keep))
+            if p.endpoint == COMPLETIONS:
+                cp = _take(choice, "prompt_token_ids", keep)
+                if cp is not None and self.prompt_ids is None:
+                    self.prompt_ids = cp
+                if choice.get("text"):
+                    acc.text.append(choice["text"])
+            else:
+                delta = choice.get("delta") or {}
+                if delta.get("content"):
+                    acc.text.append(delta["content"])
+                reasoning = delta.get("reasoning_content") or delta.get("reasoning")
+                if reasoning:
+                    acc.reasoning.append(reasoning)
+                for tc in delta.get("tool_calls") or ():
+                    acc.add_tool_call_delta(tc)
+            if "logprobs" in choice:
+                acc.add_logprobs(p.endpoint, choice["logprobs"])
+                if not p.asked_logprobs:
+                    choice["logprobs"] = None
+            if choice.get("finish_reason") is not None:
+                acc.finish_reason = choice["finish_reason"]
+        if choices and p.endpoint == CHAT and not (keep or p.asked_logprobs):
+            # vLLM sends a chat chunk with no text (a special token, half a character) only because we asked for
+            # ids and logprobs; unasked, it would have skipped it, so the agent does not see it either.
+            chunk["choices"] = choices = [c for c in choices if c.get("delta") or c.get("finish_reason") is not None]
+            if not choices and not chunk.get("usage"):
+                return None
+        if p.requested_model is not None and "model" in chunk:
+            chunk["model"] = p.requested_model
+        return chunk
+
+    def assembled_response(self) -> bytes:
+        """A stream, assembled into the one completion object a non-streamed call would have returned."""
+        choices = []
+        for acc in sorted(self.choices.values(), key=lambda a: a.index):
+            c = acc.to_choice()
+            if self.p.endpoint == CHAT:
+                message = {"role": "assistant", "content": c.text}
+                if c.tool_calls:
+                    message["tool_calls"] = c.tool_calls
+                if c.reasoning:
+                    message["reasoning_content"] = c.reasoning
+                choices.append({"index": c.index, "message": message, "finish_reason": c.finish_reason})
+            else:
+                choices.append({"index": c.index, "text": c.text or "", "finish_reason": c.finish_reason})
+        head = self.first_chunk or {}
+        obj = {
+            "id": head.get("id"),
+            "object": "chat.completion" if self.p.endpoint == CHAT else "text_completion",
+            "created": head.get("created"),
+            "model": self.p.requested_model or self.served_model,
+            "choices": choices,
+        }
+        if self.usage:
+            obj["usage"] = self.usage
+        return orjson.dumps(obj)
+
+    def to_call(self) -> Call:
+        choices = [acc.to_choice() for acc in sorted(self.choices.values(), key=lambda a: a.index)]
+        have_ids = self.prompt_ids is not None
+        completion_tokens = sum(len(c.completion_ids) for c in choices if c.completion_ids) if have_ids else None
+        if self.usage:
+            prompt_tokens = self.usage.get("prompt_tokens")
+            completion_tokens = self.usage.get("completion_tokens", completion_tokens)
+        else:
+            prompt_tokens = len(self.prompt_ids) if have_ids else None
+        extra = {"sampling_overrides": self.p.overrides} if self.p.overrides else {}
+        return Call(
+            call_id=uuid.uuid4().hex,
+            run_id=self.run_id,
+            episode_id=self.episode_id,
+            call_index=self.call_index,
+            endpoint=self.p.endpoint,
+            stream=self.p.stream,
+            requested_model=self.p.requested_model,
+            served_model=self.served_model,
+            role_key=self.p.role_key,
+            system_hash=self.p.system_hash,
+            tools_hash=self.p.tools_hash,
+            request=self.p.record_request,
+            response=self.response,
+            prompt_ids=self.prompt_ids,
+            choices=choices,
+            token_source=ENGINE if have_ids else NONE,
+            status=self.status,
+            http_status=self.http_status,
+            error=self.error,
+            started_at=self.started_at,
+            latency_ms=(time.perf_counter() - self.t0) * 1000.0,
+            ttft_ms=self.ttft_ms,
+            weight_version=self.weight_version,
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            extra=extra,
+        )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Forwarding: one JSON answer, or a stream passed through chunk by chunk.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _upstream_error(exc: BaseException, url: str) -> ApiError:
+    if isinstance(exc, asyncio.TimeoutError):
+        return ApiError(504, f"the engine at {url} did not answer in time", code="upstream_timeout")
+    return ApiError(502, f"the engine at {url} is unreachable: {exc}", code="upstream_unavailable")
+
+
+def _passthrough_status(status: int) -> int:
+    """Engine 4xx pass through as they are; any engine 5xx is upstream trouble (502/503/504), never our 500."""
+    if status < 500:
+        return status
+    return status if status in (502, 503, 504) else 502
+
+
+def _error_message(raw: bytes) -> str:
+    try:
+        obj = orjson.loads(raw)
+        err = obj.get("error") if isinstance(obj, dict) else None
+        if isinstance(err, dict):
+            return str(err.get("message"))
+        if isinstance(obj, dict) and "message" in obj:
+            return str(obj["message"])
+    except orjson.JSONDecodeError:
+        pass
+    return raw[:500].decode("utf-8", "replace")
+
+
+async def forward(
+    request: web.Request, session: aiohttp.ClientSession, url: str, cap: Capture
+) -> web.StreamResponse:
+    """Send the prepared request to the engine and answer the agent; `cap` records what happened."""
+    headers = {"Content-Type": "application/json"}
+    try:
+        async with session.post(url, data=cap.p.upstream_body, headers=headers) as upstream:
+            if upstream.status != 200:
+                raw = await upstream.read()
+                status = _passthrough_status(upstream.status)
+                cap.fail(ERROR, status, f"engine answered {upstream.status}: {_error_message(raw)}")
+                if status != upstream.status:
+                    raw = orjson.dumps(error_body(status, cap.error, code="upstream_error"))
+                cap.response = raw
+                return web.Response(body=raw, status=status, content_type="application/json")
+            if cap.p.stream:
+                return await _forward_stream(request, upstream, cap)
+            raw = await upstream.read()
+    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        err = _upstream_error(exc, url)
+        cap.fail(ERROR, err.status, err.message)
+        return err.response()
+    obj = cap.take_response(orjson.loads(raw))
+    cap.response = orjson.dumps(obj)
+    return web.Response(body=cap.response, status=200, content_type="application/json")
+
+
+def _split_events(buf: bytearray) -> list[bytes]:
+    """Cut complete SSE events (terminated by a blank line) off the front of `buf`."""
+    events = []
+    while True:
+        end = buf.find(b"\n\n")
+        if end < 0:
+            break
+        events.append(bytes(buf[:end]))
+        del buf[: end + 2]
+    return events
+
+
+async def _forward_stream(request: web.Request, upstream: aiohttp.ClientResponse, cap: Capture) -> web.StreamResponse:
+    resp = web.StreamResponse(status=200, headers=_SSE_HEADERS)
+    await resp.prepare(request)
+    buf = bytearray()
+    try:
+        try:
+            async for data in upstream.content.iter_any():
+                buf += data.replace(b"\r\n", b"\n") if b"\r" in data else data
+                out = []
+                for event in _split_events(buf):
+                    out.append(_translate_event(event, cap))
+                payload = b"".join(out)
+                if payload:
+                    await resp.write(payload)
+                    if cap.ttft_ms is None and cap.choices:
+                        cap.ttft_ms = (time.perf_counter() - cap.t0) * 1000.0
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            err = _upstream_error(exc, str(upstream.url))
+            cap.fail(ERROR, 200, f"stream broke off: {err.message}")
+            await resp.write(b"data: " + orjson.dumps(err.body()) + b"\n\n")
+        await resp.write_eof()
+    except (ConnectionResetError, aiohttp.ClientConnectionResetError) as exc:
+        cap.fail(CANCELLED, 0, f"the agent disconnected mid-stream: {exc}")
+    cap.response = cap.assembled_response()
+    return resp
+
+
+def _translate_event(event: bytes, cap: Capture) -> bytes:
+    if not event.startswith(b"data: "):
+        return event + b"\n\n"
+    payload = event[6:]
+    if payload == b"[DONE]":
+        return event + b"\n\n"
+    chunk = orjson.loads(payload)
+    if cap.first_chunk is None:
+        cap.first_chunk = {"id": chunk.get("id"), "created": chunk.get("created")}
+    if "error" in chunk:
+        err = chunk["error"]
+        cap.fail(ERROR, 200, f"engine error mid-stream: {err.get('message') if isinstance(err, dict) else err}")
+        return event + b"\n\n"
+    chunk = cap.take_chunk(chunk)
+    return b"data: " + orjson.dumps(chunk) + b"\n\n" if chunk is not None else b""

@@ -1,0 +1,74 @@
+"""Proxy configuration: one typed section, each key with its default and what it is for."""
+
+from __future__ import annotations
+
+import ipaddress
+import secrets
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class SamplingOverrides:
+    """Training-time sampling that replaces what the agent asked for (None: keep the agent's value)."""
+
+    temperature: float | None = None  # e.g. 1.0 so the policy explores during RL
+    top_p: float | None = None
+    max_tokens_cap: int | None = None  # upper bound on max_tokens / max_completion_tokens
+
+    def __post_init__(self):
+        if self.temperature is not None and not 0 <= self.temperature <= 10:
+            raise ValueError(f"sampling temperature {self.temperature!r} is out of range: use 0..10")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            raise ValueError(f"sampling top_p {self.top_p!r} is out of range: use a value in (0, 1]")
+        if self.max_tokens_cap is not None and self.max_tokens_cap < 1:
+            raise ValueError(f"sampling max_tokens_cap {self.max_tokens_cap!r} must be a positive integer")
+
+    @property
+    def active(self) -> bool:
+        return any(v is not None for v in (self.temperature, self.top_p, self.max_tokens_cap))
+
+
+@dataclass(frozen=True)
+class ProxyConfig:
+    upstream_url: str  # the engine's base URL, e.g. http://127.0.0.1:8000 (with or without /v1)
+    db_path: Path = Path("runs/harness.duckdb")  # the DuckDB file the proxy writes (single writer)
+    served_model: str | None = None  # the engine's model name; None: asked from the engine at start
+    returns_token_ids: bool = True  # ask the engine for token ids (vLLM); False records text only
+    host: str = "127.0.0.1"  # bind address; anything but loopback requires auth_token
+    port: int = 8400  # 0 picks a free port
+    auth_token: str | None = None  # when set, every /v1 call must carry it (or an episode token) as api key
+    admin_token: str = field(default_factory=lambda: "hx-admin-" + secrets.token_urlsafe(24))  # for /harness/*
+    auto_episodes: bool = True  # /e/<episode>/v1 with an unseen episode id opens it; False: 404 unknown episode
+    max_body_bytes: int = 32 * 1024 * 1024  # larger request bodies get a 413
+    connect_timeout_s: float = 10.0  # connecting to the engine
+    read_timeout_s: float = 600.0  # longest wait for the next byte from the engine
+    sampling: SamplingOverrides = field(default_factory=SamplingOverrides)
+    record_batch: int = 256  # the recorder flushes after this many calls...
+    record_delay_s: float = 0.2  # ...or this long after the oldest unflushed call
+
+    def __post_init__(self):
+        if not self.upstream_url.startswith(("http://", "https://")):
+            raise ValueError(f"upstream_url {self.upstream_url!r} must start with http:// or https://")
+        if not _is_loopback(self.host) and not self.auth_token:
+            raise ValueError(
+                f"binding to {self.host!r} exposes the proxy beyond this machine: set an auth token "
+                "(--auth-token or HARNESS_AUTH_TOKEN), or bind to 127.0.0.1"
+            )
+        if self.max_body_bytes < 1024:
+            raise ValueError(f"max_body_bytes {self.max_body_bytes!r} is too small: use at least 1024")
+
+    @property
+    def upstream_base(self) -> str:
+        """The engine URL without a trailing /v1 or slash."""
+        url = self.upstream_url.rstrip("/")
+        return url[:-3] if url.endswith("/v1") else url
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

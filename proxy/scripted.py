@@ -1,0 +1,156 @@
+"""A scripted engine: a real HTTP server that answers like vLLM (token ids, logprobs, SSE) with fixed content.
+
+For tests that need exact control of the bytes (timeouts, engine errors, stream timing) and for benchmarks that
+measure the proxy rather than the model. Everything else tests against the real engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+import orjson
+from aiohttp import web
+
+
+@dataclass
+class Script:
+    """What the scripted engine does; change it between requests."""
+
+    prompt_tokens: int = 32  # length of the returned prompt ids
+    completion_tokens: int = 8  # tokens per choice
+    delay_s: float = 0.0  # wait before answering
+    chunk_delay_s: float = 0.0  # wait between stream chunks
+    status: int = 200  # answer with this HTTP status (non-200: an OpenAI-style error)
+    model: str = "scripted-model"
+    break_stream_after: int | None = None  # close the connection after this many chunks
+
+
+class ScriptedEngine:
+    def __init__(self, script: Script | None = None):
+        self.script = script or Script()
+        self.requests: list[dict] = []  # bodies received, newest last
+        self.cancelled = 0  # requests whose client went away before the answer ended
+        self.app = web.Application()
+        self.app.router.add_post("/v1/chat/completions", self._chat)
+        self.app.router.add_post("/v1/completions", self._completions)
+        self.app.router.add_get("/v1/models", self._models)
+        self.app.router.add_get("/health", self._health)
+        self._runner: web.AppRunner | None = None
+        self.url: str | None = None
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
+        self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, host, port)
+        await site.start()
+        self.url = f"http://{host}:{self._runner.addresses[0][1]}"
+        return self.url
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    async def _models(self, request: web.Request) -> web.Response:
+        data = {"object": "list", "data": [{"id": self.script.model, "object": "model", "owned_by": "scripted"}]}
+        return web.json_response(data)
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._answer(request, chat=True)
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._answer(request, chat=False)
+
+    async def _answer(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        body = orjson.loads(await request.read())
+        self.requests.append(body)
+        s = self.script
+        if s.delay_s:
+            await asyncio.sleep(s.delay_s)
+        if s.status != 200:
+            err = {"error": {"message": f"scripted failure {s.status}", "type": "server_error", "code": s.status}}
+            return web.Response(body=orjson.dumps(err), status=s.status, content_type="application/json")
+        n = body.get("n") or 1
+        prompt_ids = list(range(100, 100 + s.prompt_tokens))
+        ids = [1000 + i for i in range(s.completion_tokens)]
+        try:
+            if body.get("stream"):
+                return await self._stream(request, body, chat, n, prompt_ids, ids)
+            return web.Response(body=orjson.dumps(self._full(body, chat, n, prompt_ids, ids)),
+                                content_type="application/json")
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+
+    def _full(self, body: dict, chat: bool, n: int, prompt_ids: list[int], ids: list[int]) -> dict:
+        choices = []
+        for i in range(n):
+            text = "".join(f"w{t} " for t in ids)
+            if chat:
+                lp = {"content": [{"token": f"w{t} ", "logprob": -0.5, "bytes": None, "top_logprobs": []}
+                                  for t in ids]}
+                choice = {"index": i, "message": {"role": "assistant", "content": text, "tool_calls": []},
+                          "logprobs": lp if body.get("logprobs") else None, "finish_reason": "length",
+                          "stop_reason": None, "token_ids": ids}
+            else:
+                lp = {"text_offset": list(range(len(ids))), "token_logprobs": [-0.5] * len(ids),
+                      "tokens": [f"w{t} " for t in ids], "top_logprobs": None}
+                choice = {"index": i, "text": text, "logprobs": lp if body.get("logprobs") is not None else None,
+                          "finish_reason": "length", "stop_reason": None, "prompt_token_ids": prompt_ids,
+                          "token_ids": ids}
+            choices.append(choice)
+        out = {"id": "scripted-1", "object": "chat.completion" if chat else "text_completion",
+               "created": int(time.time()), "model": self.script.model, "choices": choices,
+               "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": n * len(ids),
+                         "total_tokens": len(prompt_ids) + n * len(ids)}}
+        if chat:
+            out["prompt_token_ids"] = prompt_ids
+        return out
+
+    async def _stream(self, request, body, chat, n, prompt_ids, ids) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        s = self.script
+        sent = 0
+        base = {"id": "scripted-1", "object": "chat.completion.chunk" if chat else "text_completion",
+                "created": int(time.time()), "model": s.model}
+        for i in range(n):
+            if chat:
+                first = dict(base, choices=[{"index": i, "delta": {"role": "assistant", "content": ""},
+                                             "logprobs": None, "finish_reason": None, "token_ids": []}])
+                if i == 0:
+                    first["prompt_token_ids"] = prompt_ids
+                await resp.write(b"data: " + orjson.dumps(first) + b"\n\n")
+        for pos, t in enumerate(ids):
+            for i in range(n):
+                last = pos == len(ids) - 1
+                if chat:
+                    lp = {"content": [{"token": f"w{t} ", "logprob": -0.5, "bytes": None, "top_logprobs": []}]}
+                    choice = {"index": i, "delta": {"content": f"w{t} "}, "token_ids": [t],
+                              "logprobs": lp if body.get("logprobs") else None,
+                              "finish_reason": "length" if last else None}
+                else:
+                    lp = {"text_offset": [pos], "token_logprobs": [-0.5], "tokens": [f"w{t} "], "top_logprobs": None}
+                    choice = {"index": i, "text": f"w{t} ", "token_ids": [t],
+                              "logprobs": lp if body.get("logprobs") is not None else None,
+                              "finish_reason": "length" if last else None}
+                    if pos == 0:
+                        choice["prompt_token_ids"] = prompt_ids
+                await resp.write(b"data: " + orjson.dumps(dict(base, choices=[choice])) + b"\n\n")
+                sent += 1
+                if s.break_stream_after is not None and sent >= s.break_stream_after:
+                    request.transport.close()
+                    return resp
+            if s.chunk_delay_s:
+                await asyncio.sleep(s.chunk_delay_s)
+        if (body.get("stream_options") or {}).get("include_usage"):
+            usage = {"prompt_tokens": len(prompt_ids), "completion_tokens": n * len(ids),
+                     "total_tokens": len(prompt_ids) + n * len(ids)}
+            await resp.write(b"data: " + orjson.dumps(dict(base, choices=[], usage=usage)) + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp

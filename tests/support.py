@@ -1,0 +1,71 @@
+"""Test plumbing: run async servers on a loop of their own, so sync clients (the openai SDK) can call them."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from pathlib import Path
+
+import duckdb
+
+from proxy import ProxyConfig, ProxyServer
+from proxy.scripted import Script, ScriptedEngine
+
+
+class BackgroundLoop:
+    """An event loop in a daemon thread; `run(coro)` runs a coroutine there and returns its result."""
+
+    def __init__(self):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def run(self, coro, timeout: float = 60):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def close(self):
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+class ScriptedUpstream:
+    """The scripted engine on its own loop."""
+
+    def __init__(self, script: Script | None = None):
+        self.bg = BackgroundLoop()
+        self.engine = ScriptedEngine(script)
+        self.url = self.bg.run(self.engine.start())
+
+    @property
+    def script(self) -> Script:
+        return self.engine.script
+
+    def close(self):
+        self.bg.run(self.engine.stop())
+        self.bg.close()
+
+
+class RunningProxy:
+    """A proxy on a free port in a background thread, recording into `db_path`."""
+
+    def __init__(self, upstream_url: str, db_path: Path, **overrides):
+        self.config = ProxyConfig(upstream_url=upstream_url, db_path=db_path, port=0, **overrides)
+        self.server = ProxyServer(self.config)
+        self.url = self.server.start_in_thread()
+        self.db_path = db_path
+
+    @property
+    def admin_headers(self) -> dict:
+        return {"Authorization": f"Bearer {self.config.admin_token}"}
+
+    def close(self):
+        self.server.stop_thread()
+
+
+def db_rows(db_path: Path, sql: str, params=None) -> list[tuple]:
+    """Read a closed database file (the proxy must be stopped)."""
+    con = duckdb.connect(str(db_path), read_only=True)
+    try:
+        return con.execute(sql, params or []).fetchall()
+    finally:
+        con.close()

@@ -1,0 +1,133 @@
+"""The tiny model is deterministic per seed and has a Qwen-style tokenizer and chat template."""
+
+from __future__ import annotations
+
+import json
+import unicodedata
+
+import pytest
+
+from harness.tiny_model import SPECIAL_TOKENS, TOOL_TOKENS, build_tiny_model
+
+pytest.importorskip("transformers")
+
+WEATHER_PARAMETERS = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+TOOLS = [
+    {
+        "type": "function",
+        "function": {"name": "get_weather", "description": "Weather in a city", "parameters": WEATHER_PARAMETERS},
+    }
+]
+PARIS_CALL = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+CONVERSATION = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": None, "tool_calls": [PARIS_CALL]},
+    {"role": "tool", "tool_call_id": "c1", "content": '{"temp_c": 21}'},
+    {"role": "assistant", "content": "21 degrees."},
+    {"role": "user", "content": "Thanks!"},
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+def _files(directory) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(directory.iterdir()) if p.is_file()}
+
+
+def test_same_seed_builds_identical_bytes(tiny_model_dir, tmp_path):
+    again = build_tiny_model(tmp_path / "again", seed=0)
+    assert _files(again) == _files(tiny_model_dir)
+    expected = {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"}
+    assert expected <= set(_files(again))
+
+
+def test_different_seeds_give_different_weights_same_tokenizer(tiny_model_dir, tmp_path):
+    other = _files(build_tiny_model(tmp_path / "seed1", seed=1))
+    base = _files(tiny_model_dir)
+    assert other["model.safetensors"] != base["model.safetensors"]
+    assert other["tokenizer.json"] == base["tokenizer.json"]
+
+
+def test_vocab_size_equals_tokenizer_ids_and_embeddings_are_untied(tiny_model_dir, tokenizer):
+    from safetensors import safe_open
+
+    config = json.loads((tiny_model_dir / "config.json").read_text())
+    assert config["vocab_size"] == len(tokenizer)
+    assert 2000 <= len(tokenizer) <= 4000
+    assert config["tie_word_embeddings"] is False
+    with safe_open(str(tiny_model_dir / "model.safetensors"), "pt") as f:
+        shapes = {name: f.get_slice(name).get_shape() for name in f.keys()}
+        assert f.get_slice("lm_head.weight").get_dtype() == "F32"
+    assert shapes["lm_head.weight"] == [len(tokenizer), 128]
+    assert shapes["model.embed_tokens.weight"] == [len(tokenizer), 128]
+
+
+def test_special_and_tool_tokens_are_single_ids(tokenizer):
+    for token in SPECIAL_TOKENS + TOOL_TOKENS:
+        assert len(tokenizer.encode(token)) == 1, token
+    assert tokenizer.eos_token == "<|im_end|>"
+    assert tokenizer.pad_token == "<|endoftext|>"
+    # Tool tokens are not special: they survive skip_special_tokens, where the hermes parser looks for them.
+    ids = tokenizer.encode("<tool_call>{}</tool_call><|im_end|>")
+    assert tokenizer.decode(ids, skip_special_tokens=True) == "<tool_call>{}</tool_call>"
+
+
+def test_generation_config_stops_on_im_end_and_endoftext(tiny_model_dir, tokenizer):
+    generation = json.loads((tiny_model_dir / "generation_config.json").read_text())
+    stops = {tokenizer.convert_tokens_to_ids(token) for token in ("<|im_end|>", "<|endoftext|>")}
+    assert set(generation["eos_token_id"]) == stops
+
+
+def test_chat_template_renders_tools_tool_calls_and_tool_results(tokenizer):
+    text = tokenizer.apply_chat_template(CONVERSATION, tools=TOOLS, tokenize=False)
+    assert text.startswith("<|im_start|>system\nYou are terse.\n\n# Tools")
+    assert '"name": "get_weather"' in text.split("\n</tools>")[0]
+    assert (
+        '<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+        "</tool_call><|im_end|>\n"
+    ) in text
+    assert '<|im_start|>user\n<tool_response>\n{"temp_c": 21}\n</tool_response><|im_end|>\n' in text
+    assert text.endswith("<|im_start|>user\nThanks!<|im_end|>\n")
+    prompt = tokenizer.apply_chat_template(CONVERSATION, tokenize=False, add_generation_prompt=True)
+    assert prompt.endswith("<|im_start|>assistant\n")
+
+
+def test_chat_template_accepts_arguments_as_object(tokenizer):
+    messages = [dict(m) for m in CONVERSATION[:3]]
+    messages[2] = {**messages[2], "tool_calls": [{"function": {"name": "f", "arguments": {"x": [1, 2]}}}]}
+    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    assert '{"name": "f", "arguments": {"x": [1, 2]}}' in text
+
+
+def test_generation_prompt_is_a_prefix_of_the_longer_conversation(tokenizer):
+    """The prompt of call k is a prefix of the prompt of call k+1: merged training relies on it."""
+    full = tokenizer.apply_chat_template(CONVERSATION, tools=TOOLS, tokenize=False)
+    for k, message in enumerate(CONVERSATION[:-1], start=1):
+        if message["role"] in ("user", "tool"):
+            prompt = tokenizer.apply_chat_template(
+                CONVERSATION[:k], tools=TOOLS, tokenize=False, add_generation_prompt=True
+            )
+            assert full.startswith(prompt), k
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "",
+        "Hello, world! 12345 67.89e-3",
+        '{"key": [1, 2, {"nested": null}], "ok": true}\n',
+        "  leading spaces\n\n\ttabs\r\nand CRLF  ",
+        "Grüße, café, naïve, 日本語, Ελληνικά, русский, 🙂🚀 e\u0301",
+        "\x00\x01 control \u200b zero-width \ufeff",
+        "<|im_start|>user\nhi<|im_end|>\n<tool_call>x</tool_call>",
+    ],
+)
+def test_tokenizer_round_trips_text(tokenizer, text):
+    """Byte level: any text comes back as its NFC form (Qwen2 normalizes to NFC, as real Qwen does)."""
+    assert tokenizer.decode(tokenizer.encode(text)) == unicodedata.normalize("NFC", text)
