@@ -18,8 +18,8 @@ from proxy import ProxyConfig, ProxyServer
 
 HERE = Path(__file__).resolve().parent
 SUMMARY = """
-SELECT e.episode_id, count(*) AS calls, sum(c.prompt_tokens) AS prompt_tokens,
-       sum(c.completion_tokens) AS completion_tokens, list(c.status ORDER BY c.call_index) AS statuses,
+SELECT e.episode_id, count(*) AS calls, sum(c.prompt_tokens)::BIGINT AS prompt_tokens,
+       sum(c.completion_tokens)::BIGINT AS completion_tokens, list(c.status ORDER BY c.call_index) AS statuses,
        round(avg(c.latency_ms), 1) AS avg_latency_ms
 FROM episodes e JOIN calls c USING (episode_id)
 GROUP BY e.episode_id ORDER BY e.episode_id
@@ -64,7 +64,8 @@ def main() -> int:
             tasks = [json.loads(line) for line in args.tasks.read_text().splitlines() if line.strip()]
             print(f"[3/4] running examples/simple_agent.py (OpenAI SDK, no harness imports) on {len(tasks)} tasks")
             for task in tasks:
-                env = dict(os.environ, OPENAI_BASE_URL=f"{url}/e/demo-{task['id']}/v1", OPENAI_API_KEY="sk-demo-not-stored")
+                episode_url = f"{url}/e/demo-{task['id']}/v1"
+                env = dict(os.environ, OPENAI_BASE_URL=episode_url, OPENAI_API_KEY="sk-demo-not-stored")
                 out = subprocess.run([sys.executable, str(HERE / "simple_agent.py"), task["prompt"]], env=env,
                                      capture_output=True, text=True, timeout=300)
                 if out.returncode != 0:

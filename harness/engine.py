@@ -27,11 +27,14 @@ import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 __all__ = ["Engine", "EngineError", "attach", "start_vllm"]
 
 _STOP_GRACE_S = 20.0  # SIGTERM, then this long, then SIGKILL
 _LOG_TAIL_LINES = 30
+# Talk to engines directly: HTTP(S)_PROXY in the environment may point at our own recording proxy.
+_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
 class EngineError(RuntimeError):
@@ -189,7 +192,7 @@ def _wait_until_serving(engine: Engine, process: subprocess.Popen, timeout_s: fl
         if time.monotonic() > deadline:
             raise EngineError(_failure(f"vLLM was not serving after {timeout_s:.0f} s", engine))
         try:
-            with urllib.request.urlopen(f"{engine.base_url}/health", timeout=2) as r:
+            with _DIRECT.open(f"{engine.base_url}/health", timeout=2) as r:
                 healthy = r.status == 200
             if healthy:
                 models = _request(f"{engine.base_url}/v1/models", None, 5, None)
@@ -223,7 +226,7 @@ def _kill_group(process: subprocess.Popen, grace_s: float) -> None:
     process.wait()
 
 
-def _request(url: str, body: dict | None, timeout_s: float, api_key: str | None):
+def _request(url: str, body: dict | None, timeout_s: float, api_key: str | None) -> Any:
     """GET (body None) or POST JSON; every failure becomes an EngineError that names the URL."""
     headers = {"Content-Type": "application/json"}
     if api_key:
@@ -232,7 +235,7 @@ def _request(url: str, body: dict | None, timeout_s: float, api_key: str | None)
     method = "GET" if body is None else "POST"
     request = urllib.request.Request(url, data=data, headers=headers, method=method)
     try:
-        with urllib.request.urlopen(request, timeout=timeout_s) as r:
+        with _DIRECT.open(request, timeout=timeout_s) as r:
             raw = r.read()
     except urllib.error.HTTPError as exc:
         raise EngineError(f"{method} {url} answered HTTP {exc.code}: {exc.read()[:300]!r}") from None
@@ -241,4 +244,5 @@ def _request(url: str, body: dict | None, timeout_s: float, api_key: str | None)
     try:
         return json.loads(raw)
     except ValueError:
-        raise EngineError(f"{method} {url} answered non-JSON {raw[:200]!r}: not an OpenAI-compatible server") from None
+        shown = raw[:200]
+        raise EngineError(f"{method} {url} answered non-JSON {shown!r}: not an OpenAI server") from None

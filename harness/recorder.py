@@ -40,11 +40,14 @@ class Recorder:
         *,
         max_batch: int = 256,
         max_delay_s: float = 0.2,
-        max_write: int = ROW_GROUP_SIZE,
+        max_write: int | None = None,
         spill_path: str | Path | None = None,
     ) -> None:
-        if max_batch < 1 or max_write < max_batch:
-            raise ValueError(f"need 1 <= max_batch <= max_write, got {max_batch=} {max_write=}")
+        """max_write defaults to max(max_batch, ROW_GROUP_SIZE): a full row group skips the WAL."""
+        max_write = max_write or max(max_batch, ROW_GROUP_SIZE)
+        if max_batch < 1 or max_write < max_batch or max_delay_s < 0:
+            raise ValueError(f"need 1 <= max_batch <= max_write and max_delay_s >= 0, got {max_batch=} "
+                             f"{max_write=} {max_delay_s=}")  # fmt: skip
         self.store = store
         self.max_batch = max_batch
         self.max_delay_s = max_delay_s
@@ -76,22 +79,36 @@ class Recorder:
 
     def record_call(self, call: Call) -> None:
         with self._lock:
-            self._append(self._calls, call, 1)
-            if len(self._calls) == self.max_batch:
-                self._work.notify()
+            if self._append(self._calls, call, 1):
+                if len(self._calls) == self.max_batch:
+                    self._work.notify()
+                return
+        self._spill_late(call, "call")
 
     def record_episode(self, episode: Episode) -> None:
         with self._lock:
-            self._append(self._episodes, episode, 0)
+            if self._append(self._episodes, episode, 0):
+                return
+        self._spill_late(episode, "episode")
 
-    def _append(self, buffer: list, record: object, kind: int) -> None:
+    def _append(self, buffer: list, record: object, kind: int) -> bool:
         if self._closing:
-            raise RuntimeError(f"recorder for {self.store.path} is closed; cannot record {record!r:.80}")
+            return False
         buffer.append(record)
         self._recorded[kind] += 1
         if self._oldest is None:
             self._oldest = time.monotonic()
             self._work.notify()  # start the writer's max_delay_s clock
+        return True
+
+    def _spill_late(self, record: Call | Episode, kind: str) -> None:
+        """A record that arrives after close() (a shutdown race) is not dropped: it goes to the spill file."""
+        error = RuntimeError(f"recorded after the recorder for {self.store.path} was closed")
+        self._spill(record, kind, error)
+        if kind == "call":
+            self.calls_spilled += 1
+        else:
+            self.episodes_spilled += 1
 
     @property
     def pending(self) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import csv
 import io
+import sys
 import json
 import urllib.error
 import urllib.request
@@ -82,7 +83,7 @@ def to_csv(result: QueryResult) -> str:
 
 
 def to_json(result: QueryResult) -> str:
-    rows = [dict(zip(result.columns, row)) for row in result.rows]
+    rows = [dict(zip(result.columns, row, strict=True)) for row in result.rows]
     return orjson.dumps(rows, default=str, option=orjson.OPT_INDENT_2).decode()
 
 
@@ -99,11 +100,11 @@ def print_table(result: QueryResult, max_width: int = 60) -> None:
     from rich.table import Table
 
     table = Table(show_lines=False)
-    for name, kind in zip(result.columns, result.types):
+    for name, kind in zip(result.columns, result.types, strict=True):
         table.add_column(f"{name}\n[dim]{kind}[/dim]", overflow="fold", max_width=max_width)
     for row in result.rows:
         table.add_row(*[_clip(_cell(v), max_width * 3) for v in row])
-    console = Console()
+    console = Console() if sys.stdout.isatty() else Console(width=200)
     console.print(table)
     note = f"{len(result.rows)} row{'s' if len(result.rows) != 1 else ''}"
     if result.truncated:

@@ -21,8 +21,8 @@ import orjson
 from aiohttp import web
 
 from harness import __version__
-from harness.records import CANCELLED, ERROR, NONE, Call
 from harness.recorder import Recorder
+from harness.records import CANCELLED, ERROR, NONE, Call
 from harness.store import ReadOnlyError, Store, check_read_only
 from proxy.capture import CHAT, COMPLETIONS, Capture, forward, prepare
 from proxy.config import ProxyConfig
@@ -37,6 +37,7 @@ class RunState:
     run_id: str
     served_model: str | None
     weight_version: int = 0  # set by the trainer after each weight sync
+    warned_no_ids: bool = False  # said once that the engine returns no token ids
 
 
 CONFIG = web.AppKey("config", ProxyConfig)
@@ -161,7 +162,11 @@ async def _llm_call(request: web.Request, endpoint: str) -> web.StreamResponse:
         cap.fail(CANCELLED, 0, "the agent disconnected before the answer was complete")
         raise
     finally:
-        app[RECORDER].record_call(cap.to_call())
+        call = cap.to_call()
+        app[RECORDER].record_call(call)
+        if call.token_source == NONE and call.status == OK and config.returns_token_ids and not state.warned_no_ids:
+            state.warned_no_ids = True
+            log.warning("the engine at %s returned no token ids: this run records text only", config.upstream_base)
 
 
 def _rejected_call(state: RunState, episodes: Episodes, episode_id: str, endpoint: str, exc: ApiError) -> Call:
@@ -183,7 +188,7 @@ async def models(request: web.Request) -> web.Response:
     try:
         async with request.app[SESSION].get(url) as resp:
             return web.Response(body=await resp.read(), status=resp.status, content_type="application/json")
-    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+    except (TimeoutError, aiohttp.ClientError) as exc:
         raise ApiError(502, f"the engine at {url} is unreachable: {exc}", code="upstream_unavailable") from None
 
 

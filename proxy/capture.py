@@ -477,7 +477,7 @@ async def forward(
             if cap.p.stream:
                 return await _forward_stream(request, upstream, cap)
             raw = await upstream.read()
-    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+    except (TimeoutError, aiohttp.ClientError) as exc:
         err = _upstream_error(exc, url)
         cap.fail(ERROR, err.status, err.message)
         return err.response()
@@ -514,7 +514,7 @@ async def _forward_stream(request: web.Request, upstream: aiohttp.ClientResponse
                     await resp.write(payload)
                     if cap.ttft_ms is None and cap.choices:
                         cap.ttft_ms = (time.perf_counter() - cap.t0) * 1000.0
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, aiohttp.ClientError) as exc:
             err = _upstream_error(exc, str(upstream.url))
             cap.fail(ERROR, 200, f"stream broke off: {err.message}")
             await resp.write(b"data: " + orjson.dumps(err.body()) + b"\n\n")

@@ -25,6 +25,7 @@ class Script:
     status: int = 200  # answer with this HTTP status (non-200: an OpenAI-style error)
     model: str = "scripted-model"
     break_stream_after: int | None = None  # close the connection after this many chunks
+    token_ids: bool = True  # False: answer like a server that knows nothing of token ids (no such fields)
 
 
 class ScriptedEngine:
@@ -103,11 +104,14 @@ class ScriptedEngine:
                           "finish_reason": "length", "stop_reason": None, "prompt_token_ids": prompt_ids,
                           "token_ids": ids}
             choices.append(choice)
+        if not self.script.token_ids:
+            for choice in choices:
+                choice.pop("token_ids"), choice.pop("prompt_token_ids", None)
         out = {"id": "scripted-1", "object": "chat.completion" if chat else "text_completion",
                "created": int(time.time()), "model": self.script.model, "choices": choices,
                "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": n * len(ids),
                          "total_tokens": len(prompt_ids) + n * len(ids)}}
-        if chat:
+        if chat and self.script.token_ids:
             out["prompt_token_ids"] = prompt_ids
         return out
 
@@ -122,8 +126,10 @@ class ScriptedEngine:
             if chat:
                 first = dict(base, choices=[{"index": i, "delta": {"role": "assistant", "content": ""},
                                              "logprobs": None, "finish_reason": None, "token_ids": []}])
-                if i == 0:
+                if i == 0 and s.token_ids:
                     first["prompt_token_ids"] = prompt_ids
+                elif not s.token_ids:
+                    first["choices"][0].pop("token_ids")
                 await resp.write(b"data: " + orjson.dumps(first) + b"\n\n")
         for pos, t in enumerate(ids):
             for i in range(n):
@@ -140,6 +146,8 @@ class ScriptedEngine:
                               "finish_reason": "length" if last else None}
                     if pos == 0:
                         choice["prompt_token_ids"] = prompt_ids
+                if not s.token_ids:
+                    choice.pop("token_ids"), choice.pop("prompt_token_ids", None)
                 await resp.write(b"data: " + orjson.dumps(dict(base, choices=[choice])) + b"\n\n")
                 sent += 1
                 if s.break_stream_after is not None and sent >= s.break_stream_after:

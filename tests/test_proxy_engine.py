@@ -123,8 +123,8 @@ def test_openai_sdk_sync_nonstream_stream_n2_tools_and_multiturn(proxy):
     conversation = [
         SYSTEM,
         {"role": "user", "content": "Look up dog"},
-        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function",
-                                                               "function": {"name": "lookup", "arguments": '{"word": "dog"}'}}]},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "lookup", "arguments": '{"word": "dog"}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "a domestic animal"},
         {"role": "user", "content": "Thanks. Summarise."},
     ]

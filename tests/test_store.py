@@ -45,7 +45,7 @@ def make_call(
     prompt_tokens: int = 2000,
     status: str = OK,
 ) -> Call:
-    """A realistic call: a 2k-token prompt, ~200-token completions with logprobs, JSON request and response."""
+    """A realistic call: a 2k-token prompt, ~200-token completions with logprobs, JSON request, response."""
     prompt_ids = [_rng.randrange(151_000) for _ in range(prompt_tokens)]
     choices = [
         Choice(
@@ -54,12 +54,15 @@ def make_call(
             logprobs=[-_rng.expovariate(2.0) for _ in range(200 + i)],
             finish_reason="tool_calls" if i else "stop",
             text=f"answer {i} ✓",
-            tool_calls=[{"id": "t1", "type": "function", "function": {"name": "ls", "arguments": "{}"}}] if i else None,
+            tool_calls=[{"id": "t1", "type": "function", "function": {"name": "ls", "arguments": "{}"}}]
+            if i
+            else None,
             reasoning="thinking…" if i else None,
         )
         for i in range(n_choices)
     ]
-    request = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "word " * 1500}], "n": n_choices}
+    messages = [{"role": "user", "content": "word " * 1500}]
+    request = {"model": "gpt-4o-mini", "messages": messages, "n": n_choices}
     return Call(
         call_id=call_id or uuid.uuid4().hex,
         run_id="run-1",
@@ -110,7 +113,7 @@ def wait_until(condition, timeout: float = 5.0) -> bool:
     return False
 
 
-# --- schema and migrations -----------------------------------------------------------------------------------
+# --- schema and migrations -------------------------------------------------------------------------------
 
 
 def test_open_creates_the_schema_and_records_each_migration(store: Store):
@@ -137,7 +140,8 @@ def test_an_older_file_is_migrated_read_write_and_refused_read_only(tmp_path: Pa
     con.execute(MIGRATIONS[0][1])
     con.execute("INSERT INTO schema_migrations VALUES (1, ?, now()::TIMESTAMP)", [MIGRATIONS[0][0]])
     con.close()
-    with pytest.raises(SchemaVersionError, match=rf"{re.escape(str(path))} has schema version 1.*expects {SCHEMA_VERSION}"):
+    expected = rf"{re.escape(str(path))} has schema version 1.*expects {SCHEMA_VERSION}"
+    with pytest.raises(SchemaVersionError, match=expected):
         Store.open(path, read_only=True)
     with Store.open(path) as store:
         assert count(store, "schema_migrations") == SCHEMA_VERSION
@@ -148,7 +152,8 @@ def test_an_older_file_is_migrated_read_write_and_refused_read_only(tmp_path: Pa
 def test_a_file_from_a_newer_harness_is_refused_naming_both_versions(tmp_path: Path):
     path = tmp_path / "future.duckdb"
     with Store.open(path) as store, store.cursor() as cur:
-        cur.execute("INSERT INTO schema_migrations VALUES (?, 'from_the_future', now()::TIMESTAMP)", [SCHEMA_VERSION + 1])
+        sql = "INSERT INTO schema_migrations VALUES (?, 'from_the_future', now()::TIMESTAMP)"
+        cur.execute(sql, [SCHEMA_VERSION + 1])
     for read_only in (False, True):
         with pytest.raises(SchemaVersionError) as error:
             Store.open(path, read_only=read_only)
@@ -217,9 +222,9 @@ def test_add_calls_round_trips_a_call_with_two_choices_exactly(store: Store):
         row = dict(zip(names, cur.fetchone()))
         choices = cur.execute("SELECT * FROM choices ORDER BY choice_index").fetchall()
     for field in ("call_id", "run_id", "episode_id", "call_index", "endpoint", "stream", "requested_model",
-                  "served_model", "role_key", "system_hash", "tools_hash", "prompt_ids", "token_source", "status",
-                  "http_status", "error", "latency_ms", "ttft_ms", "weight_version", "prompt_tokens",
-                  "completion_tokens"):  # fmt: skip
+                  "served_model", "role_key", "system_hash", "tools_hash", "prompt_ids", "token_source",
+                  "status", "http_status", "error", "latency_ms", "ttft_ms", "weight_version",
+                  "prompt_tokens", "completion_tokens"):  # fmt: skip
         assert row[field] == getattr(call, field), field
     assert json.loads(row["request"]) == json.loads(call.request)
     assert json.loads(row["response"]) == json.loads(call.response)
@@ -252,9 +257,10 @@ def test_a_batch_with_a_duplicate_call_id_is_refused_whole(store: Store):
 
 def test_add_episodes_keeps_the_first_row_of_an_id(store: Store):
     store.add_episodes([Episode("ep-0", "run-1", 1_763_812_000.0, "url", {"task": "a"})])
-    store.add_episodes([Episode("ep-0", "run-2", 1_763_813_000.0, "default"), Episode("ep-1", "run-2", 0.0, "api_key")])
+    again = Episode("ep-0", "run-2", 1_763_813_000.0, "default")
+    store.add_episodes([again, Episode("ep-1", "run-2", 0.0, "api")])
     rows = store.query("SELECT episode_id, run_id, source, meta FROM episodes ORDER BY episode_id").rows
-    assert rows == [("ep-0", "run-1", "url", '{"task":"a"}'), ("ep-1", "run-2", "api_key", "{}")]
+    assert rows == [("ep-0", "run-1", "url", '{"task":"a"}'), ("ep-1", "run-2", "api", "{}")]
 
 
 def test_runs_are_started_once_and_ended(store: Store):
@@ -263,7 +269,8 @@ def test_runs_are_started_once_and_ended(store: Store):
         store.start_run("run-1", {}, "0.1.0")
     assert store.query("SELECT ended_at FROM runs").rows == [(None,)]
     store.end_run("run-1")
-    (started, ended, config), = store.query("SELECT started_at, ended_at, config ->> '$.engine.url' FROM runs").rows
+    sql = "SELECT started_at, ended_at, config ->> '$.engine.url' FROM runs"
+    ((started, ended, config),) = store.query(sql).rows
     assert started <= ended and abs(_unix(ended) - time.time()) < 60 and config == "http://127.0.0.1:8001"
     with pytest.raises(ValueError, match="no run 'run-9'"):
         store.end_run("run-9")
@@ -272,22 +279,27 @@ def test_runs_are_started_once_and_ended(store: Store):
 def test_next_call_index_continues_an_episode(store: Store):
     assert store.next_call_index("ep-0") == 0
     store.add_calls([make_call("ep-0", 0), make_call("ep-0", 1), make_call("ep-1", 0)])
-    assert (store.next_call_index("ep-0"), store.next_call_index("ep-1"), store.next_call_index("ep-2")) == (2, 1, 0)
+    assert [store.next_call_index(e) for e in ("ep-0", "ep-1", "ep-2")] == [2, 1, 0]
 
 
 def test_views_summarise_episodes_and_completions(store: Store):
-    store.add_episodes([Episode("ep-0", "run-1", 1_763_812_000.0, "url"), Episode("ep-empty", "run-1", 0.0, "url")])
-    store.add_calls([make_call("ep-0", 0), make_call("ep-0", 1, status=ERROR), make_call("ep-orphan", 0, n_choices=1)])
+    store.add_episodes([Episode("ep-0", "run-1", 1_763_812_000.0, "url"), Episode("ep-empty", "run-1", 0, "url")])
+    failed, orphan = make_call("ep-0", 1, status=ERROR), make_call("ep-orphan", n_choices=1)
+    store.add_calls([make_call("ep-0", 0), failed, orphan])
     summary = {r[0]: r for r in store.query("SELECT * FROM episode_summary").rows}
-    _, run_id, source, _, n_calls, n_errors, n_cancelled, prompt_tokens, completion_tokens, first, last, latency = (
+    _, run_id, source, _, n_calls, n_errors, n_cancelled, prompt, completion, first, last, latency = (
         summary["ep-0"]
     )
     assert (run_id, source, n_calls, n_errors, n_cancelled) == ("run-1", "url", 2, 1, 0)
-    assert (prompt_tokens, completion_tokens, latency) == (4000, 401, 1625.0) and first < last
+    assert (prompt, completion, latency) == (4000, 401, 1625.0) and first < last
     assert summary["ep-empty"][4:7] == (0, 0, 0) and summary["ep-orphan"][1:5] == ("run-1", None, None, 1)
-    rows = store.query("SELECT call_index, choice_index, completion_tokens, finish_reason, text FROM completions "
-                       "WHERE episode_id = 'ep-0' ORDER BY ALL").rows  # fmt: skip
-    assert rows == [(0, 0, 200, "stop", "answer 0 ✓"), (0, 1, 201, "tool_calls", "answer 1 ✓"), (1, None, None, None, None)]
+    sql = "SELECT call_index, choice_index, completion_tokens, finish_reason, text FROM completions"
+    rows = store.query(sql + " WHERE episode_id = 'ep-0' ORDER BY ALL").rows
+    assert rows == [
+        (0, 0, 200, "stop", "answer 0 ✓"),
+        (0, 1, 201, "tool_calls", "answer 1 ✓"),
+        (1, None, None, None, None),  # an error call has no choices
+    ]
 
 
 def test_query_reports_types_and_truncates_at_max_rows(store: Store):
@@ -299,7 +311,7 @@ def test_query_reports_types_and_truncates_at_max_rows(store: Store):
     assert not store.query("SELECT 1 WHERE ? = 2", [2], max_rows=2).truncated
 
 
-# --- read-only SQL -------------------------------------------------------------------------------------------
+# --- read-only SQL ----------------------------------------------------------------------------------------
 
 ACCEPTED = [
     "SELECT 1",
@@ -354,7 +366,7 @@ REFUSED = [
     ("PIVOT calls ON status", "MULTI"),
     ("EXPLAIN ANALYZE DELETE FROM calls", "EXPLAIN"),
     ("SELECT 1; DROP TABLE calls", "DROP"),
-    ("WITH x AS (INSERT INTO runs VALUES ('r', now(), NULL, 'v', NULL) RETURNING *) SELECT * FROM x", "INSERT"),
+    ("WITH x AS (INSERT INTO runs VALUES ('r', now(), NULL, 'v', NULL) RETURNING 1) FROM x", "INSERT"),
     ("SELECT * FROM (WITH x AS (DELETE FROM calls RETURNING *) SELECT * FROM x)", "DELETE"),
     ("WITH x AS (COPY calls TO '/tmp/harness-leak.csv') SELECT 1", "COPY"),
 ]
@@ -371,7 +383,7 @@ def test_check_read_only_refuses_every_write_class(sql: str, kind: str):
 
 def test_the_message_quotes_at_most_80_characters_of_the_statement():
     with pytest.raises(ReadOnlyError) as error:
-        check_read_only("DELETE FROM calls WHERE call_index IN (" + ", ".join(str(i) for i in range(100)) + ")")
+        check_read_only(f"DELETE FROM calls WHERE call_index IN ({', '.join(str(i) for i in range(100))})")
     quoted = re.search(r": '(.*)'$", str(error.value)).group(1)
     assert len(quoted) == 80 and quoted.startswith("DELETE FROM calls")
 
@@ -413,7 +425,7 @@ def test_opening_a_missing_file_read_only_names_it(tmp_path: Path):
         open_read_only_query(tmp_path / "missing.duckdb", "SELECT 1")
 
 
-# --- the recorder --------------------------------------------------------------------------------------------
+# --- the recorder -----------------------------------------------------------------------------------------
 
 
 def test_recorder_writes_when_a_batch_is_full(store: Store):
@@ -445,22 +457,24 @@ def test_flush_makes_everything_recorded_before_it_visible(store: Store):
         recorder.flush()  # nothing pending: returns at once
 
 
-def test_close_writes_what_is_buffered_and_is_idempotent(store: Store):
+def test_close_writes_what_is_buffered_is_idempotent_and_spills_late_records(store: Store):
     recorder = Recorder(store, max_batch=1000, max_delay_s=60)
     for i in range(7):
         recorder.record_call(make_call(call_index=i, n_choices=1))
     recorder.close()
     recorder.close()
     assert count(store, "calls") == 7 and recorder.calls_written == 7 and recorder.pending == 0
-    with pytest.raises(RuntimeError, match="closed"):
-        recorder.record_call(make_call())
+    late = make_call(call_index=7)
+    recorder.record_call(late)  # a shutdown race: not written, not lost either
+    assert recorder.calls_spilled == 1 and read_spill(recorder.spill_path) == [late]
 
 
 def test_a_failing_row_is_spilled_and_the_rest_of_its_batch_lands(store: Store):
     existing = make_call(call_index=0)
     store.add_calls([existing])
     duplicate = make_call(call_index=9, call_id=existing.call_id)
-    batch = [make_call(call_index=i) for i in range(1, 4)] + [duplicate] + [make_call(call_index=i) for i in (4, 5)]
+    batch = [make_call(call_index=i) for i in (1, 2, 3)] + [duplicate]
+    batch += [make_call(call_index=i) for i in (4, 5)]
     with Recorder(store, max_batch=1000, max_delay_s=60) as recorder:
         for call in batch:
             recorder.record_call(call)

@@ -15,10 +15,10 @@ WEATHER_PARAMETERS = {"type": "object", "properties": {"city": {"type": "string"
 TOOLS = [
     {
         "type": "function",
-        "function": {"name": "get_weather", "description": "Weather in a city", "parameters": WEATHER_PARAMETERS},
+        "function": {"name": "get_weather", "description": "Weather", "parameters": WEATHER_PARAMETERS},
     }
 ]
-PARIS_CALL = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+PARIS_CALL = {"id": "c1", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
 CONVERSATION = [
     {"role": "system", "content": "You are terse."},
     {"role": "user", "content": "Weather in Paris?"},
@@ -43,8 +43,8 @@ def _files(directory) -> dict[str, bytes]:
 def test_same_seed_builds_identical_bytes(tiny_model_dir, tmp_path):
     again = build_tiny_model(tmp_path / "again", seed=0)
     assert _files(again) == _files(tiny_model_dir)
-    expected = {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"}
-    assert expected <= set(_files(again))
+    expected = {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json"}
+    assert expected | {"tokenizer_config.json"} <= set(_files(again))
 
 
 def test_different_seeds_give_different_weights_same_tokenizer(tiny_model_dir, tmp_path):

@@ -1,0 +1,101 @@
+"""The `harness` command as a user runs it: `serve --upstream` in a subprocess, `sql` against it live and closed,
+and an upstream that knows nothing of token ids recorded as text only."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import openai
+import pytest
+
+from harness.engine import attach
+from proxy.server import info_path
+from tests.support import RunningProxy, ScriptedUpstream, db_rows
+
+HARNESS = [sys.executable, "-m", "harness.cli"]
+
+
+@pytest.fixture
+def upstream():
+    up = ScriptedUpstream()
+    yield up
+    up.close()
+
+
+def _wait_for_info(db, process, timeout_s=30.0) -> dict:
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        if process.poll() is not None:
+            raise AssertionError(f"harness serve exited early: {process.stderr.read()}")
+        try:
+            return json.loads(info_path(db).read_text())
+        except (FileNotFoundError, json.JSONDecodeError):
+            time.sleep(0.1)
+    raise AssertionError("harness serve did not announce itself")
+
+
+@pytest.mark.parametrize("token_ids", [True, False])
+def test_serve_attached_records_and_sql_works_live_and_closed(upstream, tmp_path, token_ids):
+    upstream.script.token_ids = token_ids
+    db = tmp_path / "rec.duckdb"
+    serve = subprocess.Popen(HARNESS + ["serve", "--upstream", upstream.url + "/v1", "--port", "0", "--db", str(db),
+                                        "--run-dir", str(tmp_path)], stderr=subprocess.PIPE, text=True)
+    try:
+        info = _wait_for_info(db, serve)
+        assert oct(os.stat(info_path(db)).st_mode & 0o777) == "0o600"  # it holds the admin token
+        client = openai.OpenAI(base_url=info["url"] + "/e/cli-ep/v1", api_key="sk-x", max_retries=0)
+        reply = client.chat.completions.create(model="gpt-4o-mini", messages=[{"role": "user", "content": "hi"}])
+        assert reply.choices[0].message.content
+        live = subprocess.run(HARNESS + ["sql", "--db", str(db), "--csv",
+                                         "SELECT episode_id, token_source FROM calls"],
+                              capture_output=True, text=True, timeout=60)
+        assert live.returncode == 0, live.stderr
+        assert live.stdout.splitlines() == ["episode_id,token_source", f"cli-ep,{'engine' if token_ids else 'none'}"]
+    finally:
+        serve.send_signal(signal.SIGINT)
+        _, err = serve.communicate(timeout=30)
+    assert serve.returncode == 0, err
+    assert ("returns no token ids" in err) == (not token_ids)
+    assert not info_path(db).exists()
+    table = subprocess.run(HARNESS + ["sql", "--db", str(db), "SELECT count(*) AS calls FROM calls"],
+                           capture_output=True, text=True, timeout=60)
+    assert table.returncode == 0 and "calls" in table.stdout and "1" in table.stdout
+
+
+def test_upstream_without_token_ids_is_recorded_as_text(upstream, tmp_path):
+    upstream.script.token_ids = False
+    engine = attach(upstream.url)
+    assert engine.returns_token_ids is False
+    proxy = RunningProxy(upstream.url, tmp_path / "text.duckdb", returns_token_ids=engine.returns_token_ids)
+    try:
+        client = openai.OpenAI(base_url=proxy.url + "/v1", api_key="k", max_retries=0)
+        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+    finally:
+        proxy.close()
+    assert "return_token_ids" not in upstream.engine.requests[-1]
+    rows = db_rows(proxy.db_path, "SELECT token_source, prompt_ids, completion_ids, text FROM calls JOIN choices "
+                   "USING (call_id)")
+    assert len(rows) == 1
+    source, prompt_ids, completion_ids, text = rows[0]
+    assert (source, prompt_ids, completion_ids) == ("none", None, None)
+    assert text.startswith("w1000")
+
+
+def test_sql_errors_are_clear(tmp_path):
+    missing = subprocess.run(HARNESS + ["sql", "--db", str(tmp_path / "nope.duckdb"), "SELECT 1"],
+                             capture_output=True, text=True)
+    assert missing.returncode == 1 and "no database at" in missing.stderr
+    bad = subprocess.run(HARNESS + ["serve", "--model", str(tmp_path / "no-such-model")], capture_output=True,
+                         text=True)
+    assert bad.returncode == 2 and "is not a directory" in bad.stderr
+
+
+def test_help_answers():
+    for verb in ([], ["serve"], ["sql"], ["tiny-model"]):
+        out = subprocess.run(HARNESS + verb + ["--help"], capture_output=True, text=True)
+        assert out.returncode == 0 and "usage: harness" in out.stdout
