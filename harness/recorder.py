@@ -105,10 +105,11 @@ class Recorder:
         """A record that arrives after close() (a shutdown race) is not dropped: it goes to the spill file."""
         error = RuntimeError(f"recorded after the recorder for {self.store.path} was closed")
         self._spill(record, kind, error)
-        if kind == "call":
-            self.calls_spilled += 1
-        else:
-            self.episodes_spilled += 1
+        with self._lock:  # the writer may still be counting
+            if kind == "call":
+                self.calls_spilled += 1
+            else:
+                self.episodes_spilled += 1
 
     @property
     def pending(self) -> int:
@@ -132,8 +133,9 @@ class Recorder:
                 if remaining <= 0 or not self._thread.is_alive():
                     pending = sum(target) - sum(self._done)
                     raise TimeoutError(
-                        f"recorder flush to {self.store.path} did not finish in {timeout}s: {pending} "
-                        f"records still pending (last error: {self.last_error})"
+                        f"recorder flush to {self.store.path} gave up after {timeout}s or a dead writer thread "
+                        f"(alive: {self._thread.is_alive()}): {pending} records still pending "
+                        f"(last error: {self.last_error})"
                     )
                 self._progress.wait(remaining)
 
@@ -165,6 +167,7 @@ class Recorder:
                 self._write(episodes, calls)
             except Exception:  # _write handles failures itself; this only keeps the thread alive
                 log.exception("recorder: unexpected error writing %d calls", len(calls))
+                self.records_lost += len(episodes) + len(calls)
             with self._lock:
                 self._done[0] += len(episodes)
                 self._done[1] += len(calls)
@@ -188,12 +191,14 @@ class Recorder:
     def _write(self, episodes: list[Episode], calls: list[Call]) -> None:
         if episodes:
             written = self._insert_isolating(self.store.add_episodes, episodes, "episode")
-            self.episodes_written += written
-            self.episodes_spilled += len(episodes) - written
+            with self._lock:
+                self.episodes_written += written
+                self.episodes_spilled += len(episodes) - written
         if calls:
             written = self._insert_isolating(self.store.add_calls, calls, "call")
-            self.calls_written += written
-            self.calls_spilled += len(calls) - written
+            with self._lock:
+                self.calls_written += written
+                self.calls_spilled += len(calls) - written
 
     def _insert_isolating(self, insert: Callable[[Sequence], None], records: list, kind: str) -> int:
         """Insert records; on failure split in halves until each failing record is alone, and spill those."""

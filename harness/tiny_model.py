@@ -43,12 +43,15 @@ CHAT_TEMPLATE = r"""{%- if tools %}
     {%- else %}
         {{- 'You are a helpful assistant.' }}
     {%- endif %}
-    {{- "\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>" }}
+    {{- "\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n" }}
+    {{- "You are provided with function signatures within <tools></tools> XML tags:\n<tools>" }}
     {%- for tool in tools %}
         {{- "\n" }}
         {{- tool | tojson }}
     {%- endfor %}
-    {{- "\n</tools>\n\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n" }}
+    {{- "\n</tools>\n\nFor each function call, return a json object with function name and arguments " }}
+    {{- "within <tool_call></tool_call> XML tags:\n<tool_call>\n" }}
+    {{- "{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n" }}
 {%- else %}
     {%- if messages[0]['role'] == 'system' %}
         {{- '<|im_start|>system\n' + messages[0]['content'] + '<|im_end|>\n' }}
@@ -57,7 +60,8 @@ CHAT_TEMPLATE = r"""{%- if tools %}
     {%- endif %}
 {%- endif %}
 {%- for message in messages %}
-    {%- if (message.role == "user") or (message.role == "system" and not loop.first) or (message.role == "assistant" and not message.tool_calls) %}
+    {%- if (message.role == "user") or (message.role == "system" and not loop.first)
+           or (message.role == "assistant" and not message.tool_calls) %}
         {{- '<|im_start|>' + message.role + '\n' + (message.content or '') + '<|im_end|>' + '\n' }}
     {%- elif message.role == "assistant" %}
         {{- '<|im_start|>' + message.role }}
@@ -115,18 +119,28 @@ _WORDS = (
     "count sum average score episode sample policy engine server client proxy database query table row "
     "column key path directory config option default version"
 ).split()
-_NAMES = ("get_weather", "search_web", "read_file", "write_file", "run_tests", "list_dir", "calculator",
-          "send_email", "lookup_user", "create_issue")
+_NAMES = (
+    "get_weather",
+    "search_web",
+    "read_file",
+    "write_file",
+    "run_tests",
+    "list_dir",
+    "calculator",
+    "send_email",
+    "lookup_user",
+    "create_issue",
+)
 _CITIES = ("Paris", "London", "Tokyo", "Berlin", "Madrid", "Rome", "Cairo", "Lima", "Oslo", "Seoul")
 _CODE = (
     "def {f}({a}, {b}):\n    return {a} + {b}\n",
     "for {a} in range({n}):\n    print({a}, {b})\n",
     "if {a} > {n}:\n    {b} = {a} * 2\nelse:\n    {b} = None\n",
     "class {F}:\n    def __init__(self, {a}):\n        self.{a} = {a}\n",
-    "import json\n\n{a} = json.loads({b})\nassert {a}[\"{c}\"] == {n}\n",
+    'import json\n\n{a} = json.loads({b})\nassert {a}["{c}"] == {n}\n',
     "const {a} = await fetch(`/api/{c}/${{{b}}}`);\nconsole.log({a}.status);\n",
     "{a} = [x ** 2 for x in {b} if x % {n} == 0]\n",
-    "with open(\"{c}.txt\") as f:\n    {a} = f.read().splitlines()\n",
+    'with open("{c}.txt") as f:\n    {a} = f.read().splitlines()\n',
 )
 
 
@@ -144,9 +158,11 @@ def _corpus(rng: random.Random) -> list[str]:
         date = f"{rng.randint(1, 12):02d}/{rng.randint(1, 28):02d}/{rng.randint(1990, 2030)}"
         docs.append(f"{integer} {decimal} {date} {rng.randint(0, 23):02d}:{rng.randint(0, 59):02d}")
     for _ in range(400):
-        obj = {rng.choice(words): rng.choice([rng.randint(-999, 999), rng.choice(words), rng.random() < 0.5,
-                                              None, [rng.randint(0, 99) for _ in range(rng.randint(0, 4))]])
-               for _ in range(rng.randint(1, 5))}
+        obj = {}
+        for _ in range(rng.randint(1, 5)):
+            numbers = [rng.randint(0, 99) for _ in range(rng.randint(0, 4))]
+            values = [rng.randint(-999, 999), rng.choice(words), rng.random() < 0.5, None, numbers]
+            obj[rng.choice(words)] = rng.choice(values)
         docs.append(json.dumps(obj, indent=rng.choice([None, 2])))
     for _ in range(300):
         args = {"city": rng.choice(_CITIES), "limit": rng.randint(1, 50), "query": rng.choice(words)}
@@ -155,8 +171,9 @@ def _corpus(rng: random.Random) -> list[str]:
     for _ in range(400):
         template = rng.choice(_CODE)
         a, b, c = rng.sample(words, 3)
-        docs.append(template.format(f=f"{a}_{b}", F=a.capitalize() + b.capitalize(), a=a, b=b, c=c,
-                                    n=rng.randint(0, 100)))
+        docs.append(
+            template.format(f=f"{a}_{b}", F=a.capitalize() + b.capitalize(), a=a, b=b, c=c, n=rng.randint(0, 100))
+        )
     return docs
 
 
@@ -178,10 +195,12 @@ def _train_tokenizer():
 
     tokenizer = Tokenizer(models.BPE())
     tokenizer.normalizer = normalizers.NFC()
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(_QWEN2_SPLIT), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(_QWEN2_SPLIT), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=BPE_VOCAB_SIZE,

@@ -176,15 +176,13 @@ def _apply_overrides(body: dict, config: ProxyConfig) -> dict:
         if value is not None:
             replaced[key] = body.get(key)
             body[key] = value
-    if sampling.max_tokens_cap is not None:
-        for key in ("max_tokens", "max_completion_tokens"):
-            asked = body.get(key)
-            if asked is None or asked > sampling.max_tokens_cap:
-                replaced[key] = asked
-                body[key] = sampling.max_tokens_cap
-        if "max_completion_tokens" in replaced and replaced["max_completion_tokens"] is None:
-            del body["max_completion_tokens"]  # send one cap, not two
-            del replaced["max_completion_tokens"]
+    cap = sampling.max_tokens_cap
+    if cap is not None:
+        key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+        asked = body.get(key)
+        if asked is None or asked > cap:
+            replaced[key] = asked
+            body[key] = cap
     return replaced
 
 
@@ -481,7 +479,13 @@ async def forward(
         err = _upstream_error(exc, url)
         cap.fail(ERROR, err.status, err.message)
         return err.response()
-    obj = cap.take_response(orjson.loads(raw))
+    try:
+        obj = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        err = ApiError(502, f"the engine at {url} answered 200 with a body that is not JSON", code="upstream_error")
+        cap.fail(ERROR, 502, err.message)
+        return err.response()
+    obj = cap.take_response(obj)
     cap.response = orjson.dumps(obj)
     return web.Response(body=cap.response, status=200, content_type="application/json")
 
@@ -531,7 +535,11 @@ def _translate_event(event: bytes, cap: Capture) -> bytes:
     payload = event[6:]
     if payload == b"[DONE]":
         return event + b"\n\n"
-    chunk = orjson.loads(payload)
+    try:
+        chunk = orjson.loads(payload)
+    except orjson.JSONDecodeError:
+        cap.fail(ERROR, 200, f"the engine sent a stream chunk that is not JSON: {payload[:200]!r}")
+        return event + b"\n\n"
     if cap.first_chunk is None:
         cap.first_chunk = {"id": chunk.get("id"), "created": chunk.get("created")}
     if "error" in chunk:

@@ -26,6 +26,7 @@ class Script:
     model: str = "scripted-model"
     break_stream_after: int | None = None  # close the connection after this many chunks
     token_ids: bool = True  # False: answer like a server that knows nothing of token ids (no such fields)
+    tool_arguments: str | None = None  # chat answers a call of tool "lookup" with these arguments instead of text
 
 
 class ScriptedEngine:
@@ -94,9 +95,14 @@ class ScriptedEngine:
             if chat:
                 lp = {"content": [{"token": f"w{t} ", "logprob": -0.5, "bytes": None, "top_logprobs": []}
                                   for t in ids]}
-                choice = {"index": i, "message": {"role": "assistant", "content": text, "tool_calls": []},
-                          "logprobs": lp if body.get("logprobs") else None, "finish_reason": "length",
-                          "stop_reason": None, "token_ids": ids}
+                calls = []
+                if self.script.tool_arguments is not None:
+                    text = None
+                    calls = [{"id": f"call_{i}", "type": "function",
+                              "function": {"name": "lookup", "arguments": self.script.tool_arguments}}]
+                choice = {"index": i, "message": {"role": "assistant", "content": text, "tool_calls": calls},
+                          "logprobs": lp if body.get("logprobs") else None,
+                          "finish_reason": "tool_calls" if calls else "length", "stop_reason": None, "token_ids": ids}
             else:
                 lp = {"text_offset": list(range(len(ids))), "token_logprobs": [-0.5] * len(ids),
                       "tokens": [f"w{t} " for t in ids], "top_logprobs": None}
@@ -136,9 +142,10 @@ class ScriptedEngine:
                 last = pos == len(ids) - 1
                 if chat:
                     lp = {"content": [{"token": f"w{t} ", "logprob": -0.5, "bytes": None, "top_logprobs": []}]}
-                    choice = {"index": i, "delta": {"content": f"w{t} "}, "token_ids": [t],
+                    choice = {"index": i, "delta": self._delta(pos, t, len(ids)), "token_ids": [t],
                               "logprobs": lp if body.get("logprobs") else None,
-                              "finish_reason": "length" if last else None}
+                              "finish_reason": ("tool_calls" if s.tool_arguments is not None else "length")
+                              if last else None}
                 else:
                     lp = {"text_offset": [pos], "token_logprobs": [-0.5], "tokens": [f"w{t} "], "top_logprobs": None}
                     choice = {"index": i, "text": f"w{t} ", "token_ids": [t],
@@ -162,3 +169,15 @@ class ScriptedEngine:
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
+
+    def _delta(self, pos: int, token: int, count: int) -> dict:
+        """Text, or a tool call streamed the way vLLM does: id and name first, then the arguments in pieces."""
+        args = self.script.tool_arguments
+        if args is None:
+            return {"content": f"w{token} "}
+        if pos == 0:
+            return {"tool_calls": [{"index": 0, "id": "call_0", "type": "function",
+                                    "function": {"name": "lookup", "arguments": ""}}]}
+        piece = -(-len(args) // max(count - 1, 1))
+        part = args[(pos - 1) * piece: pos * piece]
+        return {"tool_calls": [{"index": 0, "function": {"arguments": part}}]} if part else {}

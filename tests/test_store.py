@@ -283,7 +283,7 @@ def test_next_call_index_continues_an_episode(store: Store):
 
 
 def test_views_summarise_episodes_and_completions(store: Store):
-    store.add_episodes([Episode("ep-0", "run-1", 1_763_812_000.0, "url"), Episode("ep-empty", "run-1", 0, "url")])
+    store.add_episodes([Episode("ep-0", "run-1", 1.7e9, "url"), Episode("ep-empty", "run-1", 0, "x")])
     failed, orphan = make_call("ep-0", 1, status=ERROR), make_call("ep-orphan", n_choices=1)
     store.add_calls([make_call("ep-0", 0), failed, orphan])
     summary = {r[0]: r for r in store.query("SELECT * FROM episode_summary").rows}
