@@ -22,7 +22,7 @@ from aiohttp import web
 
 from harness import __version__
 from harness.recorder import Recorder
-from harness.records import CANCELLED, ERROR, NONE, Call
+from harness.records import CANCELLED, ERROR, NONE, OK, Call
 from harness.store import ReadOnlyError, Store, check_read_only
 from proxy.capture import CHAT, COMPLETIONS, Capture, forward, prepare
 from proxy.config import ProxyConfig

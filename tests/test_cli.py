@@ -67,23 +67,29 @@ def test_serve_attached_records_and_sql_works_live_and_closed(upstream, tmp_path
     assert table.returncode == 0 and "calls" in table.stdout and "1" in table.stdout
 
 
-def test_upstream_without_token_ids_is_recorded_as_text(upstream, tmp_path):
+@pytest.mark.parametrize("probed", [True, False])
+def test_upstream_without_token_ids_is_recorded_as_text(upstream, tmp_path, caplog, probed):
     upstream.script.token_ids = False
     engine = attach(upstream.url)
     assert engine.returns_token_ids is False
-    proxy = RunningProxy(upstream.url, tmp_path / "text.duckdb", returns_token_ids=engine.returns_token_ids)
+    # probed: the proxy knows and does not ask; not probed: it asks, gets nothing, and says so once
+    returns_token_ids = engine.returns_token_ids if probed else True
+    proxy = RunningProxy(upstream.url, tmp_path / "text.duckdb", returns_token_ids=returns_token_ids)
     try:
         client = openai.OpenAI(base_url=proxy.url + "/v1", api_key="k", max_retries=0)
-        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+        for _ in range(2):
+            client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
     finally:
         proxy.close()
-    assert "return_token_ids" not in upstream.engine.requests[-1]
+    assert ("return_token_ids" in upstream.engine.requests[-1]) == (not probed)
     rows = db_rows(proxy.db_path, "SELECT token_source, prompt_ids, completion_ids, text FROM calls JOIN choices "
                    "USING (call_id)")
-    assert len(rows) == 1
+    assert len(rows) == 2
     source, prompt_ids, completion_ids, text = rows[0]
     assert (source, prompt_ids, completion_ids) == ("none", None, None)
     assert text.startswith("w1000")
+    warnings = [r for r in caplog.records if "returned no token ids" in r.getMessage()]
+    assert len(warnings) == (0 if probed else 1)
 
 
 def test_sql_errors_are_clear(tmp_path):
