@@ -147,7 +147,7 @@ def attach(url: str, *, timeout_s: float = 10, api_key: str | None = None) -> En
         answer = _request(f"{base_url}/v1/chat/completions", probe, timeout_s, api_key)
     except EngineError:
         answer = {}
-    return Engine(base_url, served, isinstance(answer, dict) and "prompt_token_ids" in answer)
+    return Engine(base_url, served, isinstance(answer, dict) and answer.get("prompt_token_ids") is not None)
 
 
 # ---------------------------------------------------------------------------------------------- helpers

@@ -24,6 +24,7 @@ from harness.records import CANCELLED, ENGINE, ERROR, NONE, OK, Call, Choice, Ep
 from harness.recorder import Recorder, read_spill
 from harness.store import (
     MIGRATIONS,
+    ROW_GROUP_SIZE,
     SCHEMA_VERSION,
     ReadOnlyError,
     SchemaVersionError,
@@ -507,3 +508,16 @@ def test_queries_from_other_threads_run_while_the_recorder_writes(store: Store):
     done.set()
     thread.join()
     assert not errors and count(store, "calls") == 64
+
+
+def test_a_full_row_group_batch_lands_whole(store: Store):
+    """Batches of ROW_GROUP_SIZE calls take DuckDB's direct-to-file path instead of the WAL: same rows."""
+    calls = [make_call(f"ep-{i // 8}", i % 8, n_choices=1, prompt_tokens=32) for i in range(ROW_GROUP_SIZE + 5)]
+    with Recorder(store, max_batch=ROW_GROUP_SIZE, max_delay_s=60) as recorder:
+        for call in calls:
+            recorder.record_call(call)
+    store.checkpoint()
+    sql = "SELECT count(*), sum(len(prompt_ids)), sum(list_sum(prompt_ids)) FROM calls"
+    expected = (len(calls), 32 * len(calls), sum(sum(c.prompt_ids) for c in calls))
+    assert store.query(sql).rows == [expected]
+    assert count(store, "choices") == len(calls)
