@@ -26,7 +26,7 @@ $(STAMP): pyproject.toml
 demo: install
 	$(BIN)/python examples/demo.py --run-dir $(RUN_DIR)
 
-test: install test-fast test-engine
+test: install lint test-fast test-engine
 
 test-fast: install
 	$(BIN)/pytest -q -m "not engine"

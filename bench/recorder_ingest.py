@@ -29,8 +29,8 @@ import duckdb
 import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from harness.records import ENGINE, OK, Call, Choice  # noqa: E402
 from harness.recorder import Recorder  # noqa: E402
+from harness.records import ENGINE, OK, Call, Choice  # noqa: E402
 from harness.store import Store  # noqa: E402
 
 PROMPT_TOKENS = 2000

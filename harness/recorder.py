@@ -18,8 +18,8 @@ import dataclasses
 import logging
 import threading
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Sequence
 
 import orjson
 

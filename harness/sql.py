@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import csv
 import io
-import sys
 import json
+import sys
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -18,7 +18,8 @@ from pathlib import Path
 import duckdb
 import orjson
 
-from harness.store import QueryResult, ReadOnlyError, check_read_only, open_read_only_query
+from harness.readonly import ReadOnlyError, check_read_only
+from harness.store import QueryResult, open_read_only_query
 from proxy.server import discover
 
 

@@ -15,25 +15,24 @@ query through it.
 
 from __future__ import annotations
 
-import json
-import re
 import struct
-import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from itertools import accumulate
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import duckdb
 import orjson
 import pyarrow as pa
 
+from harness.readonly import check_read_only
 from harness.records import Call, Episode
 
-__all__ = ["MIGRATIONS", "SCHEMA_VERSION", "ROW_GROUP_SIZE", "QueryResult", "ReadOnlyError",
-           "SchemaVersionError", "Store", "check_read_only", "open_read_only_query"]  # fmt: skip
+__all__ = ["MIGRATIONS", "SCHEMA_VERSION", "ROW_GROUP_SIZE", "QueryResult", "SchemaVersionError", "Store",
+           "open_read_only_query"]  # fmt: skip
 
 # Append-only: (name, sql). Never edit or reorder an entry that has shipped; add a new one instead.
 # request/response are the largest columns (~8 kB of JSON per 2k-token call): DuckDB's automatic compression
@@ -139,10 +138,6 @@ ROW_GROUP_SIZE = 2048
 _DATABASE = "harness"  # the name the file is attached under
 
 
-class ReadOnlyError(ValueError):
-    """A query that would change the database or the machine (harness sql is read-only)."""
-
-
 class SchemaVersionError(RuntimeError):
     """The file's schema is older or newer than this code's, or its migration history differs."""
 
@@ -153,85 +148,6 @@ class QueryResult:
     types: list[str]  # DuckDB type of each column, e.g. "INTEGER[]"
     rows: list[tuple]  # at most max_rows rows
     truncated: bool  # True when the query had more rows than max_rows
-
-
-# --- the read-only check -------------------------------------------------------------------------------
-
-# DuckDB reports these as SELECT-type query nodes. Since DuckDB 1.4 a CTE body can be an INSERT, UPDATE,
-# DELETE or even COPY TO (`WITH x AS (COPY t TO 'f.csv') SELECT 1` writes a file), and such a statement is
-# still typed SELECT, so SELECTs are checked node by node on their serialized parse tree.
-_READ_ONLY_NODES = {"SELECT_NODE", "SET_OPERATION_NODE", "RECURSIVE_CTE_NODE", "CTE_NODE"}
-_READ_ONLY_PRAGMAS = {"show_tables", "show_tables_expanded", "table_info", "database_size", "storage_info",
-                      "version", "platform"}  # fmt: skip
-_EXPLAIN_PREFIX = re.compile(r"\s*explain\s+(?:analy[sz]e\s+)?(?:\([^)]*\)\s*)?", re.IGNORECASE)
-_PRAGMA_NAME = re.compile(r"\s*pragma\s+(\w+)", re.IGNORECASE)
-_parser_lock = threading.Lock()
-_parser_con: duckdb.DuckDBPyConnection | None = None
-
-
-def check_read_only(sql: str) -> None:
-    """Raise ReadOnlyError unless every statement in `sql` only reads.
-
-    Allowed: SELECT (with WITH, VALUES, FROM-first, DESCRIBE, SHOW, SUMMARIZE, PIVOT with an IN list),
-    EXPLAIN of those, and the informational PRAGMAs in _READ_ONLY_PRAGMAS. Everything else is refused,
-    including SET, CALL, COPY, ATTACH, INSTALL/LOAD and writes hidden in CTEs. A syntax error propagates as
-    DuckDB's ParserException.
-    """
-    if not isinstance(sql, str):
-        raise TypeError(f"SQL must be a string, got {type(sql).__name__}")
-    try:
-        statements = duckdb.extract_statements(sql)
-    except ValueError as e:  # a statement type the Python client cannot name
-        raise ReadOnlyError(f"harness sql is read-only: unrecognised statement in {sql[:80]!r} ({e})") from e
-    if not statements:
-        raise ValueError("empty SQL query: nothing to run (write a SELECT statement)")
-    for statement in statements:
-        _check_statement(statement.type.name, statement.query)
-
-
-def _check_statement(kind: str, query: str) -> None:
-    def refuse(why: str) -> None:
-        raise ReadOnlyError(f"harness sql is read-only: {why}: {query.strip()[:80]!r}")
-
-    if kind == "SELECT":
-        bad = _non_select_nodes(query)
-        if bad:
-            refuse(f"a SELECT that contains {', '.join(sorted(bad))}")
-    elif kind == "EXPLAIN":
-        prefix = _EXPLAIN_PREFIX.match(query)
-        inner = duckdb.extract_statements(query[prefix.end() :]) if prefix else []
-        if len(inner) != 1 or inner[0].type.name != "SELECT":
-            refuse("EXPLAIN of a statement that is not a SELECT")
-        _check_statement("SELECT", inner[0].query)
-    elif kind == "PRAGMA":
-        name = _PRAGMA_NAME.match(query)
-        if not name or name.group(1).lower() not in _READ_ONLY_PRAGMAS:
-            refuse(f"PRAGMA statement (allowed: {', '.join(sorted(_READ_ONLY_PRAGMAS))})")
-    else:
-        refuse(f"{kind} statement")
-
-
-def _non_select_nodes(query: str) -> set[str]:
-    """Query node types in a SELECT's parse tree that are not reads (e.g. INSERT_QUERY_NODE in a CTE)."""
-    global _parser_con
-    with _parser_lock:
-        if _parser_con is None:
-            _parser_con = duckdb.connect(":memory:")
-        tree = json.loads(_parser_con.execute("SELECT json_serialize_sql(?)", [query]).fetchone()[0])
-    if tree.get("error"):
-        return {f"something DuckDB cannot serialize ({tree.get('error_message', '?')})"}
-    found: set[str] = set()
-    stack: list[Any] = [tree]
-    while stack:
-        node = stack.pop()
-        if isinstance(node, dict):
-            kind = node.get("type")
-            if isinstance(kind, str) and kind.endswith("_NODE") and kind not in _READ_ONLY_NODES:
-                found.add(kind)
-            stack.extend(node.values())
-        elif isinstance(node, list):
-            stack.extend(node)
-    return found
 
 
 # --- the store -----------------------------------------------------------------------------------------
@@ -503,7 +419,7 @@ def _rollback(cur: duckdb.DuckDBPyConnection) -> None:
 
 def _utc(unix_seconds: float) -> datetime:
     """TIMESTAMP columns hold naive UTC."""
-    return datetime.fromtimestamp(unix_seconds, timezone.utc).replace(tzinfo=None)
+    return datetime.fromtimestamp(unix_seconds, UTC).replace(tzinfo=None)
 
 
 def _json(value: Any) -> str | None:

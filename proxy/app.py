@@ -21,9 +21,10 @@ import orjson
 from aiohttp import web
 
 from harness import __version__
+from harness.readonly import ReadOnlyError, check_read_only
 from harness.recorder import Recorder
 from harness.records import CANCELLED, ERROR, NONE, OK, Call
-from harness.store import ReadOnlyError, Store, check_read_only
+from harness.store import Store
 from proxy.capture import CHAT, COMPLETIONS, Capture, forward, prepare
 from proxy.config import ProxyConfig
 from proxy.episodes import Episodes

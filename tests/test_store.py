@@ -13,23 +13,22 @@ import struct
 import threading
 import time
 import uuid
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import duckdb
 import orjson
 import pytest
 
-from harness.records import CANCELLED, ENGINE, ERROR, NONE, OK, Call, Choice, Episode
+from harness.readonly import ReadOnlyError, check_read_only
 from harness.recorder import Recorder, read_spill
+from harness.records import CANCELLED, ENGINE, ERROR, NONE, OK, Call, Choice, Episode
 from harness.store import (
     MIGRATIONS,
     ROW_GROUP_SIZE,
     SCHEMA_VERSION,
-    ReadOnlyError,
     SchemaVersionError,
     Store,
-    check_read_only,
     open_read_only_query,
 )
 
@@ -211,7 +210,7 @@ def _float32(values: list[float]) -> list[float]:
 
 
 def _unix(ts: datetime) -> float:
-    return ts.replace(tzinfo=timezone.utc).timestamp()
+    return ts.replace(tzinfo=UTC).timestamp()
 
 
 def test_add_calls_round_trips_a_call_with_two_choices_exactly(store: Store):
@@ -220,7 +219,7 @@ def test_add_calls_round_trips_a_call_with_two_choices_exactly(store: Store):
     with store.cursor() as cur:
         cur.execute("SELECT * FROM calls")
         names = [d[0] for d in cur.description]
-        row = dict(zip(names, cur.fetchone()))
+        row = dict(zip(names, cur.fetchone(), strict=True))
         choices = cur.execute("SELECT * FROM choices ORDER BY choice_index").fetchall()
     for field in ("call_id", "run_id", "episode_id", "call_index", "endpoint", "stream", "requested_model",
                   "served_model", "role_key", "system_hash", "tools_hash", "prompt_ids", "token_source",
@@ -232,7 +231,7 @@ def test_add_calls_round_trips_a_call_with_two_choices_exactly(store: Store):
     assert json.loads(row["extra"]) == call.extra
     assert abs(_unix(row["started_at"]) - call.started_at) < 1e-6
     assert len(choices) == 2
-    for stored, choice in zip(choices, call.choices):
+    for stored, choice in zip(choices, call.choices, strict=True):
         call_id, index, completion_ids, logprobs, finish_reason, text, tool_calls, reasoning = stored
         assert (call_id, index, completion_ids) == (call.call_id, choice.index, choice.completion_ids)
         assert logprobs == _float32(choice.logprobs)  # FLOAT: exact to float32
