@@ -6,6 +6,7 @@ import pytest
 
 from harness.engine import start_vllm
 from harness.tiny_model import build_tiny_model
+from tests.support import ScriptedUpstream
 
 
 @pytest.fixture(scope="session")
@@ -19,3 +20,11 @@ def engine(tiny_model_dir, tmp_path_factory):
     """A real vLLM serving the tiny model; tests using it carry @pytest.mark.engine."""
     with start_vllm(tiny_model_dir, tmp_path_factory.mktemp("engine")) as running:
         yield running
+
+
+@pytest.fixture
+def upstream():
+    """The scripted engine (a real HTTP server answering like vLLM), for tests that control the engine's bytes."""
+    up = ScriptedUpstream()
+    yield up
+    up.close()

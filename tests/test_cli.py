@@ -15,16 +15,9 @@ import pytest
 
 from harness.engine import attach
 from proxy.server import info_path
-from tests.support import RunningProxy, ScriptedUpstream, db_rows
+from tests.support import RunningProxy, db_rows
 
 HARNESS = [sys.executable, "-m", "harness.cli"]
-
-
-@pytest.fixture
-def upstream():
-    up = ScriptedUpstream()
-    yield up
-    up.close()
 
 
 def _wait_for_info(db, process, timeout_s=30.0) -> dict:

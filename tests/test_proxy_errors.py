@@ -10,16 +10,9 @@ import aiohttp
 import pytest
 
 from proxy import ProxyConfig
-from tests.support import RunningProxy, ScriptedUpstream, db_rows
+from tests.support import RunningProxy, db_rows
 
 CHAT = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
-
-
-@pytest.fixture
-def upstream():
-    up = ScriptedUpstream()
-    yield up
-    up.close()
 
 
 @pytest.fixture

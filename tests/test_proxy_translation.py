@@ -10,17 +10,10 @@ import orjson
 import pytest
 
 from proxy import SamplingOverrides
-from tests.support import RunningProxy, ScriptedUpstream, db_rows
+from tests.support import RunningProxy, db_rows
 
 SYSTEM = {"role": "system", "content": "You are a planner."}
 TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
-
-
-@pytest.fixture
-def upstream():
-    up = ScriptedUpstream()
-    yield up
-    up.close()
 
 
 @pytest.fixture
