@@ -72,3 +72,52 @@ class Episode:
     created_at: float  # unix seconds
     source: str  # how calls are attributed to it: "url", "api_key" or "default"
     meta: dict = field(default_factory=dict)  # free-form metadata given when the episode was opened
+
+
+# EpisodeOutcome.status values: how the agent's run ended (independent of whether its answer was right).
+FINISHED = "finished"  # the agent exited 0 and printed an answer
+CRASHED = "crashed"  # the agent exited non-zero
+TIMED_OUT = "timeout"  # the agent ran past the episode timeout; its whole process group was killed
+NO_OUTPUT = "no_output"  # the agent exited 0 but printed nothing
+INFRA_ERROR = "infra_error"  # the engine was unreachable: not the agent's fault (retried)
+INTERRUPTED = "interrupted"  # the run was stopped (Ctrl-C) while the agent was running
+
+
+@dataclass(frozen=True, slots=True)
+class Task:
+    """One task of a dataset, as given to the agent (on stdin and in HARNESS_TASK)."""
+
+    task_id: str  # unique within the dataset (a field "id", or the line / row number)
+    data: dict  # the task object itself: prompt, reference answer, anything the judge needs
+    split: str = "train"  # dataset split it came from
+
+
+@dataclass(frozen=True, slots=True)
+class EpisodeOutcome:
+    """How one run of the agent on one task ended."""
+
+    episode_id: str  # the episode its calls are recorded under
+    run_id: str  # the run (harness run / train) it belongs to
+    task_id: str  # the task it worked on
+    repeat_index: int  # 0..repeat-1: the sample index within the task's group (GRPO group member)
+    attempt: int  # 1 + how many times it was retried for infrastructure failures
+    status: str  # FINISHED, CRASHED, TIMED_OUT, NO_OUTPUT, INFRA_ERROR or INTERRUPTED
+    exit_code: int | None  # the agent process's exit code (None if it was killed)
+    answer: str | None  # the agent's answer: its final JSON line's "answer", else its last non-empty line
+    error: str | None  # why it failed, in a sentence (with the tail of its stderr where useful)
+    started_at: float  # unix seconds
+    duration_ms: float  # wall time of the agent process
+    log_path: str | None  # the agent's stderr, one file per episode
+
+
+@dataclass(frozen=True, slots=True)
+class Judgement:
+    """A judge's score of one episode. Re-judging adds rows; nothing is overwritten."""
+
+    episode_id: str  # the episode judged
+    judge: str  # the judge's name (its spec, e.g. "harness.judges:exact_match")
+    judge_hash: str  # hash of the judge's source code: a changed judge is a different judge
+    reward: float | None  # the score; None when the judge failed
+    details: dict  # whatever else the judge returned (e.g. {"expected": "42", "got": "41"})
+    error: str | None  # why the judge failed (raised, timed out, returned a wrong type)
+    created_at: float  # unix seconds

@@ -29,7 +29,7 @@ import orjson
 import pyarrow as pa
 
 from harness.readonly import check_read_only
-from harness.records import Call, Episode
+from harness.records import Call, Episode, EpisodeOutcome, Judgement, Task
 
 __all__ = ["MIGRATIONS", "SCHEMA_VERSION", "ROW_GROUP_SIZE", "QueryResult", "SchemaVersionError", "Store",
            "open_read_only_query"]  # fmt: skip
@@ -126,6 +126,55 @@ MIGRATIONS: list[tuple[str, str]] = [
                coalesce(p.completion_tokens, 0) AS completion_tokens,
                p.first_call_at, p.last_call_at, coalesce(p.total_latency_ms, 0) AS total_latency_ms
         FROM episodes AS e FULL OUTER JOIN per_episode AS p USING (episode_id);
+        """,
+    ),
+    (
+        "create_dataset_run_tables",
+        """
+        CREATE TABLE tasks (
+            run_id VARCHAR NOT NULL,
+            task_id VARCHAR NOT NULL,
+            split VARCHAR NOT NULL,
+            data JSON,
+            PRIMARY KEY (run_id, task_id)
+        );
+        CREATE TABLE episode_outcomes (
+            episode_id VARCHAR PRIMARY KEY,
+            run_id VARCHAR NOT NULL,
+            task_id VARCHAR NOT NULL,
+            repeat_index INTEGER NOT NULL,
+            attempt INTEGER NOT NULL,
+            status VARCHAR NOT NULL,
+            exit_code INTEGER,
+            answer VARCHAR,
+            error VARCHAR,
+            started_at TIMESTAMP NOT NULL,
+            duration_ms DOUBLE NOT NULL,
+            log_path VARCHAR
+        );
+        CREATE TABLE judgements (
+            episode_id VARCHAR NOT NULL,
+            judge VARCHAR NOT NULL,
+            judge_hash VARCHAR NOT NULL,
+            reward DOUBLE,
+            details JSON,
+            error VARCHAR,
+            created_at TIMESTAMP NOT NULL
+        );
+        CREATE TABLE reports (
+            run_id VARCHAR NOT NULL,
+            judge VARCHAR NOT NULL,
+            created_at TIMESTAMP NOT NULL,
+            report JSON NOT NULL
+        );
+        CREATE VIEW rewards AS
+        SELECT o.run_id, o.task_id, o.repeat_index, o.episode_id, o.status, j.judge, j.judge_hash, j.reward,
+               j.error AS judge_error, j.created_at AS judged_at
+        FROM episode_outcomes AS o
+        LEFT JOIN (
+            SELECT * FROM judgements
+            QUALIFY row_number() OVER (PARTITION BY episode_id, judge ORDER BY created_at DESC) = 1
+        ) AS j USING (episode_id);
         """,
     ),
 ]
@@ -311,6 +360,33 @@ class Store:
                 _rollback(cur)
                 raise
 
+    def add_tasks(self, run_id: str, tasks: Sequence[Task]) -> None:
+        """The tasks a run works on (ids already stored for the run are left as they are)."""
+        table = pa.table({
+            "run_id": pa.array([run_id] * len(tasks), pa.string()),
+            "task_id": pa.array([t.task_id for t in tasks], pa.string()),
+            "split": pa.array([t.split for t in tasks], pa.string()),
+            "data": pa.array([_json(t.data) for t in tasks], pa.string()),
+        })
+        self._insert({"tasks": table}, verb="INSERT OR IGNORE INTO")
+
+    def add_outcome(self, o: EpisodeOutcome) -> None:
+        row = [o.episode_id, o.run_id, o.task_id, o.repeat_index, o.attempt, o.status, o.exit_code, o.answer,
+               o.error, _utc(o.started_at), o.duration_ms, o.log_path]
+        with self.cursor() as cur:
+            cur.execute("INSERT INTO episode_outcomes VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", row)
+
+    def add_judgements(self, judgements: Sequence[Judgement]) -> None:
+        rows = [[j.episode_id, j.judge, j.judge_hash, j.reward, _json(j.details), j.error, _utc(j.created_at)]
+                for j in judgements]
+        if rows:
+            with self.cursor() as cur:
+                cur.executemany("INSERT INTO judgements VALUES (?, ?, ?, ?, ?, ?, ?)", rows)
+
+    def add_report(self, run_id: str, judge: str, report: dict) -> None:
+        with self.cursor() as cur:
+            cur.execute("INSERT INTO reports VALUES (?, ?, ?, ?)", [run_id, judge, _utc(time.time()), _json(report)])
+
     # --- reads --------------------------------------------------------------------------------------------
 
     def next_call_index(self, episode_id: str) -> int:
@@ -337,6 +413,20 @@ class Store:
         truncated = max_rows is not None and len(rows) > max_rows
         columns, types = [d[0] for d in description], [str(d[1]) for d in description]
         return QueryResult(columns, types, rows[:max_rows] if truncated else rows, truncated)
+
+
+    def episode_calls(self, episode_id: str) -> list[dict]:
+        """An episode's calls in order, as judges see them (request and response parsed)."""
+        sql = ("SELECT call_index, status, request, response, prompt_tokens, completion_tokens FROM calls "
+               "WHERE episode_id = ? ORDER BY call_index")
+        with self.cursor() as cur:
+            rows = cur.execute(sql, [episode_id]).fetchall()
+        keys = ("call_index", "status", "request", "response", "prompt_tokens", "completion_tokens")
+        calls = [dict(zip(keys, row, strict=True)) for row in rows]
+        for call in calls:
+            call["request"] = orjson.loads(call["request"]) if call["request"] else None
+            call["response"] = orjson.loads(call["response"]) if call["response"] else None
+        return calls
 
 
 def open_read_only_query(path: str | Path, sql: str, max_rows: int | None = None) -> QueryResult:
