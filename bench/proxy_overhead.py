@@ -99,8 +99,8 @@ class Settings:
     quiet_wait_s: float = 15.0  # before each phase, wait up to this long for co-tenants to go quiet
 
 
-QUICK = Settings(latency_n=500, ttft_n=100, burst_n=200, block=100, warmup_n=30, rounds=1, window_s=2.0,
-                 streams_per_client=1, profile_s=2.0, quiet_wait_s=3.0)  # fmt: skip
+QUICK = Settings(latency_n=400, ttft_n=100, burst_n=150, block=100, warmup_n=30, rounds=1, window_s=2.0,
+                 streams_per_client=1, profile_s=2.0, quiet_wait_s=2.0)  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -743,7 +743,7 @@ def _added(res: dict, path: str, key: str, q: float) -> tuple[str, float]:
 
 
 def _row(what: str, goal: str, direct: str, relay: str, per_loop: list[str], met: list[bool | None]) -> str:
-    cells = [what, goal, direct, relay, *per_loop, " / ".join(_met(m) for m in met)]
+    cells = [what, goal, direct, relay, *per_loop, " / ".join(_met(m) for m in met) or "-"]
     return "| " + " | ".join(cells) + " |"
 
 
@@ -833,7 +833,7 @@ def limits(r: dict, s: Settings) -> list[str]:
         hop_text = (f"{path} loop thread {mean(t['hop_loop_cpu']):.0%} + other threads {mean(t['hop_other_cpu']):.0%}"
                     if path != "direct" else "idle")  # fmt: skip
         lines.append(
-            f"- {path}: {' / '.join(f'{v:,.0f}' for v in t['calls_per_s'])} calls/s ({s.rounds} windows). "
+            f"- {path}: {' / '.join(f'{v:,.0f}' for v in t['calls_per_s'])} calls/s in {s.rounds} window(s). "
             f"Core 0 {busy0:.0%} busy ({hop_text}, others {max(0.0, busy0 - hop):.0%}; {_bound(busy0)}); "
             f"core 1 {busy1:.0%} busy (engine {mean(t['engine_cpu']):.0%}, load generator "
             f"{mean(t['client_cpu']):.0%}, others {max(0.0, busy1 - load):.0%}; {_bound(busy1)}). "
@@ -841,6 +841,10 @@ def limits(r: dict, s: Settings) -> list[str]:
         )
     cot = ", ".join(f"{k} {v:.2f} (waited {r['waited'][k]:.0f} s)" for k, v in r["cotenant"].items())
     lines.append(f"- CPU used by processes outside this benchmark, in cores (of {os.cpu_count()}), per phase: {cot}.")
+    disturbed = [k for k, v in r["cotenant"].items() if v > 0.2]
+    if disturbed:
+        lines.append(f"- **Disturbed phases** (other processes used > 0.2 cores): {', '.join(disturbed)}; their rows "
+                     "measure the machine's other load as much as the proxy. Rerun on a quiet machine.")  # fmt: skip
     return lines
 
 

@@ -22,6 +22,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--version", action="version", version=f"harness {__version__}")
     verbs = parser.add_subparsers(dest="verb", metavar="VERB", required=True)
     _add_serve(verbs)
+    _add_run(verbs)
+    _add_judge(verbs)
     _add_sql(verbs)
     _add_tiny_model(verbs)
     args = parser.parse_args(argv)
@@ -41,16 +43,13 @@ def _add_serve(verbs) -> None:
         description="Start vLLM on a model (or attach to a running OpenAI-compatible server) and put the recording "
         "proxy in front of it. Point agents at the printed OPENAI_BASE_URL; every call lands in the DuckDB file.",
     )
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--model", type=Path, help="model directory to serve with vLLM (started as a subprocess)")
-    src.add_argument("--upstream", help="URL of an engine already running, e.g. http://127.0.0.1:8000")
+    _add_engine_args(p)
     p.add_argument("--run-dir", type=Path, default=DEFAULT_RUN_DIR, help="where logs go (default: %(default)s)")
     p.add_argument("--db", type=Path, help="DuckDB file to record into (default: RUN_DIR/harness.duckdb)")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: %(default)s)")
     p.add_argument("--port", type=int, default=8400, help="proxy port; 0 picks a free one (default: %(default)s)")
     p.add_argument("--auth-token", default=os.environ.get("HARNESS_AUTH_TOKEN"),
                    help="api key agents must send; required when binding beyond loopback (env HARNESS_AUTH_TOKEN)")
-    p.add_argument("--max-model-len", type=int, default=2048, help="engine context length (default: %(default)s)")
     p.add_argument("--strict-episodes", action="store_true",
                    help="refuse /e/<episode>/v1 calls for episodes not opened via POST /harness/episodes")
     p.add_argument("--temperature", type=float, help="training-time override of the agents' temperature")
@@ -60,25 +59,18 @@ def _add_serve(verbs) -> None:
 
 
 def _serve(args) -> int:
-    from harness.engine import EngineError, attach, start_vllm
+    from harness.engine import EngineError, start_or_attach
     from proxy import ProxyConfig, SamplingOverrides, serve_forever
 
     args.run_dir.mkdir(parents=True, exist_ok=True)
     db = args.db or args.run_dir / "harness.duckdb"
     try:
         sampling = SamplingOverrides(args.temperature, args.top_p, args.max_tokens_cap)
-        if args.model is not None:
-            if not args.model.is_dir():
-                print(f"error: --model {str(args.model)!r} is not a directory (build one: harness tiny-model DIR)",
-                      file=sys.stderr)
-                return 2
-            print(f"starting vLLM on {args.model} (log: {args.run_dir / 'engine.log'}) ...", file=sys.stderr)
-            engine = start_vllm(args.model, args.run_dir, max_model_len=args.max_model_len)
-        else:
-            engine = attach(args.upstream)
+        engine = start_or_attach(model=args.model, upstream=args.upstream, run_dir=args.run_dir,
+                                 max_model_len=args.max_model_len)
     except (EngineError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 1
+        return 2 if "is not a directory" in str(exc) else 1
     try:
         if not engine.returns_token_ids:
             print(f"note: {engine.base_url} returns no token ids: recording text only", file=sys.stderr)
@@ -101,6 +93,129 @@ def _serve(args) -> int:
         return 2
     finally:
         engine.stop()
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _add_engine_args(p) -> None:
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", type=Path, help="model directory to serve with vLLM (started as a subprocess)")
+    src.add_argument("--upstream", help="URL of an engine already running, e.g. http://127.0.0.1:8000")
+    p.add_argument("--max-model-len", type=int, default=2048, help="engine context length (default: %(default)s)")
+
+
+def _add_run(verbs) -> None:
+    p = verbs.add_parser(
+        "run", help="run an unmodified agent over a dataset, judge every episode, report",
+        description="Run AGENT once per task and repeat, each run an episode of its own: the agent gets "
+        "OPENAI_BASE_URL and OPENAI_API_KEY for its episode, and its task as JSON on stdin and in HARNESS_TASK. "
+        "Its answer is its stdout (the last JSON line with an \"answer\" field, else the last non-empty line). "
+        "Every call is recorded into RUN_DIR/harness.duckdb; the judge scores each episode; a report is "
+        "printed, stored and written to RUN_DIR/report-<run>.json.",
+    )
+    p.add_argument("agent", nargs="?", type=Path, help="the agent's Python file (run with this Python)")
+    p.add_argument("--cmd", help='any agent command instead, e.g. "node agent.js" (split like a shell would)')
+    p.add_argument("--data", required=True,
+                   help="tasks: a .jsonl file, a datasets dir or .parquet/.json file, an environment service URL, "
+                   "or module:function")
+    p.add_argument("--split", default="train", help="dataset split (default: %(default)s)")
+    p.add_argument("--limit", type=int, help="use only the first N tasks")
+    p.add_argument("--judge", help="judge: a built-in (exact_match, math, substring, f1, rubric, env), "
+                   "module:function, module:Class or path.py:name")
+    p.add_argument("--repeat", type=int, default=1, help="episodes per task, the GRPO group size (default: 1)")
+    p.add_argument("--concurrency", type=int, default=4, help="episodes at once (default: %(default)s)")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds per episode (default: %(default)s)")
+    p.add_argument("--retries", type=int, default=2,
+                   help="extra attempts when the engine was unreachable, never for wrong answers (default: 2)")
+    p.add_argument("--success-threshold", type=float, default=1.0,
+                   help="reward that counts as a success for success rate and pass@k (default: %(default)s)")
+    p.add_argument("--judge-timeout", type=float, default=60.0, help="seconds per judgement (default: 60)")
+    p.add_argument("--run-dir", type=Path, default=DEFAULT_RUN_DIR, help="where the run goes (default: %(default)s)")
+    p.add_argument("--temperature", type=float, help="training-time override of the agents' temperature")
+    _add_engine_args(p)
+    p.set_defaults(func=_run)
+
+
+def _run(args) -> int:
+    import shlex
+
+    from harness.engine import EngineError, start_or_attach
+    from harness.judges import JudgeError
+    from harness.report import print_report
+    from harness.run import run_dataset
+    from harness.runner import RunConfig
+    from harness.tasks import TaskError, read_tasks
+    from proxy import SamplingOverrides
+
+    if (args.agent is None) == (args.cmd is None):
+        print("error: give the agent's Python file, or --cmd \"COMMAND\", not both", file=sys.stderr)
+        return 2
+    if args.agent is not None and not args.agent.is_file():
+        print(f"error: agent {str(args.agent)!r} is not a file", file=sys.stderr)
+        return 2
+    command = [sys.executable, str(args.agent.resolve())] if args.agent else shlex.split(args.cmd)
+    try:
+        tasks = read_tasks(args.data, split=args.split, limit=args.limit)
+        if not tasks:
+            raise TaskError(f"{args.data!r} has no tasks in split {args.split!r}")
+        config = RunConfig(command=command, judge=args.judge, repeat=args.repeat, concurrency=args.concurrency,
+                           timeout_s=args.timeout, retries=args.retries, judge_timeout_s=args.judge_timeout)
+        sampling = SamplingOverrides(temperature=args.temperature)
+        if args.judge:
+            from harness.judges import load_judge
+
+            load_judge(args.judge)
+        engine = start_or_attach(model=args.model, upstream=args.upstream, run_dir=args.run_dir,
+                                 max_model_len=args.max_model_len)
+    except (TaskError, JudgeError, EngineError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        print(f"running {len(tasks)} tasks x {args.repeat} against {engine.base_url}", file=sys.stderr)
+        run_id, report = asyncio.run(run_dataset(tasks, config, engine, args.run_dir,
+                                                 success_threshold=args.success_threshold, sampling=sampling))
+    finally:
+        engine.stop()
+    print_report(report, run_id)
+    print(f"recorded into {args.run_dir / 'harness.duckdb'}; report: {args.run_dir / f'report-{run_id}.json'}",
+          file=sys.stderr)
+    return 0
+
+
+def _add_judge(verbs) -> None:
+    p = verbs.add_parser(
+        "judge", help="re-score a stored run with a (new) judge, without re-running agents",
+        description="Score every episode of a stored dataset run with JUDGE, offline: the agents are not run "
+        "again. Judgements are added (nothing is overwritten) and a new report is stored and printed.",
+    )
+    p.add_argument("--judge", required=True, help="judge spec, as for harness run")
+    p.add_argument("--run", dest="run_id", help="run id (default: the latest dataset run in the database)")
+    p.add_argument("--db", type=Path, default=DEFAULT_RUN_DIR / "harness.duckdb",
+                   help="DuckDB file (default: %(default)s)")
+    p.add_argument("--success-threshold", type=float, default=1.0, help="reward that counts as a success")
+    p.add_argument("--judge-timeout", type=float, default=60.0, help="seconds per judgement (default: 60)")
+    p.set_defaults(func=_judge)
+
+
+def _judge(args) -> int:
+    import duckdb
+
+    from harness.judges import JudgeError
+    from harness.report import print_report
+    from harness.run import rejudge
+
+    if not args.db.exists():
+        print(f"error: no database at {str(args.db)!r}: pass --db PATH", file=sys.stderr)
+        return 2
+    try:
+        run_id, report = asyncio.run(rejudge(args.db, args.run_id, args.judge,
+                                             success_threshold=args.success_threshold, timeout_s=args.judge_timeout))
+    except (JudgeError, ValueError, duckdb.Error) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print_report(report, run_id)
     return 0
 
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Engine", "EngineError", "attach", "start_vllm"]
+__all__ = ["Engine", "EngineError", "attach", "start_or_attach", "start_vllm"]
 
 _STOP_GRACE_S = 20.0  # SIGTERM, then this long, then SIGKILL
 _LOG_TAIL_LINES = 30
@@ -246,3 +246,17 @@ def _request(url: str, body: dict | None, timeout_s: float, api_key: str | None)
     except ValueError:
         shown = raw[:200]
         raise EngineError(f"{method} {url} answered non-JSON {shown!r}: not an OpenAI server") from None
+
+
+def start_or_attach(*, model: str | Path | None, upstream: str | None, run_dir: str | Path,
+                    max_model_len: int = 2048) -> Engine:
+    """The engine a command asked for: vLLM started on `model`, or the server already running at `upstream`."""
+    if (model is None) == (upstream is None):
+        raise EngineError("give exactly one of a model directory (--model) or an engine URL (--upstream)")
+    if upstream is not None:
+        return attach(upstream)
+    model = Path(model)
+    if not model.is_dir():
+        raise EngineError(f"--model {str(model)!r} is not a directory (build one with: harness tiny-model DIR)")
+    print(f"starting vLLM on {model} (log: {Path(run_dir) / 'engine.log'}) ...", file=sys.stderr, flush=True)
+    return start_vllm(model, run_dir, max_model_len=max_model_len)

@@ -70,7 +70,7 @@ class Episode:
     episode_id: str  # unique id; chosen by the user (URL) or minted by the proxy
     run_id: str  # the proxy run in which the episode started
     created_at: float  # unix seconds
-    source: str  # how calls are attributed to it: "url", "api_key" or "default"
+    source: str  # how it was opened: "url", "api_key", "default", or "runner" (by a dataset run)
     meta: dict = field(default_factory=dict)  # free-form metadata given when the episode was opened
 
 

@@ -30,155 +30,11 @@ import pyarrow as pa
 
 from harness.readonly import check_read_only
 from harness.records import Call, Episode, EpisodeOutcome, Judgement, Task
+from harness.schema import MIGRATIONS, SCHEMA_VERSION
 
 __all__ = ["MIGRATIONS", "SCHEMA_VERSION", "ROW_GROUP_SIZE", "QueryResult", "SchemaVersionError", "Store",
            "open_read_only_query"]  # fmt: skip
 
-# Append-only: (name, sql). Never edit or reorder an entry that has shipped; add a new one instead.
-# request/response are the largest columns (~8 kB of JSON per 2k-token call): DuckDB's automatic compression
-# choice spends 3x longer on them at checkpoint than zstd alone, for the same size, hence USING COMPRESSION.
-MIGRATIONS: list[tuple[str, str]] = [
-    (
-        "create_record_tables",
-        """
-        CREATE TABLE runs (
-            run_id VARCHAR PRIMARY KEY,
-            started_at TIMESTAMP NOT NULL,
-            ended_at TIMESTAMP,
-            harness_version VARCHAR NOT NULL,
-            config JSON
-        );
-        CREATE TABLE episodes (
-            episode_id VARCHAR PRIMARY KEY,
-            run_id VARCHAR NOT NULL,
-            created_at TIMESTAMP NOT NULL,
-            source VARCHAR NOT NULL,
-            meta JSON
-        );
-        CREATE TABLE calls (
-            call_id VARCHAR PRIMARY KEY,
-            run_id VARCHAR NOT NULL,
-            episode_id VARCHAR NOT NULL,
-            call_index INTEGER NOT NULL,
-            endpoint VARCHAR NOT NULL,
-            stream BOOLEAN NOT NULL,
-            requested_model VARCHAR,
-            served_model VARCHAR,
-            role_key VARCHAR NOT NULL,
-            system_hash VARCHAR,
-            tools_hash VARCHAR,
-            request JSON NOT NULL USING COMPRESSION zstd,
-            response JSON USING COMPRESSION zstd,
-            prompt_ids INTEGER[],
-            token_source VARCHAR NOT NULL,
-            status VARCHAR NOT NULL,
-            http_status INTEGER NOT NULL,
-            error VARCHAR,
-            started_at TIMESTAMP NOT NULL,
-            latency_ms DOUBLE NOT NULL,
-            ttft_ms DOUBLE,
-            weight_version INTEGER NOT NULL,
-            prompt_tokens INTEGER,
-            completion_tokens INTEGER,
-            extra JSON
-        );
-        CREATE TABLE choices (
-            call_id VARCHAR NOT NULL,
-            choice_index INTEGER NOT NULL,
-            completion_ids INTEGER[],
-            logprobs FLOAT[],
-            finish_reason VARCHAR,
-            text VARCHAR,
-            tool_calls JSON,
-            reasoning VARCHAR,
-            PRIMARY KEY (call_id, choice_index)
-        );
-        """,
-    ),
-    (
-        "create_analysis_views",
-        """
-        CREATE VIEW completions AS
-        SELECT c.call_id, c.run_id, c.episode_id, c.call_index, ch.choice_index, c.role_key, c.endpoint,
-               c.status, c.started_at, c.latency_ms, c.weight_version,
-               coalesce(c.prompt_tokens, len(c.prompt_ids)) AS prompt_tokens,
-               len(ch.completion_ids) AS completion_tokens,
-               ch.finish_reason, ch.text, ch.tool_calls
-        FROM calls AS c LEFT JOIN choices AS ch ON ch.call_id = c.call_id;
-
-        CREATE VIEW episode_summary AS
-        WITH per_episode AS (
-            SELECT episode_id,
-                   arg_min(run_id, started_at) AS first_run_id,
-                   count(*) AS n_calls,
-                   count(*) FILTER (WHERE status = 'error') AS n_errors,
-                   count(*) FILTER (WHERE status = 'cancelled') AS n_cancelled,
-                   CAST(sum(prompt_tokens) AS BIGINT) AS prompt_tokens,
-                   CAST(sum(completion_tokens) AS BIGINT) AS completion_tokens,
-                   min(started_at) AS first_call_at, max(started_at) AS last_call_at,
-                   sum(latency_ms) AS total_latency_ms
-            FROM calls GROUP BY episode_id
-        )
-        SELECT episode_id, coalesce(e.run_id, p.first_run_id) AS run_id, e.source, e.created_at,
-               coalesce(p.n_calls, 0) AS n_calls, coalesce(p.n_errors, 0) AS n_errors,
-               coalesce(p.n_cancelled, 0) AS n_cancelled,
-               coalesce(p.prompt_tokens, 0) AS prompt_tokens,
-               coalesce(p.completion_tokens, 0) AS completion_tokens,
-               p.first_call_at, p.last_call_at, coalesce(p.total_latency_ms, 0) AS total_latency_ms
-        FROM episodes AS e FULL OUTER JOIN per_episode AS p USING (episode_id);
-        """,
-    ),
-    (
-        "create_dataset_run_tables",
-        """
-        CREATE TABLE tasks (
-            run_id VARCHAR NOT NULL,
-            task_id VARCHAR NOT NULL,
-            split VARCHAR NOT NULL,
-            data JSON,
-            PRIMARY KEY (run_id, task_id)
-        );
-        CREATE TABLE episode_outcomes (
-            episode_id VARCHAR PRIMARY KEY,
-            run_id VARCHAR NOT NULL,
-            task_id VARCHAR NOT NULL,
-            repeat_index INTEGER NOT NULL,
-            attempt INTEGER NOT NULL,
-            status VARCHAR NOT NULL,
-            exit_code INTEGER,
-            answer VARCHAR,
-            error VARCHAR,
-            started_at TIMESTAMP NOT NULL,
-            duration_ms DOUBLE NOT NULL,
-            log_path VARCHAR
-        );
-        CREATE TABLE judgements (
-            episode_id VARCHAR NOT NULL,
-            judge VARCHAR NOT NULL,
-            judge_hash VARCHAR NOT NULL,
-            reward DOUBLE,
-            details JSON,
-            error VARCHAR,
-            created_at TIMESTAMP NOT NULL
-        );
-        CREATE TABLE reports (
-            run_id VARCHAR NOT NULL,
-            judge VARCHAR NOT NULL,
-            created_at TIMESTAMP NOT NULL,
-            report JSON NOT NULL
-        );
-        CREATE VIEW rewards AS
-        SELECT o.run_id, o.task_id, o.repeat_index, o.episode_id, o.status, j.judge, j.judge_hash, j.reward,
-               j.error AS judge_error, j.created_at AS judged_at
-        FROM episode_outcomes AS o
-        LEFT JOIN (
-            SELECT * FROM judgements
-            QUALIFY row_number() OVER (PARTITION BY episode_id, judge ORDER BY created_at DESC) = 1
-        ) AS j USING (episode_id);
-        """,
-    ),
-]
-SCHEMA_VERSION = len(MIGRATIONS)
 
 # Rows per row group. A transaction that appends a full row group has it compressed and written straight to
 # the file, instead of to the WAL and again at the next checkpoint: ~2x the ingest rate for 2k-token calls
@@ -417,11 +273,11 @@ class Store:
 
     def episode_calls(self, episode_id: str) -> list[dict]:
         """An episode's calls in order, as judges see them (request and response parsed)."""
-        sql = ("SELECT call_index, status, request, response, prompt_tokens, completion_tokens FROM calls "
-               "WHERE episode_id = ? ORDER BY call_index")
+        sql = ("SELECT call_index, status, http_status, request, response, prompt_tokens, completion_tokens "
+               "FROM calls WHERE episode_id = ? ORDER BY call_index")
         with self.cursor() as cur:
             rows = cur.execute(sql, [episode_id]).fetchall()
-        keys = ("call_index", "status", "request", "response", "prompt_tokens", "completion_tokens")
+        keys = ("call_index", "status", "http_status", "request", "response", "prompt_tokens", "completion_tokens")
         calls = [dict(zip(keys, row, strict=True)) for row in rows]
         for call in calls:
             call["request"] = orjson.loads(call["request"]) if call["request"] else None

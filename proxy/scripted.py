@@ -27,6 +27,7 @@ class Script:
     break_stream_after: int | None = None  # close the connection after this many chunks
     token_ids: bool = True  # False: answer like a server that knows nothing of token ids (no such fields)
     tool_arguments: str | None = None  # chat answers a call of tool "lookup" with these arguments instead of text
+    content: str | None = None  # fixed reply text (chat and completions) instead of the generated "w1000 w1001 ..."
 
 
 class ScriptedEngine:
@@ -91,7 +92,7 @@ class ScriptedEngine:
     def _full(self, body: dict, chat: bool, n: int, prompt_ids: list[int], ids: list[int]) -> dict:
         choices = []
         for i in range(n):
-            text = "".join(f"w{t} " for t in ids)
+            text = "".join(f"w{t} " for t in ids) if self.script.content is None else self.script.content
             if chat:
                 lp = {"content": [{"token": f"w{t} ", "logprob": -0.5, "bytes": None, "top_logprobs": []}
                                   for t in ids]}
@@ -148,7 +149,8 @@ class ScriptedEngine:
                               if last else None}
                 else:
                     lp = {"text_offset": [pos], "token_logprobs": [-0.5], "tokens": [f"w{t} "], "top_logprobs": None}
-                    choice = {"index": i, "text": f"w{t} ", "token_ids": [t],
+                    text = f"w{t} " if s.content is None else (s.content if pos == 0 else "")
+                    choice = {"index": i, "text": text, "token_ids": [t],
                               "logprobs": lp if body.get("logprobs") is not None else None,
                               "finish_reason": "length" if last else None}
                     if pos == 0:
@@ -173,6 +175,8 @@ class ScriptedEngine:
     def _delta(self, pos: int, token: int, count: int) -> dict:
         """Text, or a tool call streamed the way vLLM does: id and name first, then the arguments in pieces."""
         args = self.script.tool_arguments
+        if args is None and self.script.content is not None:
+            return {"content": self.script.content} if pos == 0 else {}
         if args is None:
             return {"content": f"w{token} "}
         if pos == 0:

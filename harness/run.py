@@ -1,0 +1,144 @@
+"""`harness run` and `harness judge`: a dataset run end to end, and re-judging a stored run offline.
+
+    tasks -> proxy (in this process, its own DuckDB) -> Runner (agent subprocesses) -> JudgePool -> report
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import sys
+from datetime import UTC
+from pathlib import Path
+
+from harness.engine import Engine
+from harness.judge_pool import JudgePool
+from harness.judges import load_judge
+from harness.records import EpisodeOutcome, Judgement, Task
+from harness.report import build_report, print_report
+from harness.runner import RunConfig, Runner
+from harness.store import Store
+from proxy.app import EPISODES, RECORDER, STORE
+from proxy.config import ProxyConfig, SamplingOverrides
+from proxy.server import ProxyServer
+
+
+async def run_dataset(tasks: list[Task], config: RunConfig, engine: Engine, run_dir: Path, *,
+                      success_threshold: float = 1.0, sampling: SamplingOverrides | None = None,
+                      progress: bool = True) -> tuple[str, dict]:
+    """Run every task `config.repeat` times through a fresh proxy; returns (run_id, report)."""
+    # A typo in the judge fails here, before any agent runs; judgements carry the judge's normalised name.
+    judge_name = load_judge(config.judge).name if config.judge else "none"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    proxy_config = ProxyConfig(upstream_url=engine.base_url, served_model=engine.served_model,
+                               returns_token_ids=engine.returns_token_ids, db_path=run_dir / "harness.duckdb",
+                               port=0, sampling=sampling or SamplingOverrides())
+    server = ProxyServer(proxy_config)
+    url = await server.start()
+    app = server.app
+    bar = _Progress(len(tasks) * config.repeat, enabled=progress)
+    runner = Runner(config, run_id=server.run_id, proxy_url=url, store=app[STORE], flush=app[RECORDER].flush,
+                    open_episode=lambda eid, meta: app[EPISODES].open(eid, source="runner", meta=meta),
+                    run_dir=run_dir, on_episode=bar.update)
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGINT, runner.stop)
+    try:
+        with bar:
+            await runner.run(tasks)
+        await asyncio.to_thread(app[RECORDER].flush)
+        report = _report(app[STORE], server.run_id, runner.outcomes, runner.judgements, judge_name,
+                         success_threshold)
+        await asyncio.to_thread(app[STORE].add_report, server.run_id, judge_name, report)
+    finally:
+        loop.remove_signal_handler(signal.SIGINT)
+        await server.stop()
+    (run_dir / f"report-{server.run_id}.json").write_text(json.dumps(report, indent=2))
+    return server.run_id, report
+
+
+def _report(store: Store, run_id: str, outcomes, judgements, judge: str, success_threshold: float) -> dict:
+    tokens = store.query("SELECT episode_id, coalesce(sum(prompt_tokens), 0), coalesce(sum(completion_tokens), 0) "
+                         "FROM calls WHERE run_id = ? GROUP BY 1", [run_id]).rows
+    latencies = store.query("SELECT latency_ms FROM calls WHERE run_id = ? AND status = 'ok'", [run_id]).rows
+    return build_report(outcomes, judgements, judge=judge, success_threshold=success_threshold,
+                        episode_tokens={e: (int(p), int(c)) for e, p, c in tokens},
+                        call_latencies_ms=[r[0] for r in latencies])
+
+
+async def rejudge(db_path: Path, run_id: str | None, judge: str, *, success_threshold: float = 1.0,
+                  workers: int = 2, timeout_s: float = 60.0) -> tuple[str, dict]:
+    """Score a stored run's episodes with `judge`, without running any agent; returns (run_id, report)."""
+    judge_name = load_judge(judge).name
+    store = Store.open(db_path)
+    try:
+        if run_id is None:
+            rows = store.query("SELECT run_id FROM episode_outcomes GROUP BY 1 ORDER BY min(started_at) DESC "
+                               "LIMIT 1").rows
+            if not rows:
+                raise ValueError(f"{db_path} holds no dataset run to judge (no episode_outcomes rows)")
+            run_id = rows[0][0]
+        outcomes = _outcomes(store, run_id)
+        if not outcomes:
+            raise ValueError(f"run {run_id!r} has no episodes in {db_path}: see `harness sql \"SELECT run_id, "
+                             "count(*) FROM episode_outcomes GROUP BY 1\"`")
+        tasks = dict(store.query("SELECT episode_id, meta->'task' FROM episodes WHERE episode_id IN "
+                                 "(SELECT episode_id FROM episode_outcomes WHERE run_id = ?)", [run_id]).rows)
+        judgements: list[Judgement] = []
+        async with JudgePool(judge, workers=workers, timeout_s=timeout_s) as pool:
+            async def one(o: EpisodeOutcome) -> None:
+                task = json.loads(tasks[o.episode_id]) if tasks.get(o.episode_id) else {}
+                calls = await asyncio.to_thread(store.episode_calls, o.episode_id)
+                judgements.append(await pool.judge(o.episode_id, task, o.answer, calls))
+
+            await asyncio.gather(*(one(o) for o in outcomes if o.status not in ("infra_error", "interrupted")))
+        store.add_judgements(judgements)
+        report = _report(store, run_id, outcomes, judgements, judge_name, success_threshold)
+        store.add_report(run_id, judge_name, report)
+        return run_id, report
+    finally:
+        store.close()
+
+
+def _outcomes(store: Store, run_id: str) -> list[EpisodeOutcome]:
+    # The last attempt of each episode slot stands for it (earlier attempts failed on infrastructure).
+    rows = store.query("SELECT * FROM episode_outcomes WHERE run_id = ? QUALIFY row_number() OVER "
+                       "(PARTITION BY task_id, repeat_index ORDER BY attempt DESC) = 1 "
+                       "ORDER BY task_id, repeat_index", [run_id]).rows
+    return [EpisodeOutcome(*row[:9], row[9].replace(tzinfo=UTC).timestamp(), *row[10:]) for row in rows]
+
+
+class _Progress:
+    """A progress bar with the live mean reward and failure count (silent when disabled)."""
+
+    def __init__(self, total: int, enabled: bool):
+        self.total, self.enabled = total, enabled and sys.stderr.isatty()
+        self.rewards: list[float] = []
+        self.failures = 0
+        self._progress = None
+
+    def __enter__(self):
+        if self.enabled:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+            self._progress = Progress(TextColumn("episodes"), BarColumn(), MofNCompleteColumn(),
+                                      TextColumn("{task.fields[stats]}"), TimeElapsedColumn(), transient=False)
+            self._progress.__enter__()
+            self._task = self._progress.add_task("run", total=self.total, stats="")
+        return self
+
+    def __exit__(self, *exc):
+        if self._progress is not None:
+            self._progress.__exit__(*exc)
+
+    def update(self, outcome: EpisodeOutcome, judgement: Judgement | None) -> None:
+        if judgement is not None and judgement.reward is not None:
+            self.rewards.append(judgement.reward)
+        if outcome.status != "finished" or (judgement is not None and judgement.error):
+            self.failures += 1
+        if self._progress is not None:
+            mean = f"{sum(self.rewards) / len(self.rewards):.3f}" if self.rewards else "-"
+            self._progress.update(self._task, advance=1, stats=f"reward {mean}  failures {self.failures}")
+
+
+__all__ = ["print_report", "rejudge", "run_dataset"]

@@ -1,0 +1,219 @@
+"""Run an unmodified agent over a dataset: one subprocess per episode, wired to its own episode of the proxy.
+
+For each task and repeat the agent gets:
+- `OPENAI_BASE_URL` = its episode-scoped proxy URL, `OPENAI_API_KEY` = its episode token;
+- the task as JSON on stdin and in `HARNESS_TASK`; its episode id in `HARNESS_EPISODE_ID`.
+Its answer is its stdout: the last line that is a JSON object with an "answer" field wins, else the last
+non-empty line. Its stderr goes to `<run_dir>/episodes/<episode>.log`.
+
+An agent that crashes, hangs or prints nothing is an episode with a failure cause, never a crashed run. Only
+infrastructure failures (the engine unreachable) are retried, never a wrong answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from harness.judge_pool import JudgePool
+from harness.records import (
+    CRASHED,
+    FINISHED,
+    INFRA_ERROR,
+    INTERRUPTED,
+    NO_OUTPUT,
+    TIMED_OUT,
+    EpisodeOutcome,
+    Judgement,
+    Task,
+)
+from harness.store import Store
+from harness.tasks import instance_for
+
+_UPSTREAM_TROUBLE = (502, 503, 504)
+_STDERR_TAIL = 800
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    command: list[str]  # the agent command, e.g. [sys.executable, "agent.py"]
+    judge: str | None  # judge spec; None: record and report without rewards
+    repeat: int = 1  # episodes per task (the GRPO group size)
+    concurrency: int = 4  # episodes running at once
+    timeout_s: float = 300.0  # per episode; the agent's whole process group is killed after it
+    retries: int = 2  # extra attempts for infrastructure failures only
+    judge_timeout_s: float = 60.0
+    judge_workers: int = 2
+    cwd: Path | None = None  # where agents run (default: the current directory)
+    env: dict[str, str] = field(default_factory=dict)  # extra environment for agents
+
+    def __post_init__(self):
+        for name in ("repeat", "concurrency"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.timeout_s <= 0:
+            raise ValueError(f"timeout must be positive, got {self.timeout_s}")
+        if self.retries < 0:
+            raise ValueError(f"retries must be >= 0, got {self.retries}")
+
+
+def parse_answer(stdout: str) -> str | None:
+    """The agent's answer: the last JSON line with an "answer" field, else the last non-empty line."""
+    lines = [line.strip() for line in stdout.splitlines() if line.strip()]
+    for line in reversed(lines):
+        if line.startswith("{"):
+            try:
+                obj = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(obj, dict) and "answer" in obj:
+                answer = obj["answer"]
+                return answer if isinstance(answer, str) or answer is None else json.dumps(answer)
+    return lines[-1] if lines else None
+
+
+@dataclass
+class EpisodeSlot:
+    """One planned episode: which task, which sample of its group."""
+
+    task: Task
+    repeat_index: int
+    episode_id: str
+
+
+class Runner:
+    """Runs the episodes of one run against a started proxy, records outcomes, judges them."""
+
+    def __init__(self, config: RunConfig, *, run_id: str, proxy_url: str, open_episode, store: Store,
+                 flush: Callable[[], None], run_dir: Path, on_episode: Callable[[EpisodeOutcome, Judgement | None],
+                                                                                  None] | None = None):
+        self.config = config
+        self.run_id = run_id
+        self.proxy_url = proxy_url
+        self.open_episode = open_episode  # async (episode_id, meta) -> {"api_key": ...}
+        self.store = store
+        self.flush = flush  # blocks until the recorder has written everything so far
+        self.log_dir = run_dir / "episodes"
+        self.on_episode = on_episode
+        self.outcomes: list[EpisodeOutcome] = []
+        self.judgements: list[Judgement] = []
+        self._stopping = asyncio.Event()
+        self._running: set[asyncio.subprocess.Process] = set()
+
+    def plan(self, tasks: list[Task]) -> list[EpisodeSlot]:
+        return [EpisodeSlot(t, r, f"{self.run_id}-{t.task_id}-{r}") for t in tasks for r in range(self.config.repeat)]
+
+    def stop(self) -> None:
+        """Stop starting episodes and end the running ones (their outcomes say interrupted)."""
+        self._stopping.set()
+        for proc in list(self._running):
+            _kill_group(proc)
+
+    async def run(self, tasks: list[Task]) -> None:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        await asyncio.to_thread(self.store.add_tasks, self.run_id, tasks)
+        slots = self.plan(tasks)
+        gate = asyncio.Semaphore(self.config.concurrency)
+        pool = JudgePool(self.config.judge, workers=self.config.judge_workers,
+                         timeout_s=self.config.judge_timeout_s) if self.config.judge else None
+        try:
+            async def one(slot: EpisodeSlot) -> None:
+                async with gate:
+                    if not self._stopping.is_set():
+                        await self._episode(slot, pool)
+
+            await asyncio.gather(*(one(s) for s in slots))
+        finally:
+            if pool is not None:
+                pool.close()
+
+    async def _episode(self, slot: EpisodeSlot, pool: JudgePool | None) -> None:
+        attempt = 1
+        while True:
+            episode_id = slot.episode_id if attempt == 1 else f"{slot.episode_id}-retry{attempt - 1}"
+            agent_task = await asyncio.to_thread(instance_for, slot.task)
+            meta = {"task_id": slot.task.task_id, "repeat_index": slot.repeat_index, "attempt": attempt,
+                    "task": agent_task}
+            opened = await self.open_episode(episode_id, meta)
+            outcome = await self._run_agent(slot, episode_id, attempt, agent_task, opened["api_key"])
+            await asyncio.to_thread(self.flush)
+            calls = await asyncio.to_thread(self.store.episode_calls, episode_id)
+            if outcome.status != FINISHED and any(c["http_status"] in _UPSTREAM_TROUBLE for c in calls):
+                outcome = replace(outcome, status=INFRA_ERROR,
+                                   error=f"the engine was unreachable during the episode; {outcome.error}")
+            await asyncio.to_thread(self.store.add_outcome, outcome)  # every attempt is kept
+            if outcome.status == INFRA_ERROR and attempt <= self.config.retries and not self._stopping.is_set():
+                attempt += 1
+                await asyncio.sleep(min(2.0 ** attempt, 10.0))
+                continue
+            break
+        self.outcomes.append(outcome)  # the last attempt stands for the slot
+        judgement = None
+        if pool is not None and outcome.status not in (INFRA_ERROR, INTERRUPTED):
+            judgement = await pool.judge(episode_id, agent_task, outcome.answer, calls)
+            await asyncio.to_thread(self.store.add_judgements, [judgement])
+            self.judgements.append(judgement)
+        if self.on_episode is not None:
+            self.on_episode(outcome, judgement)
+
+    async def _run_agent(self, slot: EpisodeSlot, episode_id: str, attempt: int, agent_task: dict,
+                         api_key: str) -> EpisodeOutcome:
+        task_json = json.dumps(agent_task)
+        env = {**os.environ, **self.config.env,
+               "OPENAI_BASE_URL": f"{self.proxy_url}/e/{episode_id}/v1", "OPENAI_API_KEY": api_key,
+               "HARNESS_TASK": task_json, "HARNESS_EPISODE_ID": episode_id}
+        log_path = self.log_dir / f"{episode_id}.log"
+        started, t0 = time.time(), time.perf_counter()
+        status, error, exit_code, stdout = FINISHED, None, None, b""
+        with open(log_path, "wb") as log:
+            try:
+                proc = await asyncio.create_subprocess_exec(
+                    *self.config.command, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+                    stderr=log, env=env, cwd=self.config.cwd, start_new_session=True,
+                )
+            except OSError as exc:
+                return EpisodeOutcome(episode_id, self.run_id, slot.task.task_id, slot.repeat_index, attempt,
+                                      CRASHED, None, None, f"could not start {self.config.command[0]!r}: {exc}",
+                                      started, 0.0, str(log_path))
+            self._running.add(proc)
+            try:
+                stdout, _ = await asyncio.wait_for(proc.communicate(task_json.encode()), self.config.timeout_s)
+                exit_code = proc.returncode
+            except TimeoutError:
+                status, error = TIMED_OUT, f"the agent ran past the {self.config.timeout_s:g} s episode timeout"
+            finally:
+                _kill_group(proc)  # a finished agent may still have children running
+                await proc.wait()
+                self._running.discard(proc)
+        duration_ms = (time.perf_counter() - t0) * 1000.0
+        answer = parse_answer(stdout.decode("utf-8", "replace"))
+        if status == FINISHED:
+            if self._stopping.is_set() and exit_code is not None and exit_code < 0:
+                status, error = INTERRUPTED, "the run was stopped while the agent was running"
+            elif exit_code != 0:
+                status, error = CRASHED, f"the agent exited with code {exit_code}: {_tail(log_path)}"
+            elif answer is None:
+                status, error = NO_OUTPUT, "the agent exited 0 but printed nothing on stdout"
+        return EpisodeOutcome(episode_id, self.run_id, slot.task.task_id, slot.repeat_index, attempt, status,
+                              exit_code, answer, error, started, duration_ms, str(log_path))
+
+
+def _kill_group(proc: asyncio.subprocess.Process) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _tail(path: Path) -> str:
+    try:
+        text = path.read_bytes()[-_STDERR_TAIL:].decode("utf-8", "replace").strip()
+    except OSError:
+        return "(no log)"
+    return text.replace("\n", " | ") if text else "(stderr was empty)"
+

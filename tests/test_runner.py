@@ -1,0 +1,180 @@
+"""Dataset runs end to end against the scripted engine: agents are real subprocesses using the real openai SDK,
+the proxy and DuckDB are real; only the engine's answers are scripted. Agents that crash, hang or print nothing
+are episodes with a cause, never a crashed run."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from harness.engine import attach
+from harness.records import Task
+from harness.run import rejudge, run_dataset
+from harness.runner import RunConfig, parse_answer
+from tests.support import db_rows
+
+AGENT = textwrap.dedent('''
+    import json, os, sys
+    from openai import OpenAI
+    task = json.loads(sys.stdin.read())
+    assert task == json.loads(os.environ["HARNESS_TASK"])
+    client = OpenAI()
+    for turn in range(task.get("calls", 1)):
+        client.chat.completions.create(model="gpt-4o-mini", messages=[{"role": "user", "content": task["q"]}])
+    mode = task.get("mode")
+    if mode == "crash":
+        raise SystemExit("boom: the agent gave up")
+    if mode == "hang":
+        import subprocess, time
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+        open(task["pidfile"], "w").write(str(child.pid))
+        time.sleep(600)
+    if mode == "silent":
+        sys.exit(0)
+    print("thinking...")
+    print(json.dumps({"answer": str(task["a"] + task["b"])}))
+''')
+
+
+@pytest.fixture
+def agent(tmp_path):
+    path = tmp_path / "agent.py"
+    path.write_text(AGENT)
+    return [sys.executable, str(path)]
+
+
+def _tasks(*specs) -> list[Task]:
+    return [Task(f"t{i}", {"q": "add", "a": i, "b": 1, "answer": str(i + 1), **spec}) for i, spec in enumerate(specs)]
+
+
+def test_parse_answer_rule():
+    assert parse_answer('log\n{"answer": "42"}\n') == "42"
+    assert parse_answer('{"answer": 42}\nthe end\n') == "42"  # the JSON answer line wins over a later line
+    assert parse_answer("first\n\nlast line  \n\n") == "last line"
+    assert parse_answer('{"answer": {"x": 1}}') == '{"x": 1}'
+    assert parse_answer("") is None and parse_answer("\n \n") is None
+
+
+async def test_failures_are_episodes_with_a_cause(upstream, agent, tmp_path):
+    pidfile = tmp_path / "child.pid"
+    tasks = _tasks({}, {"mode": "crash"}, {"mode": "hang", "pidfile": str(pidfile)}, {"mode": "silent"},
+                   {"a": 5, "calls": 2, "answer": "6"})
+    config = RunConfig(command=agent, judge="exact_match", concurrency=5, timeout_s=8)
+    run_id, report = await run_dataset(tasks, config, attach(upstream.url), tmp_path / "run", progress=False)
+    rows = db_rows(tmp_path / "run" / "harness.duckdb",
+                   "SELECT task_id, status, answer, error, exit_code, log_path FROM episode_outcomes ORDER BY task_id")
+    by_task = {r[0]: r[1:] for r in rows}
+    assert by_task["t0"][:2] == ("finished", "1") and by_task["t4"][:2] == ("finished", "6")
+    assert by_task["t1"][0] == "crashed" and "boom: the agent gave up" in by_task["t1"][2]
+    assert by_task["t2"][0] == "timeout" and by_task["t2"][3] is None
+    assert by_task["t3"][0] == "no_output"
+    child = int(pidfile.read_text())
+    for _ in range(50):  # the hanging agent's child died with its process group
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError(f"the hanging agent's child {child} outlived the episode timeout")
+    assert "boom" in open(by_task["t1"][4]).read()  # stderr went to the episode's log
+    assert report["failures"] == {"crashed": 1, "no_output": 1, "timeout": 1}
+    assert report["episodes"] == 5 and report["pass_at_k"]["pass@1"] == 0.4  # t0 and t4 answered right
+    calls = db_rows(tmp_path / "run" / "harness.duckdb",
+                    "SELECT e.meta->>'task_id', count(c.call_id) FROM episodes e LEFT JOIN calls c USING (episode_id) "
+                    "WHERE e.run_id = ? GROUP BY 1 ORDER BY 1", [run_id])
+    assert dict(calls) == {"t0": 1, "t1": 1, "t2": 1, "t3": 1, "t4": 2}
+
+
+async def test_32_concurrent_episodes_each_get_one_episode_row_and_their_calls(upstream, agent, tmp_path):
+    tasks = [Task(f"t{i}", {"q": "add", "a": i, "b": 1, "calls": 2, "answer": str(i + 1)}) for i in range(8)]
+    config = RunConfig(command=agent, judge="exact_match", repeat=4, concurrency=32, timeout_s=120)
+    run_id, report = await run_dataset(tasks, config, attach(upstream.url), tmp_path / "run", progress=False)
+    db = tmp_path / "run" / "harness.duckdb"
+    episodes = db_rows(db, "SELECT episode_id, meta->>'task_id', (meta->>'repeat_index')::INT FROM episodes "
+                       "WHERE run_id = ? AND source = 'runner'", [run_id])
+    assert len(episodes) == 32 and len({e[0] for e in episodes}) == 32
+    assert sorted((t, r) for _, t, r in episodes) == sorted((f"t{i}", r) for i in range(8) for r in range(4))
+    calls = dict(db_rows(db, "SELECT episode_id, list(call_index ORDER BY call_index) FROM calls "
+                         "WHERE run_id = ? GROUP BY 1", [run_id]))
+    assert set(calls) == {e[0] for e in episodes} and all(v == [0, 1] for v in calls.values())
+    assert report["mean_reward"] == 1.0 and report["pass_at_k"]["pass@4"] == 1.0
+    assert db_rows(db, "SELECT count(*), count(reward) FROM rewards WHERE run_id = ?", [run_id]) == [(32, 32)]
+
+
+async def test_infrastructure_failures_are_retried_wrong_answers_are_not(upstream, agent, tmp_path):
+    upstream.script.status = 503  # the engine is overloaded: the agent's SDK call fails
+    tasks = _tasks({"answer": "wrong"})
+    config = RunConfig(command=agent, judge="exact_match", retries=1, timeout_s=60)
+    run_id, report = await run_dataset(tasks, config, attach(upstream.url), tmp_path / "run", progress=False)
+    rows = db_rows(tmp_path / "run" / "harness.duckdb",
+                   "SELECT attempt, status FROM episode_outcomes WHERE run_id = ? ORDER BY attempt", [run_id])
+    assert rows == [(1, "infra_error"), (2, "infra_error")]
+    assert report["failures"] == {"infra_error": 1} and report["judged"] == 0
+    upstream.script.status = 200
+    run_id, report = await run_dataset(tasks, config, attach(upstream.url), tmp_path / "run2", progress=False)
+    rows = db_rows(tmp_path / "run2" / "harness.duckdb", "SELECT attempt, status, answer FROM episode_outcomes")
+    assert rows == [(1, "finished", "1")] and report["mean_reward"] == 0.0  # wrong, and not retried
+
+
+JUDGES = textwrap.dedent('''
+    def raising(task, answer, calls):
+        raise RuntimeError("this judge is broken")
+
+    def by_calls(task, answer, calls):
+        return {"reward": float(len(calls)), "n_calls": len(calls),
+                "all_ok": all(c["status"] == "ok" for c in calls)}
+''')
+
+
+async def test_a_raising_judge_is_an_error_row_and_a_stored_run_can_be_rejudged(upstream, agent, tmp_path):
+    judges = tmp_path / "my_judges.py"
+    judges.write_text(JUDGES)
+    tasks = _tasks({"calls": 2}, {"calls": 3})
+    config = RunConfig(command=agent, judge=f"{judges}:raising", repeat=2)
+    run_id, report = await run_dataset(tasks, config, attach(upstream.url), tmp_path / "run", progress=False)
+    db = tmp_path / "run" / "harness.duckdb"
+    rows = db_rows(db, "SELECT reward, error FROM judgements")
+    assert len(rows) == 4 and all(r[0] is None and "this judge is broken" in r[1] for r in rows)
+    assert report["failures"] == {"judge_error": 4} and report["mean_reward"] is None
+
+    _, rejudged = await rejudge(db, None, f"{judges}:by_calls", success_threshold=3)
+    assert rejudged["mean_reward"] == 2.5 and rejudged["pass_at_k"]["pass@1"] == 0.5
+    latest = db_rows(db, "SELECT task_id, reward FROM rewards WHERE judge LIKE '%by_calls' ORDER BY task_id")
+    assert latest == [("t0", 2.0), ("t0", 2.0), ("t1", 3.0), ("t1", 3.0)]
+    assert db_rows(db, "SELECT count(*) FROM judgements") == [(8,)]  # added, nothing overwritten
+    assert db_rows(db, "SELECT count(*) FROM reports WHERE run_id = ?", [run_id]) == [(2,)]
+    details = db_rows(db, "SELECT details FROM judgements WHERE reward IS NOT NULL LIMIT 1")[0][0]
+    assert json.loads(details) in ({"n_calls": 2, "all_ok": True}, {"n_calls": 3, "all_ok": True})
+
+
+def test_cli_run_and_judge(upstream, agent, tmp_path):
+    data = tmp_path / "tasks.jsonl"
+    data.write_text("\n".join(json.dumps({"id": f"q{i}", "q": "add", "a": i, "b": 2, "answer": str(i + 2)})
+                              for i in range(3)) + "\n")
+    cli = [sys.executable, "-m", "harness.cli"]
+    run_dir = tmp_path / "run"
+    out = subprocess.run(cli + ["run", agent[1], "--data", str(data), "--judge", "exact_match", "--repeat", "2",
+                                "--upstream", upstream.url, "--run-dir", str(run_dir)],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "mean reward" in out.stdout and "pass@2" in out.stdout
+    reports = list(run_dir.glob("report-*.json"))
+    assert len(reports) == 1 and json.loads(reports[0].read_text())["mean_reward"] == 1.0
+    again = subprocess.run(cli + ["judge", "--db", str(run_dir / "harness.duckdb"), "--judge", "substring"],
+                           capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr
+    bad = data.with_name("bad.jsonl")
+    bad.write_text('{"id": 1}\n{oops\n')
+    out = subprocess.run(cli + ["run", agent[1], "--data", str(bad), "--upstream", upstream.url],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "line 2" in out.stderr
+    out = subprocess.run(cli + ["run", agent[1], "--data", str(data), "--judge", "no_such_module:fn",
+                                "--upstream", upstream.url], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "no_such_module" in out.stderr
