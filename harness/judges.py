@@ -9,9 +9,10 @@ or a class, instantiated once with no arguments, whose instances are such callab
 - task: the task object the agent was given (`Task.data`). The reference answer is by convention task["answer"],
   else task["expected"], task["reference"] or task["target"]; a list there means "any of these".
 - answer: the agent's final answer (`EpisodeOutcome.answer`); None when it gave none.
-- calls: the episode's recorded calls in order, one dict each (`calls_for_judge` builds them from `Call`s):
+- calls: the episode's recorded calls in order, one dict each (`Store.episode_calls` builds them):
     call_index         int, 0-based arrival order within the episode
     status             "ok", "error" or "cancelled"
+    http_status        the HTTP status the agent got
     request            the request body the agent sent, parsed JSON (secrets removed)
     response           the answer it got, parsed JSON (a stream assembled into one completion); None if none
     prompt_tokens      int or None
@@ -19,7 +20,7 @@ or a class, instantiated once with no arguments, whose instances are such callab
 - the return value: a number (a bool counts as 1.0 / 0.0) or a dict with a numeric "reward"; the dict's other keys
   are kept as the judgement's details (stored as JSON).
 
-A judge is named by a spec (`load_judge`): a built-in short name (exact_match, math, substring, f1, rubric),
+A judge is named by a spec (`load_judge`): a built-in short name (exact_match, math, substring, f1, rubric, env),
 "module:function", "module:Class", "module->Class" (AgentJet's spelling) or "path/to/file.py:name".
 `harness.judge_pool.JudgePool` runs a judge in worker processes, so that a judge that raises, hangs or crashes
 becomes an error row instead of a dead run.
@@ -40,15 +41,13 @@ import sys
 import types
 import unicodedata
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import orjson
 
-from harness.records import Call
-
-__all__ = ["JudgeError", "LoadedJudge", "load_judge", "normalise_result", "calls_for_judge", "reference_answers",
+__all__ = ["JudgeError", "LoadedJudge", "load_judge", "normalise_result", "reference_answers",
            "exact_match", "math", "substring", "f1", "RubricJudge", "parse_verdict", "BUILTIN_JUDGES"]
 
 REFERENCE_KEYS = ("answer", "expected", "reference", "target")  # where a task keeps its reference answer
@@ -58,6 +57,7 @@ BUILTIN_JUDGES = {  # short name -> normalised spec
     "substring": "harness.judges:substring",
     "f1": "harness.judges:f1",
     "rubric": "harness.judges:RubricJudge",
+    "env": "harness.judges:env",
 }
 
 
@@ -249,14 +249,6 @@ def _show(value: object) -> str:
     return f"{value!r:.200} ({type(value).__name__})"
 
 
-def calls_for_judge(calls: Iterable[Call]) -> list[dict]:
-    """The `calls` argument of a judge, from the recorded calls of one episode."""
-    return [{"call_index": c.call_index, "status": c.status, "request": orjson.loads(c.request),
-             "response": orjson.loads(c.response) if c.response else None,
-             "prompt_tokens": c.prompt_tokens, "completion_tokens": c.completion_tokens}
-            for c in sorted(calls, key=lambda c: c.call_index)]
-
-
 # ---------------------------------------------------------------------------------------------------- built-ins
 
 
@@ -437,6 +429,17 @@ def _task_text(task: dict) -> str:
                              for m in value)
     rest = {k: v for k, v in task.items() if k not in REFERENCE_KEYS and k != "rubric"}
     return json.dumps(rest, ensure_ascii=False, default=str)
+
+
+def env(task: dict, answer: str | None, calls: list[dict]) -> dict:
+    """The environment service scores its own instance of the task (docs/environments.md)."""
+    from harness.tasks import evaluate_instance
+
+    if not task.get("env_url") or not task.get("instance_id"):
+        raise ValueError("the env judge scores tasks read from an environment service (--data http://...): "
+                         "this task has no env_url / instance_id")
+    result = evaluate_instance(task["env_url"], task["instance_id"], answer)
+    return {"reward": result["reward"], **(result.get("details") or {})}
 
 
 def parse_verdict(text: str) -> tuple[float, str]:

@@ -15,8 +15,7 @@ from fractions import Fraction
 import pytest
 
 from harness.judge_pool import JudgePool
-from harness.judges import JudgeError, RubricJudge, calls_for_judge, load_judge, normalise_result, parse_verdict
-from harness.records import Call
+from harness.judges import JudgeError, RubricJudge, load_judge, normalise_result, parse_verdict
 
 JUDGES_SOURCE = textwrap.dedent('''
     import os
@@ -241,24 +240,6 @@ def test_normalise_accepts_numbers_bools_and_reward_dicts(value, expected):
 def test_normalise_rejects_what_is_not_a_reward_naming_the_judge(value, message):
     with pytest.raises(JudgeError, match=rf"^judge my\.judge:score returned {message}"):
         normalise_result("my.judge:score", value)
-
-
-def test_calls_for_judge_gives_parsed_json_in_call_order():
-    def call(index, response):
-        return Call(call_id=f"c{index}", run_id="r", episode_id="e", call_index=index, endpoint="chat", stream=False,
-                    requested_model="m", served_model="m", role_key="k", system_hash=None, tools_hash=None,
-                    request=b'{"messages": [{"role": "user", "content": "hi"}]}', response=response, prompt_ids=None,
-                    choices=[], token_source="none", status="ok" if response else "error", http_status=200, error=None,
-                    started_at=0.0, latency_ms=1.0, ttft_ms=None, weight_version=0, prompt_tokens=3,
-                    completion_tokens=None)
-
-    calls = calls_for_judge([call(1, None), call(0, b'{"choices": []}')])
-    assert calls == [
-        {"call_index": 0, "status": "ok", "request": {"messages": [{"role": "user", "content": "hi"}]},
-         "response": {"choices": []}, "prompt_tokens": 3, "completion_tokens": None},
-        {"call_index": 1, "status": "error", "request": {"messages": [{"role": "user", "content": "hi"}]},
-         "response": None, "prompt_tokens": 3, "completion_tokens": None},
-    ]
 
 
 # ---------------------------------------------------------------------------------------------------- the pool

@@ -360,7 +360,7 @@ def odd_service():
     app.router.add_get("/tasks", wrong_shape)
     app.router.add_post("/instances", plain_error)
     app.router.add_post("/instances/{id}/evaluate", wrong_shape)
-    app.router.add_get("/slow/tasks", silent)
+    app.router.add_post("/slow/instances/{id}/evaluate", silent)
     bg = BackgroundLoop()
 
     async def start():
@@ -383,16 +383,9 @@ def test_a_service_that_breaks_the_protocol_is_named(odd_service):
     with pytest.raises(TaskError, match=r'answered {"reward": "high"}; expected .* finite number "reward"'):
         evaluate_instance(odd_service, "i-1", "42")
     started = time.monotonic()
-    with pytest.raises(TaskError, match=r"GET .*/slow/tasks\?split=train got no answer within 0.5 s"):
-        read_tasks_with_timeout(odd_service + "/slow", timeout_s=0.5)
+    with pytest.raises(TaskError, match=r"POST .*/slow/instances/i-1/evaluate got no answer within 0.5 s"):
+        evaluate_instance(odd_service + "/slow", "i-1", "42", timeout_s=0.5)
     assert time.monotonic() - started < 5
-
-
-def read_tasks_with_timeout(url: str, timeout_s: float):
-    """read_tasks has no timeout argument (listing uses the default); the HTTP helper is what carries it."""
-    from harness.tasks import _http
-
-    return _http("GET", f"{url}/tasks?split=train", timeout_s=timeout_s)
 
 
 def test_example_service_imports_nothing_of_the_harness():
