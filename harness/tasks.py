@@ -312,7 +312,7 @@ def _read_dataset_file(path: Path, split: str, limit: int | None) -> list[Task]:
 def _read_hub(name: str, config: str | None, split: str, limit: int | None) -> list[Task]:
     """A Hub dataset. The Hub is probed first: offline, datasets would retry for ~20 s before saying so."""
     ds = _datasets()
-    offline = ds.config.HF_HUB_OFFLINE
+    offline = getattr(ds.config, "HF_HUB_OFFLINE", getattr(ds.config, "HF_DATASETS_OFFLINE", False))  # old: 2nd
     label = f"{name}:{config}" if config else name
     use_local = "pass a local path instead (a .jsonl, .parquet, .json or .arrow file, or a save_to_disk directory)"
     if not offline and (reason := _hub_unreachable(ds.config.HF_ENDPOINT)):

@@ -99,7 +99,7 @@ class ScriptedEngine:
                 calls = []
                 if self.script.tool_arguments is not None:
                     text = None
-                    calls = [{"id": f"call_{i}", "type": "function",
+                    calls = [{"id": f"call_{len(self.requests)}_{i}", "type": "function",
                               "function": {"name": "lookup", "arguments": self.script.tool_arguments}}]
                 choice = {"index": i, "message": {"role": "assistant", "content": text, "tool_calls": calls},
                           "logprobs": lp if body.get("logprobs") else None,
@@ -180,7 +180,7 @@ class ScriptedEngine:
         if args is None:
             return {"content": f"w{token} "}
         if pos == 0:
-            return {"tool_calls": [{"index": 0, "id": "call_0", "type": "function",
+            return {"tool_calls": [{"index": 0, "id": f"call_{len(self.requests)}_0", "type": "function",
                                     "function": {"name": "lookup", "arguments": ""}}]}
         piece = -(-len(args) // max(count - 1, 1))
         part = args[(pos - 1) * piece: pos * piece]

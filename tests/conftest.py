@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import importlib.util
+import sys
+from pathlib import Path
+
 import pytest
+from aiohttp import web
 
 from harness.engine import start_vllm
 from harness.tiny_model import build_tiny_model
-from tests.support import ScriptedUpstream
+from tests.support import BackgroundLoop, ScriptedUpstream
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="session")
@@ -28,3 +35,30 @@ def upstream():
     up = ScriptedUpstream()
     yield up
     up.close()
+
+
+def _load_example_service():
+    path = ROOT / "examples" / "env_service" / "service.py"
+    spec = importlib.util.spec_from_file_location("example_env_service", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture
+def env_url():
+    """The example environment service on a free port, on a loop of its own in a background thread."""
+    service = _load_example_service()
+    bg = BackgroundLoop()
+
+    async def start():
+        runner = web.AppRunner(service.create_app(), access_log=None)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        return runner
+
+    runner = bg.run(start())
+    yield f"http://127.0.0.1:{runner.addresses[0][1]}"
+    bg.run(runner.cleanup())
+    bg.close()

@@ -160,6 +160,6 @@ async def test_tool_calls_are_recorded_whole_streamed_or_not(proxy, upstream):
     rows = db_rows(proxy.db_path, "SELECT ch.tool_calls, ch.finish_reason, ch.text FROM calls JOIN choices ch "
                    "USING (call_id) ORDER BY call_index")
     plain, streamed = [(orjson.loads(r[0]), r[1], r[2]) for r in rows]
-    expected = [{"id": "call_0", "type": "function",
-                 "function": {"name": "lookup", "arguments": '{"word": "cat", "lang": "en"}'}}]
-    assert plain == streamed == (expected, "tool_calls", None)
+    function = {"name": "lookup", "arguments": '{"word": "cat", "lang": "en"}'}
+    assert plain == ([{"id": "call_1_0", "type": "function", "function": function}], "tool_calls", None)
+    assert streamed == ([{"id": "call_2_0", "type": "function", "function": function}], "tool_calls", None)

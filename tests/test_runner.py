@@ -178,3 +178,31 @@ def test_cli_run_and_judge(upstream, agent, tmp_path):
     out = subprocess.run(cli + ["run", agent[1], "--data", str(data), "--judge", "no_such_module:fn",
                                 "--upstream", upstream.url], capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "no_such_module" in out.stderr
+
+
+ENV_AGENT = textwrap.dedent('''
+    import json, re, sys
+    from openai import OpenAI
+    task = json.loads(sys.stdin.read())
+    assert task["instance_id"] and task["env_url"]  # the runner created this episode's instance
+    OpenAI().chat.completions.create(model="m", messages=[{"role": "user", "content": task["prompt"]}])
+    a, op, b = re.match(r"What is (-?[\\d.]+) (plus|minus|times|divided by) (-?[\\d.]+)", task["prompt"]).groups()
+    ops = {"plus": "+", "minus": "-", "times": "*", "divided by": "/"}
+    print(json.dumps({"answer": f"The answer is {eval(a + ops[op] + b):g}"}))
+''')
+
+
+async def test_environment_service_tasks_get_an_instance_and_are_scored_by_the_service(upstream, env_url,
+                                                                                     tmp_path):
+    from harness.tasks import read_tasks
+
+    agent = tmp_path / "env_agent.py"
+    agent.write_text(ENV_AGENT)
+    tasks = read_tasks(env_url, split="validation")
+    config = RunConfig(command=[sys.executable, str(agent)], judge="env", repeat=2)
+    run_id, report = await run_dataset(tasks, config, attach(upstream.url), tmp_path / "run", progress=False)
+    assert report["episodes"] == 6 and report["failures"] == {}
+    assert report["mean_reward"] == 1.0
+    instances = db_rows(tmp_path / "run" / "harness.duckdb",
+                        "SELECT count(DISTINCT meta->'task'->>'instance_id') FROM episodes WHERE run_id = ?", [run_id])
+    assert instances == [(6,)]

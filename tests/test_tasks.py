@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import ast
 import asyncio
-import importlib.util
 import json
 import socket
 import sys
@@ -258,33 +257,6 @@ def test_missing_datasets_package_says_how_to_install(tmp_path, monkeypatch):
 
 # ---------------------------------------------------------------------------------------------------------------
 # Environment service (examples/env_service), over real HTTP
-
-
-def _load_example_service():
-    path = ROOT / "examples" / "env_service" / "service.py"
-    spec = importlib.util.spec_from_file_location("example_env_service", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-@pytest.fixture
-def env_url():
-    """The example service on a free port, on a loop of its own in a background thread."""
-    service = _load_example_service()
-    bg = BackgroundLoop()
-
-    async def start():
-        runner = web.AppRunner(service.create_app(), access_log=None)
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", 0).start()
-        return runner
-
-    runner = bg.run(start())
-    yield f"http://127.0.0.1:{runner.addresses[0][1]}"
-    bg.run(runner.cleanup())
-    bg.close()
 
 
 def test_env_service_lists_the_tasks_of_each_split(env_url):
