@@ -181,6 +181,9 @@ def _run(args) -> int:
     print_report(report, run_id)
     print(f"recorded into {args.run_dir / 'harness.duckdb'}; report: {args.run_dir / f'report-{run_id}.json'}",
           file=sys.stderr)
+    if report.get("interrupted"):
+        print("interrupted: the report covers the episodes that ran; everything recorded was kept", file=sys.stderr)
+        return 130
     return 0
 
 

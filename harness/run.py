@@ -49,6 +49,7 @@ async def run_dataset(tasks: list[Task], config: RunConfig, engine: Engine, run_
         await asyncio.to_thread(app[RECORDER].flush)
         report = _report(app[STORE], server.run_id, runner.outcomes, runner.judgements, judge_name,
                          success_threshold)
+        report["interrupted"] = runner.stopped
         await asyncio.to_thread(app[STORE].add_report, server.run_id, judge_name, report)
     finally:
         loop.remove_signal_handler(signal.SIGINT)

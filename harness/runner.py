@@ -110,6 +110,10 @@ class Runner:
     def plan(self, tasks: list[Task]) -> list[EpisodeSlot]:
         return [EpisodeSlot(t, r, f"{self.run_id}-{t.task_id}-{r}") for t in tasks for r in range(self.config.repeat)]
 
+    @property
+    def stopped(self) -> bool:
+        return self._stopping.is_set()
+
     def stop(self) -> None:
         """Stop starting episodes and end the running ones (their outcomes say interrupted)."""
         self._stopping.set()

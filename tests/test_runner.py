@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -206,3 +207,27 @@ async def test_environment_service_tasks_get_an_instance_and_are_scored_by_the_s
     instances = db_rows(tmp_path / "run" / "harness.duckdb",
                         "SELECT count(DISTINCT meta->'task'->>'instance_id') FROM episodes WHERE run_id = ?", [run_id])
     assert instances == [(6,)]
+
+
+def test_ctrl_c_stops_cleanly_and_keeps_what_was_recorded(upstream, agent, tmp_path):
+    data = tmp_path / "tasks.jsonl"
+    lines = [{"id": "fast", "q": "add", "a": 1, "b": 1, "answer": "2"}]
+    lines += [{"id": f"slow{i}", "q": "add", "a": 1, "b": 1, "mode": "hang", "pidfile": str(tmp_path / f"{i}.pid")}
+              for i in range(3)]
+    data.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    run_dir = tmp_path / "run"
+    command = [sys.executable, "-m", "harness.cli", "run", agent[1], "--data", str(data), "--judge", "exact_match",
+               "--concurrency", "2", "--upstream", upstream.url, "--run-dir", str(run_dir)]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 60
+    while not (tmp_path / "0.pid").exists() and time.time() < deadline:  # a slow episode is under way
+        time.sleep(0.1)
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert "interrupted" in err and "mean reward" in out
+    rows = dict(db_rows(run_dir / "harness.duckdb", "SELECT task_id, status FROM episode_outcomes"))
+    assert rows["fast"] == "finished" and rows["slow0"] == "interrupted"
+    assert "slow2" not in rows  # never started
+    assert db_rows(run_dir / "harness.duckdb", "SELECT count(*) FROM calls")[0][0] >= 2
