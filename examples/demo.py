@@ -1,5 +1,6 @@
 """`make demo`: build the tiny model, start vLLM and the recording proxy, run an unmodified OpenAI-SDK agent over a
-handful of tasks (one episode each), and show what was recorded with `harness sql`.
+handful of tasks (one episode each) and show what was recorded with `harness sql`; then run a tool-using math agent
+over a dataset with `harness run`, judged, with its report.
 """
 
 from __future__ import annotations
@@ -47,12 +48,12 @@ def main() -> int:
 
     model_dir = run_dir / "tiny-model"
     if not (model_dir / "config.json").exists():
-        print(f"[1/4] building the tiny model into {model_dir}")
+        print(f"[1/5] building the tiny model into {model_dir}")
         build_tiny_model(model_dir, seed=0)
     else:
-        print(f"[1/4] tiny model already at {model_dir}")
+        print(f"[1/5] tiny model already at {model_dir}")
 
-    print(f"[2/4] starting vLLM (log: {run_dir / 'engine.log'}); about a minute on CPU")
+    print(f"[2/5] starting vLLM (log: {run_dir / 'engine.log'}); about a minute on CPU")
     t0 = time.time()
     with start_vllm(model_dir, run_dir) as engine:
         print(f"      engine ready in {time.time() - t0:.0f} s at {engine.base_url}")
@@ -62,7 +63,7 @@ def main() -> int:
         print(f"      proxy recording at {url}/v1 into {db}")
         try:
             tasks = [json.loads(line) for line in args.tasks.read_text().splitlines() if line.strip()]
-            print(f"[3/4] running examples/simple_agent.py (OpenAI SDK, no harness imports) on {len(tasks)} tasks")
+            print(f"[3/5] running examples/simple_agent.py (OpenAI SDK, no harness imports) on {len(tasks)} tasks")
             for task in tasks:
                 episode_url = f"{url}/e/demo-{task['id']}/v1"
                 env = dict(os.environ, OPENAI_BASE_URL=episode_url, OPENAI_API_KEY="sk-demo-not-stored")
@@ -73,12 +74,19 @@ def main() -> int:
                     raise SystemExit(f"the agent failed on task {task['id']!r}")
                 answer = json.loads(out.stdout.strip().splitlines()[-1])["answer"]
                 print(f"      {task['id']:>8}: {str(answer)[:60]!r}")
-            print("[4/4] what was recorded (harness sql, through the live proxy):")
+            print("[4/5] what was recorded (harness sql, through the live proxy):")
             harness_sql(db, SUMMARY)
             harness_sql(db, FIDELITY)
         finally:
             proxy.stop_thread()
+        print("[5/5] harness run: examples/math_agent over 4 tasks x 2, judged by the math judge")
+        math = HERE / "math_agent"
+        subprocess.run([sys.executable, "-m", "harness.cli", "run", str(math / "agent.py"), "--data",
+                        str(math / "tasks.jsonl"), "--limit", "4", "--repeat", "2", "--judge", "math",
+                        "--upstream", engine.base_url, "--run-dir", str(run_dir / "math")], check=True)
     print(f"done. Query it yourself: .venv/bin/harness sql --db {db} \"SELECT * FROM completions LIMIT 5\"")
+    print(f"  and the dataset run: .venv/bin/harness sql --db {run_dir / 'math' / 'harness.duckdb'} "
+          "\"SELECT * FROM rewards\"")
     return 0
 
 

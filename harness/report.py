@@ -91,7 +91,9 @@ def print_report(report: dict, run_id: str) -> None:
     def fmt(v) -> str:
         if v is None:
             return "-"
-        return f"{v:.3f}" if isinstance(v, float) else str(v)
+        if isinstance(v, float):
+            return f"{v:.0f}" if abs(v) >= 100 else f"{v:.3f}"
+        return str(v)
 
     table = Table(title=f"run {run_id} · judge {report['judge']}", show_header=False)
     table.add_column("metric", style="bold")

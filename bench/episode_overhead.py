@@ -1,0 +1,717 @@
+"""What `harness run` adds to an episode beyond the agent's own run time (spawn, wiring, recording, judge), at
+concurrency 1 and 32, measured side by side in one run.
+
+The agent is a small Python program that imports the openai SDK and makes two chat calls (the SDK's import and
+teardown, most of a real agent's fixed cost, are in both arms). The engine is `proxy.scripted.ScriptedEngine` in a
+process of its own. Two arms, alternating in rounds so that both see the same machine:
+
+- direct: the agent spawned with `asyncio.create_subprocess_exec` (task on stdin, OPENAI_BASE_URL at the engine),
+  at most `c` at once: the agent's own time;
+- harness: the same episodes through `harness.run.run_dataset` (proxy, recorder, DuckDB, judge `exact_match`).
+
+Overhead per episode, c=1: the runner's episode slot (`Runner._episode`: open, spawn, agent, flush, read back,
+judge, inserts) against the agent process spawned directly. The agent reports when its first line ran, when its
+calls began and ended and when it printed its answer, which splits its run into start, imports, calls and exit;
+imports are the same code in both arms and carry most of the noise, so the overhead is also given from the other
+parts alone. c=32: throughput-normalised, (wall time from the first spawn to the last episode done) / N in each
+arm, and as CPU: the extra CPU of everything this benchmark runs, per episode, over the machine's cores (the wall
+time it costs a saturated machine). What a run pays once (proxy and DuckDB start, judge pool, report, stop) is
+reported apart. Harness steps are timed by wrapping harness functions in this process (measurement only).
+Goal (from the issue): <= 50 ms per episode beyond the agent's own time.
+
+Two side measurements: a judge worker's start with a light and with a heavy `__main__` (multiprocessing's
+forkserver re-runs the main script in every worker on Python < 3.13.8, gh-126631), and reading back and judging a
+bigger episode (10 turns of a growing conversation) than the benchmark agent's.
+
+This module imports little at its top on purpose: judge workers re-run it, as they re-run `harness`'s entry
+script in a real `harness run`.
+
+    .venv/bin/python bench/episode_overhead.py [--quick] [--no-docs]
+
+Writes its section of docs/BENCHMARKS.md (between the episode_overhead markers) unless --no-docs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextvars
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from datetime import date
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs" / "BENCHMARKS.md"
+START, END = "<!-- episode_overhead:start -->", "<!-- episode_overhead:end -->"
+GOAL_MS = 50.0
+CALLS = 2  # chat calls per episode
+
+AGENT = textwrap.dedent('''
+    import time
+    T0 = time.time()
+    import json, sys
+    from openai import OpenAI
+    task = json.loads(sys.stdin.read())
+    client = OpenAI()
+    t_calls = time.time()
+    for _ in range(task["calls"]):
+        client.chat.completions.create(model="gpt-4o-mini", messages=[{"role": "user", "content": task["q"]}])
+    t_calls_end = time.time()
+    print(json.dumps({"answer": task["answer"], "t_start": T0, "t_calls": t_calls, "t_calls_end": t_calls_end,
+                      "t_end": time.time()}), flush=True)
+''')
+
+ENGINE = textwrap.dedent('''
+    import asyncio, sys
+    sys.path.insert(0, sys.argv[1])
+    from proxy.scripted import ScriptedEngine
+
+    async def main():
+        print(await ScriptedEngine().start(), flush=True)
+        await asyncio.Event().wait()
+
+    asyncio.run(main())
+''')
+
+# A program that starts a judge pool and times its first judgement; HEAVY is put at its top or left out.
+POOL_START = textwrap.dedent('''
+    import asyncio, json, sys, time
+    sys.path.insert(0, {root!r})
+    {heavy}
+    from harness.judge_pool import JudgePool
+
+    async def main():
+        import psutil
+        t0 = time.perf_counter()
+        pool = JudgePool("exact_match", workers=2)
+        t1 = time.perf_counter()
+        await asyncio.gather(*(pool.judge("e", {{"answer": "1"}}, "1", []) for _ in range(2)))
+        t2 = time.perf_counter()
+        cpu = [sum(psutil.Process(p).cpu_times()[:2]) for p in pool.worker_pids]
+        pool.close()
+        print(json.dumps({{"ctor_ms": (t1 - t0) * 1000, "first_ms": (t2 - t1) * 1000, "worker_cpu_s": cpu}}))
+
+    if __name__ == "__main__":
+        asyncio.run(main())
+''')
+HEAVY_MAIN = "import harness.run  # noqa: F401  (what a script that calls run_dataset imports)"
+
+# The steps of a harness episode, as timed by the wrappers (name: label). Indented ones are part of the one above.
+STEPS = {
+    "instance_for": "task instance (`instance_for`, in a thread)",
+    "open": "open the episode (`Episodes.open`)",
+    "next_call_index": "- of which the `next_call_index` query (in a thread)",
+    "run_agent": "run the agent (`Runner._run_agent`)",
+    "spawn": "- of which spawning it (`asyncio.create_subprocess_exec`)",
+    "agent_process": "- of which the agent process, spawn to reaped",
+    "flush": "wait for the recorder (`Recorder.flush`, in a thread)",
+    "episode_calls": "read the calls back (`Store.episode_calls`, in a thread)",
+    "add_outcome": "insert the outcome (`Store.add_outcome`, in a thread)",
+    "judge": "judge round trip (`JudgePool.judge`)",
+    "add_judgements": "insert the judgement (`Store.add_judgements`, in a thread)",
+    "rest": "rest: event loop and thread hand-offs, bookkeeping",
+}
+TOP_STEPS = ["instance_for", "open", "run_agent", "flush", "episode_calls", "add_outcome", "judge", "add_judgements"]
+PHASES = {"start": "spawn to its first line", "imports": "imports and set-up", "calls": f"{CALLS} chat calls",
+          "exit": "answer printed to reaped"}
+
+
+# ---------------------------------------------------------------------------------------------------- records
+
+
+@dataclass
+class Episode:
+    """One episode as measured (perf_counter for the slot, time.time for the agent process)."""
+
+    spawned: float = 0.0  # unix time just before the agent was spawned
+    reaped: float = 0.0  # unix time the agent process was reaped
+    report: dict = field(default_factory=dict)  # what the agent printed: t_start, t_calls, t_calls_end, t_end
+    wall: dict = field(default_factory=lambda: defaultdict(float))  # harness step -> seconds
+    cpu: dict = field(default_factory=lambda: defaultdict(float))  # harness step -> this process's CPU seconds
+    slot: tuple[float, float] = (0.0, 0.0)  # perf_counter at the slot's start and end
+    slot_cpu: tuple[float, float] = (0.0, 0.0)  # process_time at the slot's start and end
+
+    @property
+    def agent_ms(self) -> float:
+        return (self.reaped - self.spawned) * 1000
+
+    @property
+    def slot_ms(self) -> float:
+        return (self.slot[1] - self.slot[0]) * 1000
+
+    def phases_ms(self) -> dict[str, float]:
+        r = self.report
+        return {"start": (r["t_start"] - self.spawned) * 1000, "imports": (r["t_calls"] - r["t_start"]) * 1000,
+                "calls": (r["t_calls_end"] - r["t_calls"]) * 1000, "exit": (self.reaped - r["t_end"]) * 1000}
+
+
+@dataclass
+class Arm:
+    """One batch of episodes run one way at one concurrency."""
+
+    kind: str  # "direct" or "harness"
+    episodes: list[Episode]
+    wall_s: float  # the whole call: for the harness, run_dataset from start to return
+    phase_s: float  # first spawn (slot start) to the last episode done
+    agent_cpu_s: float  # CPU of the agents (this process's reaped children)
+    tree_cpu_s: float  # CPU of everything this benchmark runs: this process, the engine, agents, judge workers
+    others_cores: float  # CPU used by processes outside this benchmark, in cores, during the arm
+    own_cpu_s: float = 0.0  # this process's CPU over the episodes (harness: runner, proxy, recorder, DuckDB)
+    judge_cpu_s: float = 0.0  # CPU of the judge workers
+    background: dict = field(default_factory=dict)  # step -> [wall, CPU] seconds, outside the slots
+    spawn: list = field(default_factory=list)  # direct: [wall, CPU] seconds of each create_subprocess_exec
+
+
+# ----------------------------------------------------------------------------------------- measurement wrappers
+
+_CURRENT: contextvars.ContextVar[Episode | None] = contextvars.ContextVar("episode", default=None)
+_EPISODES: list[Episode] = []  # harness episodes as their slots end
+_BACKGROUND: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])  # work outside the slots: [wall, CPU] s
+_JUDGE_CPU: list[float] = []  # CPU seconds of each judge worker, read as its pool closes
+
+
+def _add(step: str, wall: float, cpu: float) -> None:
+    episode = _CURRENT.get()  # asyncio.to_thread copies the context into its thread
+    if episode is not None:
+        episode.wall[step] += wall
+        episode.cpu[step] += cpu
+
+
+def _add_background(step: str, wall: float, cpu: float) -> None:
+    _BACKGROUND[step][0] += wall
+    _BACKGROUND[step][1] += cpu
+
+
+def _time_sync(owner, name: str, step: str, add=_add) -> None:
+    original = getattr(owner, name)
+
+    def timed(*args, **kwargs):
+        t0, c0 = time.perf_counter(), time.process_time()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            add(step, time.perf_counter() - t0, time.process_time() - c0)
+
+    setattr(owner, name, timed)
+
+
+def _time_async(owner, name: str, step: str, add=_add) -> None:
+    original = getattr(owner, name)
+
+    async def timed(*args, **kwargs):
+        t0, c0 = time.perf_counter(), time.process_time()
+        try:
+            return await original(*args, **kwargs)
+        finally:
+            add(step, time.perf_counter() - t0, time.process_time() - c0)
+
+    setattr(owner, name, timed)
+
+
+def install_wrappers() -> None:
+    """Wrap the harness functions an episode goes through with timers; the harness code itself is unchanged."""
+    import psutil
+
+    import harness.runner
+    import proxy.app
+    from harness.judge_pool import JudgePool
+    from harness.recorder import Recorder
+    from harness.runner import Runner
+    from harness.store import Store
+    from proxy.episodes import Episodes
+
+    for owner, name, step in [(harness.runner, "instance_for", "instance_for"), (Store, "next_call_index", None),
+                              (Recorder, "flush", None), (Store, "episode_calls", None), (Store, "add_outcome", None),
+                              (Store, "add_judgements", None)]:
+        _time_sync(owner, name, step or name)
+    for owner, name, step in [(Episodes, "open", "open"), (Runner, "_run_agent", "run_agent"),
+                              (JudgePool, "judge", "judge"), (asyncio, "create_subprocess_exec", "spawn")]:
+        _time_async(owner, name, step)
+    # Work that belongs to no slot: the proxy's handler (aiohttp's task) and the recorder's writes (its thread).
+    _time_async(proxy.app, "_llm_call", "proxy", _add_background)
+    _time_sync(Recorder, "_write", "recorder", _add_background)
+
+    close = JudgePool.close
+
+    def close_reading_cpu(self):
+        for pid in self.worker_pids:
+            try:
+                _JUDGE_CPU.append(sum(psutil.Process(pid).cpu_times()[:2]))
+            except psutil.Error:
+                pass
+        close(self)
+
+    JudgePool.close = close_reading_cpu
+
+    run_agent = Runner._run_agent
+
+    async def agent_times(self, *args, **kwargs):
+        outcome = await run_agent(self, *args, **kwargs)
+        episode = _CURRENT.get()
+        episode.spawned = outcome.started_at
+        episode.reaped = outcome.started_at + outcome.duration_ms / 1000
+        episode.wall["agent_process"] += outcome.duration_ms / 1000
+        return outcome
+
+    Runner._run_agent = agent_times
+
+    episode_slot = Runner._episode
+
+    async def timed_episode(self, slot, pool):
+        episode = Episode()
+        token = _CURRENT.set(episode)
+        episode.slot_cpu, episode.slot = (time.process_time(), 0.0), (time.perf_counter(), 0.0)
+        try:
+            return await episode_slot(self, slot, pool)
+        finally:
+            episode.slot = (episode.slot[0], time.perf_counter())
+            episode.slot_cpu = (episode.slot_cpu[0], time.process_time())
+            _CURRENT.reset(token)
+            _EPISODES.append(episode)
+
+    Runner._episode = timed_episode
+
+    parse_answer = harness.runner.parse_answer
+
+    def keep_report(stdout: str):
+        _CURRENT.get().report = _agent_report(stdout)
+        return parse_answer(stdout)
+
+    harness.runner.parse_answer = keep_report
+
+
+def _agent_report(stdout: str) -> dict:
+    for line in reversed(stdout.splitlines()):
+        if line.startswith("{"):
+            return json.loads(line)
+    raise RuntimeError(f"the agent printed no report: {stdout[-300:]!r}")
+
+
+# ---------------------------------------------------------------------------------------------------- CPU
+
+
+def _tree_cpu() -> float:
+    """CPU seconds of this process, its reaped children and its live descendants (with their reaped ones)."""
+    import psutil
+
+    me = psutil.Process()
+    total = sum(me.cpu_times()[:4])
+    for child in me.children(recursive=True):
+        try:
+            total += sum(child.cpu_times()[:4])
+        except psutil.Error:
+            pass
+    return total
+
+
+def _children_cpu() -> float:
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _machine_busy() -> float:
+    import psutil
+
+    t = psutil.cpu_times()
+    return sum(t) - t.idle - getattr(t, "iowait", 0.0)
+
+
+class _CpuWindow:
+    """CPU used during a block: by the agents, by this benchmark's whole tree, and by everything else."""
+
+    def __enter__(self):
+        self.t0, self.agents0, self.tree0, self.busy0 = time.perf_counter(), _children_cpu(), _tree_cpu(), \
+            _machine_busy()
+        return self
+
+    def __exit__(self, *exc):
+        wall = time.perf_counter() - self.t0
+        self.agents = _children_cpu() - self.agents0
+        self.tree = _tree_cpu() - self.tree0
+        self.others_cores = max(0.0, _machine_busy() - self.busy0 - self.tree) / wall
+
+
+# ---------------------------------------------------------------------------------------------------- the arms
+
+
+def make_tasks(prefix: str, n: int):
+    from harness.records import Task
+
+    return [Task(f"{prefix}-{i}", {"q": f"what is {i} + 1?", "answer": str(i + 1), "calls": CALLS})
+            for i in range(n)]
+
+
+async def run_direct(tasks, concurrency: int, agent: list[str], engine_url: str, cwd: Path) -> Arm:
+    """The agent's own time: spawned plainly, talking to the engine, `concurrency` at a time."""
+    gate = asyncio.Semaphore(concurrency)
+    episodes: list[Episode] = []
+    spawn: list[list[float]] = []
+
+    async def one(task) -> None:
+        async with gate:
+            task_json = json.dumps(task.data)
+            env = {**os.environ, "OPENAI_BASE_URL": f"{engine_url}/v1", "OPENAI_API_KEY": "direct",
+                   "HARNESS_TASK": task_json, "HARNESS_EPISODE_ID": task.task_id}
+            episode = Episode()
+            start, episode.spawned, c0 = time.perf_counter(), time.time(), time.process_time()
+            proc = await asyncio.create_subprocess_exec(*agent, stdin=asyncio.subprocess.PIPE,
+                                                        stdout=asyncio.subprocess.PIPE,
+                                                        stderr=asyncio.subprocess.DEVNULL, env=env, cwd=cwd)
+            spawn.append([time.perf_counter() - start, time.process_time() - c0])
+            stdout, _ = await proc.communicate(task_json.encode())
+            episode.reaped, episode.slot = time.time(), (start, time.perf_counter())
+            if proc.returncode != 0:
+                raise RuntimeError(f"the agent exited with code {proc.returncode} in the direct arm")
+            episode.report = _agent_report(stdout.decode())
+            episodes.append(episode)
+
+    with _CpuWindow() as cpu:
+        t0, c0 = time.perf_counter(), time.process_time()
+        await asyncio.gather(*(one(t) for t in tasks))
+        wall, own = time.perf_counter() - t0, time.process_time() - c0
+    return Arm("direct", episodes, wall, wall, cpu.agents, cpu.tree, cpu.others_cores, own_cpu_s=own, spawn=spawn)
+
+
+async def run_harness(tasks, concurrency: int, agent: list[str], engine_url: str, run_dir: Path, cwd: Path) -> Arm:
+    """The same episodes through run_dataset: proxy, recorder, DuckDB, judge."""
+    from harness.engine import attach
+    from harness.run import run_dataset
+    from harness.runner import RunConfig
+
+    _EPISODES.clear()
+    _BACKGROUND.clear()
+    _JUDGE_CPU.clear()
+    config = RunConfig(command=agent, judge="exact_match", concurrency=concurrency, timeout_s=300, retries=0,
+                       cwd=cwd)
+    with _CpuWindow() as cpu:
+        t0 = time.perf_counter()
+        _, report = await run_dataset(tasks, config, attach(engine_url), run_dir, progress=False)
+        wall = time.perf_counter() - t0
+    if report["episodes"] != len(tasks) or report["mean_reward"] != 1.0 or report["failures"]:
+        raise RuntimeError(f"the harness arm did not run cleanly: {report}")
+    episodes = list(_EPISODES)
+    phase = max(e.slot[1] for e in episodes) - min(e.slot[0] for e in episodes)
+    own = max(e.slot_cpu[1] for e in episodes) - min(e.slot_cpu[0] for e in episodes)
+    return Arm("harness", episodes, wall, phase, cpu.agents, cpu.tree, cpu.others_cores, own_cpu_s=own,
+               judge_cpu_s=sum(_JUDGE_CPU), background={k: list(v) for k, v in _BACKGROUND.items()})
+
+
+async def measure(args, agent: list[str], engine_url: str, tmp: Path) -> dict[int, dict[str, list[Arm]]]:
+    arms: dict[int, dict[str, list[Arm]]] = {1: defaultdict(list), 32: defaultdict(list)}
+    # Warm-up, not counted: the page cache, the judge forkserver (a `harness run` starts one per run; the side
+    # measurement times that), the first DuckDB file.
+    await run_direct(make_tasks("warm-direct", 1), 1, agent, engine_url, tmp)
+    warm = await run_harness(make_tasks("warm-harness", 2), 1, agent, engine_url, tmp / "run-warm", tmp)
+    arms[0] = {"harness": [warm]}
+    print(f"  warm-up: first harness run {warm.wall_s - warm.phase_s:.2f} s outside its episodes", flush=True)
+    for concurrency, n, rounds in [(1, args.c1_n, args.c1_rounds), (32, args.c32_n, args.c32_rounds)]:
+        for r in range(rounds):
+            for kind in ("direct", "harness") if r % 2 == 0 else ("harness", "direct"):
+                tasks = make_tasks(f"{kind}-c{concurrency}-r{r}", n)
+                if kind == "direct":
+                    arm = await run_direct(tasks, concurrency, agent, engine_url, tmp)
+                else:
+                    arm = await run_harness(tasks, concurrency, agent, engine_url,
+                                            tmp / f"run-c{concurrency}-r{r}", tmp)
+                arms[concurrency][kind].append(arm)
+                print(f"  c={concurrency:<2} round {r + 1}/{rounds} {kind:>7}: {n} episodes, {arm.wall_s:5.1f} s "
+                      f"({arm.phase_s / n * 1000:6.1f} ms/episode); others used {arm.others_cores:.2f} cores",
+                      flush=True)
+    return arms
+
+
+# ------------------------------------------------------------------------------------------- side measurements
+
+
+def judge_worker_start(tmp: Path) -> dict[str, dict]:
+    """A fresh program starting a 2-worker judge pool, with a light and with a heavy __main__."""
+    out = {}
+    for name, heavy in (("light", ""), ("heavy", HEAVY_MAIN)):
+        script = tmp / f"pool_{name}.py"
+        script.write_text(POOL_START.format(root=str(ROOT), heavy=heavy))
+        done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                              cwd=tmp)
+        if done.returncode != 0:
+            raise RuntimeError(f"judge pool start ({name}) failed: {done.stderr[-500:]}")
+        out[name] = json.loads(done.stdout.strip().splitlines()[-1])
+    return out
+
+
+def _conversation_calls(turns: int, episode_id: str) -> list:
+    """An agent's episode of `turns` calls; each request carries the whole conversation so far (~2 kB a turn)."""
+    import random
+    import uuid
+
+    import orjson
+
+    from harness.records import ENGINE, OK, Call, Choice
+
+    rng = random.Random(episode_id)
+    words = ["".join(rng.choices("abcdefghijklmnopqrstuvwxyz", k=rng.randint(2, 9))) for _ in range(2000)]
+    messages = [{"role": "system", "content": "You are an agent."}]
+    calls = []
+    for turn in range(turns):
+        messages.append({"role": "user", "content": " ".join(rng.choices(words, k=330))})
+        answer = " ".join(rng.choices(words, k=160))
+        response = {"id": f"c{turn}", "object": "chat.completion", "model": "policy",
+                    "choices": [{"index": 0, "message": {"role": "assistant", "content": answer},
+                                 "finish_reason": "stop"}], "usage": {"prompt_tokens": 500 * (turn + 1),
+                                                                      "completion_tokens": 200}}
+        calls.append(Call(
+            call_id=uuid.uuid4().hex, run_id="side", episode_id=episode_id, call_index=turn, endpoint="chat",
+            stream=False, requested_model="gpt-4o-mini", served_model="policy", role_key="r0", system_hash="s0",
+            tools_hash=None, request=orjson.dumps({"model": "gpt-4o-mini", "messages": messages}),
+            response=orjson.dumps(response), prompt_ids=list(range(500 * (turn + 1))),
+            choices=[Choice(0, list(range(200)), [-0.5] * 200, "stop", answer)], token_source=ENGINE, status=OK,
+            http_status=200, error=None, started_at=time.time(), latency_ms=100.0, ttft_ms=None, weight_version=0,
+            prompt_tokens=500 * (turn + 1), completion_tokens=200))  # fmt: skip
+        messages.append({"role": "assistant", "content": answer})
+    return calls
+
+
+async def bigger_episode(tmp: Path, turns: int = 10, episodes: int = 40) -> dict:
+    """episode_calls and a judge round trip for episodes of `turns` calls, in a store holding `episodes` of them."""
+    import pickle
+
+    from harness.judge_pool import JudgePool
+    from harness.store import Store
+
+    store = Store.open(tmp / "side.duckdb")
+    try:
+        for e in range(episodes):
+            store.add_calls(_conversation_calls(turns, f"side-{e}"))
+        read, judge = [], []
+        request_bytes = sum(len(c.request) + len(c.response) for c in _conversation_calls(turns, "side-0"))
+        async with JudgePool("exact_match", workers=1) as pool:
+            for e in range(episodes):
+                t0 = time.perf_counter()
+                calls = store.episode_calls(f"side-{e}")
+                t1 = time.perf_counter()
+                await pool.judge(f"side-{e}", {"answer": "1"}, "1", calls)
+                read.append((t1 - t0) * 1000)
+                judge.append((time.perf_counter() - t1) * 1000)
+        job = len(pickle.dumps(({"answer": "1"}, "1", calls), protocol=pickle.HIGHEST_PROTOCOL))
+    finally:
+        store.close()
+    return {"turns": turns, "json_kb": request_bytes / 1024, "job_kb": job / 1024,
+            "episode_calls_ms": statistics.median(read[1:]), "judge_ms": statistics.median(judge[1:])}
+
+
+# ---------------------------------------------------------------------------------------------------- report
+
+
+def _mean(values) -> float:
+    values = list(values)
+    return sum(values) / len(values)
+
+
+def _se(values) -> float:
+    values = list(values)
+    return statistics.stdev(values) / len(values) ** 0.5 if len(values) > 1 else float("nan")
+
+
+def summarise(arms: dict[int, dict[str, list[Arm]]]) -> dict:
+    out = {}
+    cores = os.cpu_count() or 1
+    for concurrency, by_kind in arms.items():
+        if concurrency == 0:  # the warm-up
+            out["first_fixed_s"] = by_kind["harness"][0].wall_s - by_kind["harness"][0].phase_s
+            continue
+        direct, harness_arms = by_kind["direct"], by_kind["harness"]
+        d_eps = [e for a in direct for e in a.episodes]
+        h_eps = [e for a in harness_arms for e in a.episodes]
+        n_d, n_h = len(d_eps), len(h_eps)
+        s = {"n": (n_d, n_h), "runs": len(harness_arms)}
+        s["direct_agent"] = (_mean(e.agent_ms for e in d_eps), _se(e.agent_ms for e in d_eps))
+        s["harness_agent"] = (_mean(e.agent_ms for e in h_eps), _se(e.agent_ms for e in h_eps))
+        s["slot"] = (_mean(e.slot_ms for e in h_eps), _se(e.slot_ms for e in h_eps))
+        s["phases"] = {k: (statistics.median(e.phases_ms()[k] for e in d_eps),
+                           statistics.median(e.phases_ms()[k] for e in h_eps)) for k in PHASES}
+        for e in h_eps:
+            e.wall["rest"] = e.slot_ms / 1000 - sum(e.wall[k] for k in TOP_STEPS)
+            e.cpu["rest"] = e.slot_cpu[1] - e.slot_cpu[0] - sum(e.cpu[k] for k in TOP_STEPS)
+        s["steps"] = {k: (_mean(e.wall[k] * 1000 for e in h_eps), statistics.median(e.wall[k] * 1000 for e in h_eps),
+                          _mean(e.cpu[k] * 1000 for e in h_eps)) for k in STEPS}
+        s["slot_cpu"] = _mean((e.slot_cpu[1] - e.slot_cpu[0]) * 1000 for e in h_eps)
+        outside = s["slot"][0] - s["harness_agent"][0]  # the slot outside the agent process, measured directly
+        s["outside_agent"] = outside
+        s["robust"] = outside + sum(s["phases"][k][1] - s["phases"][k][0] for k in ("start", "calls", "exit"))
+        s["raw"] = (s["slot"][0] - s["direct_agent"][0], (s["slot"][1] ** 2 + s["direct_agent"][1] ** 2) ** 0.5)
+        s["per_ep"] = (sum(a.phase_s for a in direct) / n_d * 1000, sum(a.phase_s for a in harness_arms) / n_h * 1000)
+        s["fixed_s"] = [a.wall_s - a.phase_s for a in harness_arms]
+        s["agent_cpu"] = (sum(a.agent_cpu_s for a in direct) / n_d * 1000,
+                          sum(a.agent_cpu_s for a in harness_arms) / n_h * 1000)
+        s["own_cpu"] = (sum(a.own_cpu_s for a in direct) / n_d * 1000,
+                        sum(a.own_cpu_s + a.judge_cpu_s for a in harness_arms) / n_h * 1000)
+        s["judge_cpu"] = sum(a.judge_cpu_s for a in harness_arms) / n_h * 1000
+        s["extra_cpu_wall"] = (s["own_cpu"][1] - s["own_cpu"][0]) / cores
+        background: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
+        for a in harness_arms:
+            for k, (w, c) in a.background.items():
+                background[k][0] += w * 1000 / n_h
+                background[k][1] += c * 1000 / n_h
+        s["background"] = dict(background)
+        spawns = [x for a in direct for x in a.spawn]
+        s["direct_spawn"] = (_mean(w * 1000 for w, _ in spawns), _mean(c * 1000 for _, c in spawns))
+        s["others"] = (_mean(a.others_cores for a in direct), _mean(a.others_cores for a in harness_arms))
+        out[concurrency] = s
+    return out
+
+
+def render(s: dict, side: dict, args, load: tuple[float, float], machine: str) -> str:
+    c1, c32 = s[1], s[32]
+    cores = os.cpu_count() or 1
+    yes = {True: "yes", False: "**no**"}
+    command = "bench/episode_overhead.py" + (" --quick" if args.quick else "")
+    fixed = c1["fixed_s"] + c32["fixed_s"]
+    light, heavy, big = side["pool"]["light"], side["pool"]["heavy"], side["big"]
+    bg1, bg32 = c1["background"], c32["background"]
+    lines = [
+        "## episode_overhead",
+        "",
+        f"`.venv/bin/python {command}` on {date.today()}: {machine}; 1-minute load average {load[0]:.1f} at the "
+        f"start, {load[1]:.1f} at the end. Other work on the machine used {c1['others'][0]:.2f} / "
+        f"{c1['others'][1]:.2f} cores during the c=1 direct / harness arms, {c32['others'][0]:.2f} / "
+        f"{c32['others'][1]:.2f} at c=32 (the arms alternate, so both see it).",
+        f"Agent: Python, imports the openai SDK, {CALLS} chat calls to the scripted engine (its own process), prints "
+        "a JSON answer. Direct: the agent spawned with asyncio, nothing else. Harness: `run_dataset`, judge "
+        f"exact_match. Settings: c=1 {args.c1_rounds} rounds x {args.c1_n} episodes per arm; c=32 "
+        f"{args.c32_rounds} rounds x {args.c32_n} episodes per arm; one warm-up run first, not counted. "
+        f"Goal: <= {GOAL_MS:g} ms per episode beyond the agent's own time.",
+        "",
+        "| measurement | direct (agent's own time) | harness | overhead per episode | goal met |",
+        "| --- | ---: | ---: | ---: | --- |",
+        f"| c=1 episode, mean ms ({c1['n'][0]} / {c1['n'][1]} episodes; +- standard error) "
+        f"| {c1['direct_agent'][0]:.0f} +- {c1['direct_agent'][1]:.0f} | {c1['slot'][0]:.0f} +- {c1['slot'][1]:.0f} "
+        f"| {c1['raw'][0]:+.1f} +- {c1['raw'][1]:.0f} | - |",
+        "| c=1 leaving out the agent's imports (same code in both arms, most of the noise): the slot outside the "
+        "agent process + the differences in the agent's start, calls and exit (medians), ms "
+        f"| - | {c1['outside_agent']:.1f} outside the agent process | **{c1['robust']:+.1f}** "
+        f"| {yes[c1['robust'] <= GOAL_MS]} |",
+        f"| c=32 wall time / episode, ms ({c32['n'][0]} / {c32['n'][1]} episodes) | {c32['per_ep'][0]:.1f} "
+        f"| {c32['per_ep'][1]:.1f} | {c32['per_ep'][1] - c32['per_ep'][0]:+.1f} | - |",
+        "| c=32 CPU / episode outside the agents, ms (direct: the spawner; harness: runner, proxy, recorder, DuckDB "
+        f"over the episodes, and the judge workers); overhead: the extra over {cores} cores, the wall time it costs "
+        f"a saturated machine | {c32['own_cpu'][0]:.1f} | {c32['own_cpu'][1]:.1f} | **{c32['extra_cpu_wall']:+.1f}** "
+        f"| {yes[c32['extra_cpu_wall'] <= GOAL_MS]} |",
+        f"| c=1: the same CPU measure | {c1['own_cpu'][0]:.1f} | {c1['own_cpu'][1]:.1f} "
+        f"| {(c1['own_cpu'][1] - c1['own_cpu'][0]):+.1f} ms CPU | - |",
+        "| once per run: `run_dataset` outside its episodes (proxy and DuckDB start, judge pool, report, stop), s "
+        f"| - | {statistics.median(fixed):.2f} median; {s['first_fixed_s']:.2f} for the first run in a process "
+        "(starts the judge forkserver) | - | - |",
+        "",
+        "Where a harness episode's slot goes (ms per episode; wall time of each call, waiting included; CPU: this "
+        "process's CPU during the step, all its threads, so at c=1 it includes the proxy and recorder work "
+        "running meanwhile):",
+        "",
+        "| step | c=1 mean | c=1 median | c=1 CPU | c=32 mean |",
+        "| --- | ---: | ---: | ---: | ---: |",
+    ]
+    for key, label in STEPS.items():
+        mean, med, cpu = c1["steps"][key]
+        lines.append(f"| {label} | {mean:.1f} | {med:.1f} | {cpu:.1f} | {c32['steps'][key][0]:.1f} |")
+    lines += [
+        f"| **the episode slot, all of it** | **{c1['slot'][0]:.1f}** | - | **{c1['slot_cpu']:.1f}** "
+        f"| **{c32['slot'][0]:.1f}** |",
+        "",
+        "Work outside the slots, per episode (wall / CPU ms, c=1 | c=32): the proxy's handler for the "
+        f"{CALLS} calls {bg1['proxy'][0]:.1f} / {bg1['proxy'][1]:.1f} | {bg32['proxy'][0]:.1f} / "
+        f"{bg32['proxy'][1]:.1f}; the recorder's writes (its thread) {bg1['recorder'][0]:.1f} / "
+        f"{bg1['recorder'][1]:.1f} | {bg32['recorder'][0]:.1f} / {bg32['recorder'][1]:.1f}. Judge workers' CPU: "
+        f"{c1['judge_cpu']:.1f} | {c32['judge_cpu']:.1f}. The direct arm's spawn: {c1['direct_spawn'][0]:.1f} / "
+        f"{c1['direct_spawn'][1]:.1f} | {c32['direct_spawn'][0]:.1f} / {c32['direct_spawn'][1]:.1f}.",
+        "The agent's own run as it reported it (medians, ms, direct / harness; c=1 | c=32): "
+        + "; ".join(f"{label} {c1['phases'][k][0]:.1f} / {c1['phases'][k][1]:.1f} | "
+                    f"{c32['phases'][k][0]:.0f} / {c32['phases'][k][1]:.0f}" for k, label in PHASES.items())
+        + f". Agent CPU per episode: c=1 {c1['agent_cpu'][0]:.0f} / {c1['agent_cpu'][1]:.0f}, c=32 "
+        f"{c32['agent_cpu'][0]:.0f} / {c32['agent_cpu'][1]:.0f}.",
+        "",
+        f"Judge pool start in a fresh program (2 workers, to the first 2 judgements done): with a light `__main__` "
+        f"(like the `harness` entry script) {light['ctor_ms'] + light['first_ms']:.0f} ms, "
+        f"{_mean(light['worker_cpu_s']) * 1000:.0f} ms CPU per worker; with `import harness.run` at the top of "
+        f"`__main__` (a script or trainer calling run_dataset) {heavy['ctor_ms'] + heavy['first_ms']:.0f} ms, "
+        f"{_mean(heavy['worker_cpu_s']) * 1000:.0f} ms CPU per worker: before CPython's fix (gh-126631, 2025) "
+        "the forkserver's `__main__` preload does nothing and every worker, replacements included, re-runs the "
+        "main script.",
+        f"A bigger episode ({big['turns']} turns, each request the whole conversation so far; "
+        f"{big['json_kb']:.0f} kB of request + response JSON): `Store.episode_calls` {big['episode_calls_ms']:.1f} "
+        f"ms, judge round trip {big['judge_ms']:.1f} ms ({big['job_kb']:.0f} kB pickled to the worker), with a "
+        "judge (exact_match) that never reads the calls.",
+    ]
+    return "\n".join(lines)
+
+
+def write_docs(text: str) -> None:
+    section = f"{START}\n{text}\n{END}"
+    header = "# Benchmarks\n\nNumbers written by the scripts in bench/; each owns its marked section.\n"
+    current = DOCS.read_text() if DOCS.exists() else header
+    if START in current and END in current:
+        before, rest = current.split(START, 1)
+        updated = before + section + rest.split(END, 1)[1]
+    else:
+        updated = current.rstrip("\n") + "\n\n" + section + "\n"
+    DOCS.parent.mkdir(parents=True, exist_ok=True)
+    DOCS.write_text(updated)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer episodes (under a minute)")
+    parser.add_argument("--c1-n", type=int, help="episodes per arm per round at c=1 (default 8, quick 2)")
+    parser.add_argument("--c1-rounds", type=int, help="rounds at c=1 (default 4, quick 2)")
+    parser.add_argument("--c32-n", type=int, help="episodes per arm per round at c=32 (default 48, quick 32)")
+    parser.add_argument("--c32-rounds", type=int, help="rounds at c=32 (default 2, quick 1)")
+    parser.add_argument("--no-docs", action="store_true", help="print only; leave docs/BENCHMARKS.md alone")
+    args = parser.parse_args()
+    for name, (full, quick) in {"c1_n": (8, 2), "c1_rounds": (4, 2), "c32_n": (48, 32), "c32_rounds": (2, 1)}.items():
+        if getattr(args, name) is None:
+            setattr(args, name, quick if args.quick else full)
+
+    sys.path.insert(0, str(ROOT))
+    install_wrappers()
+    load0 = os.getloadavg()[0]
+    t0 = time.perf_counter()
+    engine = subprocess.Popen([sys.executable, "-c", ENGINE, str(ROOT)], stdout=subprocess.PIPE, text=True,
+                              start_new_session=True)
+    try:
+        engine_url = engine.stdout.readline().strip()
+        if not engine_url.startswith("http"):
+            raise RuntimeError(f"the scripted engine did not start (it said {engine_url!r})")
+        with tempfile.TemporaryDirectory() as folder:
+            tmp = Path(folder)
+            (tmp / "agent.py").write_text(AGENT)
+            agent = [sys.executable, str(tmp / "agent.py")]
+            arms = asyncio.run(measure(args, agent, engine_url, tmp))
+            print("  side measurements: judge pool start, a bigger episode", flush=True)
+            side = {"pool": judge_worker_start(tmp), "big": asyncio.run(bigger_episode(tmp))}
+    finally:
+        engine.kill()
+        engine.wait()
+    load = (load0, os.getloadavg()[0])
+    import duckdb
+    import openai
+
+    machine = (f"`nproc` {os.cpu_count()}, Python {platform.python_version()}, openai {openai.__version__}, "
+               f"DuckDB {duckdb.__version__}, {platform.machine()}")
+    text = render(summarise(arms), side, args, load, machine)
+    print(text)
+    print(f"(took {time.perf_counter() - t0:.0f} s)")
+    if not args.no_docs:
+        write_docs(text)
+        print(f"updated {DOCS}")
+
+
+if __name__ == "__main__":
+    main()
