@@ -7,11 +7,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from aiohttp import web
 
 from harness.engine import start_vllm
 from harness.tiny_model import build_tiny_model
-from tests.support import BackgroundLoop, ScriptedUpstream
+from tests.support import BackgroundApp, ScriptedUpstream
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -49,16 +48,6 @@ def _load_example_service():
 @pytest.fixture
 def env_url():
     """The example environment service on a free port, on a loop of its own in a background thread."""
-    service = _load_example_service()
-    bg = BackgroundLoop()
-
-    async def start():
-        runner = web.AppRunner(service.create_app(), access_log=None)
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", 0).start()
-        return runner
-
-    runner = bg.run(start())
-    yield f"http://127.0.0.1:{runner.addresses[0][1]}"
-    bg.run(runner.cleanup())
-    bg.close()
+    served = BackgroundApp(_load_example_service().create_app())
+    yield served.url
+    served.close()

@@ -7,6 +7,7 @@ import threading
 from pathlib import Path
 
 import duckdb
+from aiohttp import web
 
 from proxy import ProxyConfig, ProxyServer
 from proxy.scripted import Script, ScriptedEngine
@@ -26,6 +27,26 @@ class BackgroundLoop:
     def close(self):
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
+
+
+class BackgroundApp:
+    """An aiohttp app on a free port of 127.0.0.1, on a loop of its own."""
+
+    def __init__(self, app: web.Application, **runner_kwargs):
+        self.bg = BackgroundLoop()
+
+        async def start() -> web.AppRunner:
+            runner = web.AppRunner(app, access_log=None, **runner_kwargs)
+            await runner.setup()
+            await web.TCPSite(runner, "127.0.0.1", 0).start()
+            return runner
+
+        self._runner = self.bg.run(start())
+        self.url = f"http://127.0.0.1:{self._runner.addresses[0][1]}"
+
+    def close(self):
+        self.bg.run(self._runner.cleanup())
+        self.bg.close()
 
 
 class ScriptedUpstream:

@@ -15,7 +15,7 @@ from aiohttp import web
 
 from harness.records import Task
 from harness.tasks import TaskError, evaluate_instance, instance_for, read_tasks
-from tests.support import BackgroundLoop
+from tests.support import BackgroundApp
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -333,18 +333,9 @@ def odd_service():
     app.router.add_post("/instances", plain_error)
     app.router.add_post("/instances/{id}/evaluate", wrong_shape)
     app.router.add_post("/slow/instances/{id}/evaluate", silent)
-    bg = BackgroundLoop()
-
-    async def start():
-        runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.1)
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", 0).start()
-        return runner
-
-    runner = bg.run(start())
-    yield f"http://127.0.0.1:{runner.addresses[0][1]}"
-    bg.run(runner.cleanup())
-    bg.close()
+    served = BackgroundApp(app, shutdown_timeout=0.1)
+    yield served.url
+    served.close()
 
 
 def test_a_service_that_breaks_the_protocol_is_named(odd_service):
