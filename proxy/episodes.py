@@ -54,7 +54,7 @@ class Episodes:
         self._on_new = on_new
         self._states: dict[str, _State] = {}
         self._tokens: dict[str, str] = {}
-        self._lock = asyncio.Lock()
+        self._loading: dict[str, asyncio.Future] = {}  # new episodes being looked up in the store
 
     async def open(self, episode_id: str | None = None, *, source: str = "api_key", meta: dict | None = None) -> dict:
         """Open an episode (minting an id if none is given); returns its id and its api key."""
@@ -98,9 +98,19 @@ class Episodes:
     async def _ensure(self, episode_id: str, source: str, meta: dict) -> None:
         if episode_id in self._states:
             return
-        async with self._lock:
-            if episode_id in self._states:
-                return
+        loading = self._loading.get(episode_id)
+        if loading is not None:  # another call of the same new episode is looking it up: wait for that
+            await asyncio.shield(loading)
+            return
+        loading = self._loading[episode_id] = asyncio.get_running_loop().create_future()
+        try:
             start = await self._next_index_from_store(episode_id)  # an episode may go on from an earlier run
             self._states[episode_id] = _State(start)
             self._on_new(Episode(episode_id, self.run_id, time.time(), source, meta))
+            loading.set_result(None)
+        except BaseException as exc:
+            loading.set_exception(exc if isinstance(exc, Exception) else RuntimeError("episode lookup cancelled"))
+            loading.exception()  # retrieved here, so an unwaited failure is not logged as lost
+            raise
+        finally:
+            del self._loading[episode_id]
