@@ -54,6 +54,8 @@ import orjson
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.docs_section import DOCS, write_section  # noqa: E402
 from proxy import ProxyConfig, serve_forever  # noqa: E402
 from proxy.capture import CHAT, prepare  # noqa: E402
 from proxy.scripted import Script, ScriptedEngine  # noqa: E402
@@ -77,8 +79,6 @@ DEFERRED = {"record_batch": 10**9, "record_delay_s": 10**6}  # the recorder writ
 PROXIES = {f"{loop}-{engine}": (loop, engine, {}) for loop in LOOPS for engine in ENGINES} | {
     "deferred": ("asyncio", "fast", DEFERRED)
 }
-DOCS = Path(__file__).resolve().parents[1] / "docs" / "BENCHMARKS.md"
-START, END = "<!-- proxy_overhead:start -->", "<!-- proxy_overhead:end -->"
 
 
 @dataclass(frozen=True)
@@ -887,18 +887,6 @@ def report(r: dict, recorded: dict, s: Settings, quick: bool, prof_rate: float, 
     )
 
 
-def write_docs(text: str) -> None:
-    section = f"{START}\n{text}\n{END}"
-    current = DOCS.read_text() if DOCS.exists() else "# Benchmarks\n\nNumbers written by the scripts in bench/.\n"
-    if START in current and END in current:
-        before, rest = current.split(START, 1)
-        updated = before + section + rest.split(END, 1)[1]
-    else:
-        updated = current.rstrip("\n") + "\n\n" + section + "\n"
-    DOCS.parent.mkdir(parents=True, exist_ok=True)
-    DOCS.write_text(updated)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="smaller counts (under a minute)")
@@ -944,7 +932,7 @@ def main() -> None:
     print(text)
     print("\ncProfile of the proxy's loop thread under load (CPU time):\n" + prof_text)
     if not args.no_docs:
-        write_docs(text)
+        write_section("proxy_overhead", text)
         print(f"updated {DOCS}")
 
 

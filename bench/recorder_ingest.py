@@ -29,6 +29,8 @@ import duckdb
 import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.docs_section import DOCS, write_section  # noqa: E402
 from harness.recorder import Recorder  # noqa: E402
 from harness.records import ENGINE, OK, Call, Choice  # noqa: E402
 from harness.store import Store  # noqa: E402
@@ -36,8 +38,6 @@ from harness.store import Store  # noqa: E402
 PROMPT_TOKENS = 2000
 COMPLETION_TOKENS = 200
 VOCAB = 151_000
-DOCS = Path(__file__).resolve().parents[1] / "docs" / "BENCHMARKS.md"
-START, END = "<!-- recorder_ingest:start -->", "<!-- recorder_ingest:end -->"
 
 
 def make_calls(n: int, seed: int = 0) -> list[Call]:
@@ -122,19 +122,6 @@ def _json_text(value: object) -> str:
     return orjson.dumps(value).decode()
 
 
-def write_docs(text: str) -> None:
-    section = f"{START}\n{text}\n{END}"
-    header = "# Benchmarks\n\nNumbers written by the scripts in bench/; each owns its marked section.\n"
-    current = DOCS.read_text() if DOCS.exists() else header
-    if START in current and END in current:
-        before, rest = current.split(START, 1)
-        updated = before + section + rest.split(END, 1)[1]
-    else:
-        updated = current.rstrip("\n") + "\n\n" + section + "\n"
-    DOCS.parent.mkdir(parents=True, exist_ok=True)
-    DOCS.write_text(updated)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--n", type=int, default=20_000, help="calls through the recorder")
@@ -187,7 +174,7 @@ def main() -> None:
     text = "\n".join(lines)
     print(text)
     if not args.no_docs:
-        write_docs(text)
+        write_section("recorder_ingest", text)
         print(f"updated {DOCS}")
 
 

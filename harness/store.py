@@ -209,7 +209,8 @@ class Store:
             calls_parts.append(_calls_table(part))
             choices_parts.append(_choices_table(part))
             time.sleep(0)
-        self._insert({"calls": pa.concat_tables(calls_parts), "choices": pa.concat_tables(choices_parts)})
+        self._insert({"calls": pa.concat_tables(calls_parts).combine_chunks(),
+                      "choices": pa.concat_tables(choices_parts).combine_chunks()})
 
     def _insert(self, tables: dict[str, pa.Table], *, verb: str = "INSERT INTO") -> None:
         with self.cursor() as cur:
