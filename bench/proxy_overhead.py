@@ -58,7 +58,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.docs_section import DOCS, write_section  # noqa: E402
 from bench.loadgen import client_blocks, client_load, client_streams, run_loop  # noqa: E402
 from proxy import ProxyConfig, serve_forever  # noqa: E402
-from proxy.capture import CHAT, prepare  # noqa: E402
+from proxy.request import CHAT, prepare  # noqa: E402
 from proxy.scripted import Script, ScriptedEngine  # noqa: E402
 
 try:
@@ -524,7 +524,7 @@ def profile(pool, engine: Child, tmp: Path, s: Settings) -> tuple[str, float, di
 PROFILE_PARTS = {  # share of the loop thread's CPU: (file, function) whose cumulative time counts
     "upstream aiohttp client (ClientSession._request, response read)": [("client.py", "_request"),
                                                                          ("client_reqrep.py", "read")],
-    "capture.prepare (parse, check, translate the request)": [("capture.py", "prepare")],
+    "request.prepare (parse, check, translate the request)": [("request.py", "prepare")],
     "Capture.take_response (collect ids, strip, model name)": [("capture.py", "take_response")],
     "Capture.to_call (build the record)": [("capture.py", "to_call")],
     "Recorder.record_call": [("recorder.py", "record_call")],

@@ -1,6 +1,6 @@
 """The proxy as an aiohttp application: routes, episode attribution, and the admin surface.
 
-    agent -> /v1/chat/completions -> capture.prepare -> capture.forward -> engine
+    agent -> /v1/chat/completions -> request.prepare -> capture.forward -> engine
                                                       \\-> Recorder -> DuckDB
 
 Admin routes (/harness/...) need the admin token: `Authorization: Bearer <admin_token>`.
@@ -25,10 +25,11 @@ from harness.readonly import ReadOnlyError, check_read_only
 from harness.recorder import Recorder
 from harness.records import CANCELLED, ERROR, NONE, OK, Call
 from harness.store import Store
-from proxy.capture import CHAT, COMPLETIONS, Capture, forward, prepare
+from proxy.capture import Capture, forward
 from proxy.config import ProxyConfig
 from proxy.episodes import Episodes
 from proxy.errors import ApiError, error_middleware, json_response
+from proxy.request import CHAT, COMPLETIONS, prepare
 
 log = logging.getLogger("harness.proxy")
 

@@ -1,0 +1,173 @@
+"""The request side of one call: check what the proxy touches, translate it for the engine, fingerprint the role.
+
+To the engine go `return_token_ids` and `logprobs` (so the recorder gets the engine's own ids), the served
+policy's model name, and training-time sampling overrides; what the agent asked for is kept in `Prepared` so the
+answer can be put back into the shape it expects (proxy/capture.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import orjson
+
+from proxy.config import ProxyConfig
+from proxy.errors import ApiError
+
+CHAT = "chat"
+COMPLETIONS = "completions"
+_SECRET_KEYS = {"api_key", "apikey", "api-key", "authorization", "openai_api_key", "access_token", "password"}
+
+
+@dataclass
+class Prepared:
+    """An agent request checked and translated for the engine."""
+
+    endpoint: str
+    upstream_body: bytes
+    stream: bool
+    requested_model: str | None
+    asked_logprobs: bool  # the agent asked for logprobs itself: keep them in its answer
+    asked_token_ids: bool  # the agent asked for token ids itself: keep them in its answer
+    record_request: bytes  # the request as stored (secrets removed)
+    system_hash: str | None
+    tools_hash: str | None
+    role_key: str
+    overrides: dict  # sampling values replaced by config: {key: agent's value}
+
+
+def _digest(data: bytes) -> str:
+    return hashlib.blake2b(data, digest_size=8).hexdigest()
+
+
+def _check_type(body: dict, key: str, types: tuple, what: str) -> None:
+    value = body.get(key)
+    if value is None:
+        return
+    if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+        raise ApiError(400, f"'{key}' must be {what}, got {type(value).__name__} {_short(value)}", param=key)
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _validate(endpoint: str, body: dict) -> None:
+    _check_type(body, "model", (str,), "a string")
+    _check_type(body, "stream", (bool,), "a boolean")
+    _check_type(body, "n", (int,), "an integer")
+    _check_type(body, "max_tokens", (int,), "an integer")
+    _check_type(body, "max_completion_tokens", (int,), "an integer")
+    _check_type(body, "temperature", (int, float), "a number")
+    _check_type(body, "top_p", (int, float), "a number")
+    _check_type(body, "stream_options", (dict,), "an object")
+    if body.get("n") is not None and body["n"] < 1:
+        raise ApiError(400, f"'n' must be at least 1, got {body['n']}", param="n")
+    if endpoint == CHAT:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise ApiError(400, "'messages' must be a non-empty list of message objects", param="messages")
+        for i, message in enumerate(messages):
+            if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+                raise ApiError(
+                    400, f"messages[{i}] must be an object with a string 'role', got {_short(message)}",
+                    param=f"messages[{i}]",
+                )
+        _check_type(body, "tools", (list,), "a list of tool objects")
+        _check_type(body, "logprobs", (bool,), "a boolean")
+    else:
+        prompt = body.get("prompt")
+        single = isinstance(prompt, str) or (
+            isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt)
+        )
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            single = True
+        if not single:
+            raise ApiError(
+                400, f"'prompt' must be one string or one list of token ids, got {_short(prompt)}; "
+                "the recording proxy takes one prompt per request", param="prompt",
+            )
+        _check_type(body, "logprobs", (int,), "an integer")
+
+
+def _fingerprint(endpoint: str, body: dict) -> tuple[str | None, str | None, str]:
+    system_hash = tools_hash = None
+    if endpoint == CHAT:
+        for message in body["messages"]:
+            if message.get("role") in ("system", "developer"):
+                system_hash = _digest(orjson.dumps(message.get("content"), option=orjson.OPT_SORT_KEYS))
+                break
+        if body.get("tools"):
+            tools_hash = _digest(orjson.dumps(body["tools"], option=orjson.OPT_SORT_KEYS))
+    model = body.get("model") or ""
+    role_key = _digest(f"{model}\0{system_hash or ''}\0{tools_hash or ''}".encode())
+    return system_hash, tools_hash, role_key
+
+
+def prepare(endpoint: str, raw: bytes, config: ProxyConfig, served_model: str | None) -> Prepared:
+    """Parse, check and translate one agent request; raises ApiError(400) naming what is wrong."""
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise ApiError(400, f"request body is not valid JSON: {exc}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, f"request body must be a JSON object, got {type(body).__name__}", code="invalid_json")
+    _validate(endpoint, body)
+
+    secrets_found = [k for k in body if k.lower() in _SECRET_KEYS]
+    record_request = raw
+    if secrets_found:
+        for key in secrets_found:
+            del body[key]
+        record_request = orjson.dumps(body)
+
+    system_hash, tools_hash, role_key = _fingerprint(endpoint, body)
+    requested_model = body.get("model")
+    stream = bool(body.get("stream"))
+    asked_token_ids = bool(body.get("return_token_ids"))
+    if endpoint == CHAT:
+        asked_logprobs = bool(body.get("logprobs"))
+        body["logprobs"] = True
+    else:
+        asked_logprobs = body.get("logprobs") is not None
+        if body.get("logprobs") is None:
+            body["logprobs"] = 0
+    if config.returns_token_ids:
+        body["return_token_ids"] = True
+    if served_model:
+        body["model"] = served_model
+    overrides = _apply_overrides(body, config)
+    return Prepared(
+        endpoint=endpoint,
+        upstream_body=orjson.dumps(body),
+        stream=stream,
+        requested_model=requested_model,
+        asked_logprobs=asked_logprobs,
+        asked_token_ids=asked_token_ids,
+        record_request=record_request,
+        system_hash=system_hash,
+        tools_hash=tools_hash,
+        role_key=role_key,
+        overrides=overrides,
+    )
+
+
+def _apply_overrides(body: dict, config: ProxyConfig) -> dict:
+    sampling = config.sampling
+    if not sampling.active:
+        return {}
+    replaced = {}
+    for key, value in (("temperature", sampling.temperature), ("top_p", sampling.top_p)):
+        if value is not None:
+            replaced[key] = body.get(key)
+            body[key] = value
+    cap = sampling.max_tokens_cap
+    if cap is not None:
+        key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+        asked = body.get(key)
+        if asked is None or asked > cap:
+            replaced[key] = asked
+            body[key] = cap
+    return replaced
