@@ -39,7 +39,7 @@ async def run_dataset(tasks: list[Task], config: RunConfig, engine: Engine, run_
     app = server.app
     bar = _Progress(len(tasks) * config.repeat, enabled=progress)
     runner = Runner(config, run_id=server.run_id, proxy_url=url, store=app[STORE], flush=app[RECORDER].flush,
-                    open_episode=lambda eid, meta: app[EPISODES].open(eid, source="runner", meta=meta),
+                    open_episode=lambda eid, meta: app[EPISODES].open(eid, source="runner", meta=meta, new=True),
                     run_dir=run_dir, on_episode=bar.update)
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGINT, runner.stop)

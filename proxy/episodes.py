@@ -56,10 +56,16 @@ class Episodes:
         self._tokens: dict[str, str] = {}
         self._loading: dict[str, asyncio.Future] = {}  # new episodes being looked up in the store
 
-    async def open(self, episode_id: str | None = None, *, source: str = "api_key", meta: dict | None = None) -> dict:
-        """Open an episode (minting an id if none is given); returns its id and its api key."""
+    async def open(self, episode_id: str | None = None, *, source: str = "api_key", meta: dict | None = None,
+                   new: bool = False) -> dict:
+        """Open an episode (minting an id if none is given); returns its id and its api key.
+
+        `new`: the caller knows the id was never used (a run's own ids), so the store is not asked where the
+        episode's numbering goes on.
+        """
+        minted = not episode_id
         episode_id = check_episode_id(episode_id) if episode_id else "ep-" + secrets.token_hex(8)
-        await self._ensure(episode_id, source, meta or {})
+        await self._ensure(episode_id, source, meta or {}, new=new or minted)
         token = TOKEN_PREFIX + secrets.token_urlsafe(24)
         self._tokens[token] = episode_id
         return {"episode_id": episode_id, "api_key": token, "base_path": f"/e/{episode_id}/v1"}
@@ -95,8 +101,12 @@ class Episodes:
         state.next_index += 1
         return index
 
-    async def _ensure(self, episode_id: str, source: str, meta: dict) -> None:
+    async def _ensure(self, episode_id: str, source: str, meta: dict, new: bool = False) -> None:
         if episode_id in self._states:
+            return
+        if new:
+            self._states[episode_id] = _State(0)
+            self._on_new(Episode(episode_id, self.run_id, time.time(), source, meta))
             return
         loading = self._loading.get(episode_id)
         if loading is not None:  # another call of the same new episode is looking it up: wait for that
