@@ -121,3 +121,27 @@ class Judgement:
     details: dict  # whatever else the judge returned (e.g. {"expected": "42", "got": "41"})
     error: str | None  # why the judge failed (raised, timed out, returned a wrong type)
     created_at: float  # unix seconds
+
+
+@dataclass(frozen=True, slots=True)
+class Break:
+    """Why a call's choice does not continue the closest earlier timeline (harness/merge.py)."""
+
+    call_id: str  # the call
+    choice_index: int  # its choice
+    reason: str  # first_call, new_role, system_prompt_changed, tools_changed, history_changed, retokenization_drift
+    position: int | None = None  # first differing token position in the prompt, for HISTORY_CHANGED / DRIFT
+    ours: list[int] | None = None  # a few tokens of the closest earlier timeline from that position
+    theirs: list[int] | None = None  # the same span of this call's prompt
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    """One training sequence: calls that extend each other, merged (a root-to-leaf path of an episode's tree)."""
+
+    episode_id: str
+    role_key: str
+    call_ids: list[str]  # the calls on the path, in order (one choice each)
+    token_ids: list[int]  # the leaf's prompt ids + completion ids
+    loss_mask: list[int]  # 1 where the engine sampled the token, else 0
+    logprobs: list[float]  # the engine's logprob where loss_mask is 1, else 0.0
