@@ -194,3 +194,12 @@ def client_streams(raw: bytes, concurrency: int, per_client: int, stagger_s: flo
         return out
 
     return run_loop(main())
+
+
+def pct(values: list[float], q: float) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, int(q * len(s)))] if s else float("nan")
+
+
+def mean(values: list[float]) -> float:
+    return sum(values) / len(values)

@@ -30,10 +30,6 @@ Writes its section of docs/BENCHMARKS.md (between the proxy_overhead markers) un
 from __future__ import annotations
 
 import argparse
-import asyncio
-import contextlib
-import cProfile
-import gc
 import io
 import multiprocessing
 import os
@@ -51,15 +47,28 @@ from urllib.parse import urlsplit
 import aiohttp
 import duckdb
 import orjson
-import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.docs_section import DOCS, write_section  # noqa: E402
-from bench.loadgen import client_blocks, client_load, client_streams, run_loop  # noqa: E402
-from proxy import ProxyConfig, serve_forever  # noqa: E402
+from bench.hops import (  # noqa: E402
+    COMPLETION_TOKENS,
+    ENGINES,
+    PROMPT_TOKENS,
+    SERVED_MODEL,
+    Child,
+    CoTenant,
+    core_busy,
+    engine_main,
+    pin,
+    profile_shares,
+    proxy_main,
+    relay_main,
+    wait_quiet,
+)
+from bench.loadgen import client_blocks, client_load, client_streams, mean, pct  # noqa: E402
+from proxy import ProxyConfig  # noqa: E402
 from proxy.request import CHAT, prepare  # noqa: E402
-from proxy.scripted import Script, ScriptedEngine  # noqa: E402
 
 try:
     import uvloop
@@ -67,13 +76,6 @@ except ImportError:  # the stdlib loop still gives every number but the uvloop c
     uvloop = None
 
 PROXY_CORE, LOAD_CORE = 0, 1
-PROMPT_TOKENS, COMPLETION_TOKENS = 512, 32
-SERVED_MODEL = "scripted-model"
-ENGINES = {  # name: what the scripted engine does
-    "fast": Script(prompt_tokens=PROMPT_TOKENS, completion_tokens=COMPLETION_TOKENS),
-    "trickle": Script(prompt_tokens=PROMPT_TOKENS, completion_tokens=2, chunk_delay_s=0.002),
-    "paced": Script(prompt_tokens=PROMPT_TOKENS, completion_tokens=COMPLETION_TOKENS, chunk_delay_s=0.02),
-}
 LOOPS = ("asyncio", "uvloop") if uvloop else ("asyncio",)
 DEFERRED = {"record_batch": 10**9, "record_delay_s": 10**6}  # the recorder writes only at shutdown
 # proxy name: (event loop, engine, config overrides)
@@ -102,243 +104,6 @@ class Settings:
 
 QUICK = Settings(latency_n=400, ttft_n=100, burst_n=150, block=100, warmup_n=30, rounds=1, window_s=2.0,
                  streams_per_client=1, profile_s=2.0, quiet_wait_s=2.0)  # fmt: skip
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Processes: pinning, loops, the engine, the proxy, and whose CPU is whose.
-# ---------------------------------------------------------------------------------------------------------------
-
-
-def _pin(core: int) -> None:
-    """Pin every thread of this process (later threads inherit it) to one core, if the machine has it."""
-    for tid in os.listdir("/proc/self/task"):
-        with contextlib.suppress(OSError):  # no such core here: everything shares what there is
-            os.sched_setaffinity(int(tid), {core})
-
-
-def _watch_parent(conn, answer=None) -> None:
-    """Answer the parent's requests on the pipe with `answer()`; when the parent is gone, SIGTERM ourselves so
-    nothing outlives a killed benchmark."""
-    loop = asyncio.get_running_loop()
-
-    def readable():
-        try:
-            conn.recv()
-        except (EOFError, OSError):
-            loop.remove_reader(conn.fileno())
-            os.kill(os.getpid(), signal.SIGTERM)
-            return
-        conn.send(answer() if answer else None)
-
-    loop.add_reader(conn.fileno(), readable)
-
-
-def _engine_main(conn, core: int) -> None:
-    """The scripted engines of ENGINES in one process, each on its own port."""
-    _pin(core)
-
-    async def main():
-        engines = {name: ScriptedEngine(script) for name, script in ENGINES.items()}
-        conn.send({name: await engine.start() for name, engine in engines.items()})
-        stop = asyncio.Event()
-        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
-        _watch_parent(conn)
-        while not stop.is_set():  # the scripted engine keeps every request body: forget them as we go
-            for engine in engines.values():
-                engine.requests.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), 1.0)
-        for engine in engines.values():
-            await engine.stop()
-
-    run_loop(main(), "uvloop")
-
-
-class _Down(asyncio.Protocol):
-    """The agent's side of a byte relay: opens its own connection upstream, copies bytes both ways."""
-
-    def __init__(self, host: str, port: int):
-        self.host, self.port = host, port
-        self.transport = self.up = None
-        self.early: list[bytes] = []  # bytes that came before the upstream connection was open
-
-    def connection_made(self, transport):
-        self.transport = transport
-        asyncio.ensure_future(self._connect())
-
-    async def _connect(self):
-        _, self.up = await asyncio.get_running_loop().create_connection(lambda: _Up(self), self.host, self.port)
-        for data in self.early:
-            self.up.transport.write(data)
-
-    def data_received(self, data: bytes) -> None:
-        if self.up is None:
-            self.early.append(data)
-        else:
-            self.up.transport.write(data)
-
-    def connection_lost(self, exc):
-        if self.up is not None:
-            self.up.transport.close()
-
-
-class _Up(asyncio.Protocol):
-    def __init__(self, down: _Down):
-        self.down, self.transport = down, None
-
-    def connection_made(self, transport):
-        self.transport = transport
-
-    def data_received(self, data: bytes) -> None:
-        self.down.transport.write(data)
-
-    def connection_lost(self, exc):
-        self.down.transport.close()
-
-
-def _relay_main(conn, core: int, upstreams: dict[str, str]) -> None:
-    """A byte relay on uvloop, one port per engine: what one more process hop through core 0 costs, with nothing
-    parsed or recorded. The floor under the proxy's added latency on this pinning."""
-    _pin(core)
-
-    async def main():
-        loop = asyncio.get_running_loop()
-        servers, urls = [], {}
-        for name, url in upstreams.items():
-            parts = urlsplit(url)
-            server = await loop.create_server(lambda p=parts: _Down(p.hostname, p.port), "127.0.0.1", 0)
-            servers.append(server)
-            urls[name] = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
-        conn.send(urls)
-        stop = asyncio.Event()
-        loop.add_signal_handler(signal.SIGTERM, stop.set)
-        _watch_parent(conn)
-        await stop.wait()
-        for server in servers:
-            server.close()
-
-    run_loop(main(), "uvloop")
-
-
-def _proxy_main(conn, core: int, upstream: str, db_path: str, loop_kind: str, overrides: dict,
-                profile_path: str | None) -> None:  # fmt: skip
-    """The proxy as `harness proxy` runs it (serve_forever); SIGUSR1 / SIGUSR2 start / stop cProfile if asked."""
-    _pin(core)
-    config = ProxyConfig(upstream_url=upstream, db_path=Path(db_path), port=0, served_model=SERVED_MODEL,
-                         **overrides)  # fmt: skip
-    profiler = cProfile.Profile(time.thread_time) if profile_path else None  # CPU time of the loop thread
-    gc_s = [0.0, 0.0]  # CPU seconds spent in garbage collections, start of the current one
-
-    def on_gc(phase: str, info: dict) -> None:
-        if phase == "start":
-            gc_s[1] = time.thread_time()
-        else:
-            gc_s[0] += time.thread_time() - gc_s[1]
-
-    gc.callbacks.append(on_gc)
-
-    def stop_profile():
-        profiler.disable()
-        profiler.dump_stats(profile_path)
-
-    def ready(server):
-        loop = asyncio.get_running_loop()
-        if profiler is not None:
-            loop.add_signal_handler(signal.SIGUSR1, profiler.enable)
-            loop.add_signal_handler(signal.SIGUSR2, stop_profile)
-        _watch_parent(conn, lambda: gc_s[0])  # Child.gc_seconds()
-        conn.send(server.url)
-
-    run_loop(serve_forever(config, on_ready=ready), loop_kind)
-
-
-class Child:
-    """A pinned child process that reports what it serves on a pipe; stopped with SIGTERM (the proxy flushes)."""
-
-    def __init__(self, target, *args):
-        ctx = multiprocessing.get_context("spawn")
-        self._pipe, child = ctx.Pipe()
-        self.name = target.__name__
-        self.process = ctx.Process(target=target, args=(child, *args), daemon=True)
-        self.process.start()
-        self.ps = psutil.Process(self.process.pid)
-        self.served = None
-
-    def ready(self, timeout_s: float = 60) -> Child:
-        """Wait for what the child serves (its URL, or URLs by name)."""
-        if self.served is None:
-            if not self._pipe.poll(timeout_s):
-                raise RuntimeError(f"{self.name} did not come up in {timeout_s} s (exit code {self.process.exitcode})")
-            self.served = self._pipe.recv()
-        return self
-
-    def gc_seconds(self) -> float:
-        """A proxy's CPU seconds in garbage collection so far."""
-        self._pipe.send(1)
-        return self._pipe.recv() if self._pipe.poll(10) else float("nan")
-
-    def cpu(self) -> tuple[float, float]:
-        """CPU seconds so far: (main thread, all other threads)."""
-        main = other = 0.0
-        for t in self.ps.threads():
-            if t.id == self.ps.pid:
-                main += t.user_time + t.system_time
-            else:
-                other += t.user_time + t.system_time
-        return main, other
-
-    def stop(self) -> None:
-        if self.process.is_alive():
-            self.process.terminate()
-            self.process.join(60)
-        if self.process.is_alive():
-            self.process.kill()
-            self.process.join()
-
-
-def _core_busy() -> dict[int, tuple[int, int]]:
-    """Per core: (busy, total) jiffies from /proc/stat."""
-    out = {}
-    with open("/proc/stat") as f:
-        for line in f:
-            if line.startswith("cpu") and line[3].isdigit():
-                name, *fields = line.split()
-                values = [int(v) for v in fields]
-                out[int(name[3:])] = (sum(values) - values[3] - values[4], sum(values))
-    return out
-
-
-def _our_cpu() -> float:
-    """CPU seconds of this process and all its children (engine, proxies, load generator)."""
-    total = 0.0
-    for p in [psutil.Process(), *psutil.Process().children(recursive=True)]:
-        with contextlib.suppress(psutil.Error):
-            t = p.cpu_times()
-            total += t.user + t.system
-    return total
-
-
-class CoTenant:
-    """CPU that processes outside this benchmark used meanwhile, in cores (2.0: both cores, all the time)."""
-
-    def __init__(self):
-        self.busy, self.ours, self.t = _core_busy(), _our_cpu(), time.perf_counter()
-
-    def cores(self) -> float:
-        busy, ours, t = _core_busy(), _our_cpu(), time.perf_counter()
-        jiffies = sum(busy[c][0] - self.busy[c][0] for c in busy)
-        return max(0.0, jiffies / os.sysconf("SC_CLK_TCK") - (ours - self.ours)) / (t - self.t)
-
-
-def wait_quiet(max_s: float, threshold: float = 0.15) -> float:
-    """Wait up to max_s for processes outside this benchmark to use under `threshold` cores; what they used last."""
-    deadline = time.perf_counter() + max_s
-    while True:
-        meter = CoTenant()
-        time.sleep(0.5)
-        used = meter.cores()
-        if used < threshold or time.perf_counter() >= deadline:
-            return used
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -373,15 +138,6 @@ def requests_for(engine_url: str, stream: bool, **hop_urls: str) -> dict[str, by
     }
 
 
-def pct(values: list[float], q: float) -> float:
-    s = sorted(values)
-    return s[min(len(s) - 1, int(q * len(s)))] if s else float("nan")
-
-
-def mean(values: list[float]) -> float:
-    return sum(values) / len(values)
-
-
 def throughput(pool, reqs: dict[str, bytes], hops: dict[str, Child], engine: Child, s: Settings) -> dict:
     """Windows rotating over the paths; CPU of the hop on core 0 (loop thread / other threads), the engine, and
     how busy each core was."""
@@ -394,9 +150,9 @@ def throughput(pool, reqs: dict[str, bytes], hops: dict[str, Child], engine: Chi
             pending = pool.apply_async(client_load, (reqs[name], s.concurrency, s.warmup_s, s.window_s))
             time.sleep(s.warmup_s + 0.1)
             g0 = hop.gc_seconds() if name in LOOPS else 0.0
-            t0, h0, e0, c0 = time.perf_counter(), hop.cpu() if hop else (0, 0), sum(engine.cpu()), _core_busy()
+            t0, h0, e0, c0 = time.perf_counter(), hop.cpu() if hop else (0, 0), sum(engine.cpu()), core_busy()
             time.sleep(s.window_s - 0.2)
-            t1, h1, e1, c1 = time.perf_counter(), hop.cpu() if hop else (0, 0), sum(engine.cpu()), _core_busy()
+            t1, h1, e1, c1 = time.perf_counter(), hop.cpu() if hop else (0, 0), sum(engine.cpu()), core_busy()
             g1 = hop.gc_seconds() if name in LOOPS else 0.0
             r, o, dt = pending.get(), out[name], t1 - t0
             for k in ("latency", "errors", "sent"):
@@ -498,7 +254,7 @@ def profile(pool, engine: Child, tmp: Path, s: Settings) -> tuple[str, float, di
     """An asyncio proxy under c=64 with cProfile on its loop thread (thread CPU time): top 15 own and cumulative."""
     fast_url = engine.served["fast"]
     stats_path = tmp / "proxy.prof"
-    proxy = Child(_proxy_main, PROXY_CORE, fast_url, str(tmp / "profile.duckdb"), "asyncio", {}, str(stats_path))
+    proxy = Child(proxy_main, PROXY_CORE, fast_url, str(tmp / "profile.duckdb"), "asyncio", {}, str(stats_path))
     try:
         proxy.ready()
         raw = requests_for(fast_url, False, proxy=proxy.served)["proxy"]
@@ -518,26 +274,7 @@ def profile(pool, engine: Child, tmp: Path, s: Settings) -> tuple[str, float, di
     stats = pstats.Stats(str(stats_path), stream=text).strip_dirs()
     stats.sort_stats("tottime").print_stats(15)
     stats.sort_stats("cumulative").print_stats(15)
-    return text.getvalue(), rate, _profile_shares(stats)
-
-
-PROFILE_PARTS = {  # share of the loop thread's CPU: (file, function) whose cumulative time counts
-    "upstream aiohttp client (ClientSession._request, response read)": [("client.py", "_request"),
-                                                                         ("client_reqrep.py", "read")],
-    "request.prepare (parse, check, translate the request)": [("request.py", "prepare")],
-    "Capture.take_response (collect ids, strip, model name)": [("capture.py", "take_response")],
-    "Capture.to_call (build the record)": [("capture.py", "to_call")],
-    "Recorder.record_call": [("recorder.py", "record_call")],
-    "proxy handler, all of it (app._llm_call)": [("app.py", "_llm_call")],
-}  # fmt: skip
-
-
-def _profile_shares(stats: pstats.Stats) -> dict[str, float]:
-    """Share of the profiled loop thread's CPU time spent under each of PROFILE_PARTS."""
-    cum: dict[tuple[str, str], float] = {}
-    for (file, _, function), (_, _, _, cumtime, _) in stats.stats.items():
-        cum[file, function] = cum.get((file, function), 0.0) + cumtime
-    return {part: sum(cum.get(key, 0.0) for key in keys) / stats.total_tt for part, keys in PROFILE_PARTS.items()}
+    return text.getvalue(), rate, profile_shares(stats)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -713,24 +450,24 @@ def main() -> None:
     if len(os.sched_getaffinity(0)) < 2:
         print("warning: fewer than 2 cores; every process shares one, so no number here isolates the proxy",
               file=sys.stderr)  # fmt: skip
-    _pin(LOAD_CORE)  # this process mostly sleeps; keep it off the hops' core
+    pin(LOAD_CORE)  # this process mostly sleeps; keep it off the hops' core
     children: list[Child] = []
     pool = None
     with tempfile.TemporaryDirectory() as tmp_dir:
         tmp = Path(tmp_dir)
         try:
-            engine = Child(_engine_main, LOAD_CORE).ready()
+            engine = Child(engine_main, LOAD_CORE).ready()
             children.append(engine)
-            relay = Child(_relay_main, PROXY_CORE, engine.served)
+            relay = Child(relay_main, PROXY_CORE, engine.served)
             children.append(relay)
             proxies = {}
             for name, (loop, upstream, overrides) in PROXIES.items():
                 db = str(tmp / f"{name}.duckdb")
-                proxies[name] = Child(_proxy_main, PROXY_CORE, engine.served[upstream], db, loop, overrides, None)
+                proxies[name] = Child(proxy_main, PROXY_CORE, engine.served[upstream], db, loop, overrides, None)
                 children.append(proxies[name])
             for child in children:
                 child.ready()
-            pool = multiprocessing.get_context("spawn").Pool(1, initializer=_pin, initargs=(LOAD_CORE,))
+            pool = multiprocessing.get_context("spawn").Pool(1, initializer=pin, initargs=(LOAD_CORE,))
             results = measure(pool, engine, relay, proxies, s)
             for child in proxies.values():
                 child.stop()  # the proxies flush on SIGTERM; only then can their databases be opened
