@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextvars
 import json
 import os
 import platform
@@ -48,13 +47,23 @@ import tempfile
 import textwrap
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field
 from datetime import date
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from bench.docs_section import DOCS, write_section  # noqa: E402
+from bench.episode_side import bigger_episode, judge_worker_start  # noqa: E402
+from bench.episode_timing import (  # noqa: E402
+    BACKGROUND,
+    EPISODES,
+    JUDGE_CPU,
+    Arm,
+    CpuWindow,
+    Episode,
+    agent_report,
+    install_wrappers,
+)
 
 GOAL_MS = 50.0
 BUSY_CORES = 0.2  # other work above this, in cores, during an arm makes its wall times untrustworthy
@@ -87,28 +96,6 @@ ENGINE = textwrap.dedent('''
     asyncio.run(main())
 ''')
 
-# A program that starts a judge pool and times its first judgement; HEAVY is put at its top or left out.
-POOL_START = textwrap.dedent('''
-    import asyncio, json, sys, time
-    sys.path.insert(0, {root!r})
-    {heavy}
-    from harness.judge_pool import JudgePool
-
-    async def main():
-        import psutil
-        t0 = time.perf_counter()
-        pool = JudgePool("exact_match", workers=2)
-        t1 = time.perf_counter()
-        await asyncio.gather(*(pool.judge("e", {{"answer": "1"}}, "1", []) for _ in range(2)))
-        t2 = time.perf_counter()
-        cpu = [sum(psutil.Process(p).cpu_times()[:2]) for p in pool.worker_pids]
-        pool.close()
-        print(json.dumps({{"ctor_ms": (t1 - t0) * 1000, "first_ms": (t2 - t1) * 1000, "worker_cpu_s": cpu}}))
-
-    if __name__ == "__main__":
-        asyncio.run(main())
-''')
-HEAVY_MAIN = "import harness.run  # noqa: F401  (what a script that calls run_dataset imports)"
 
 # The steps of a harness episode, as timed by the wrappers (name: label). Indented ones are part of the one above.
 STEPS = {
@@ -129,233 +116,6 @@ STEPS = {
 TOP_STEPS = ["instance_for", "open", "run_agent", "flush", "episode_calls", "add_outcome", "judge", "add_judgements"]
 PHASES = {"start": "spawn to its first line", "imports": "imports and set-up", "calls": f"{CALLS} chat calls",
           "exit": "answer printed to reaped"}
-
-
-# ---------------------------------------------------------------------------------------------------- records
-
-
-@dataclass
-class Episode:
-    """One episode as measured (perf_counter for the slot, time.time for the agent process)."""
-
-    spawned: float = 0.0  # unix time just before the agent was spawned
-    reaped: float = 0.0  # unix time the agent process was reaped
-    report: dict = field(default_factory=dict)  # what the agent printed: t_start, t_calls, t_calls_end, t_end
-    wall: dict = field(default_factory=lambda: defaultdict(float))  # harness step -> seconds
-    cpu: dict = field(default_factory=lambda: defaultdict(float))  # harness step -> this process's CPU seconds
-    slot: tuple[float, float] = (0.0, 0.0)  # perf_counter at the slot's start and end
-    slot_cpu: tuple[float, float] = (0.0, 0.0)  # process_time at the slot's start and end
-
-    @property
-    def agent_ms(self) -> float:
-        return (self.reaped - self.spawned) * 1000
-
-    @property
-    def slot_ms(self) -> float:
-        return (self.slot[1] - self.slot[0]) * 1000
-
-    def phases_ms(self) -> dict[str, float]:
-        r = self.report
-        return {"start": (r["t_start"] - self.spawned) * 1000, "imports": (r["t_calls"] - r["t_start"]) * 1000,
-                "calls": (r["t_calls_end"] - r["t_calls"]) * 1000, "exit": (self.reaped - r["t_end"]) * 1000}
-
-
-@dataclass
-class Arm:
-    """One batch of episodes run one way at one concurrency."""
-
-    kind: str  # "direct" or "harness"
-    episodes: list[Episode]
-    wall_s: float  # the whole call: for the harness, run_dataset from start to return
-    phase_s: float  # first spawn (slot start) to the last episode done
-    agent_cpu_s: float  # CPU of the agents (this process's reaped children)
-    tree_cpu_s: float  # CPU of everything this benchmark runs: this process, the engine, agents, judge workers
-    others_cores: float  # CPU used by processes outside this benchmark, in cores, during the arm
-    own_cpu_s: float = 0.0  # this process's CPU over the episodes (harness: runner, proxy, recorder, DuckDB)
-    judge_cpu_s: float = 0.0  # CPU of the judge workers
-    background: dict = field(default_factory=dict)  # step -> [wall, CPU] seconds, outside the slots
-    spawn: list = field(default_factory=list)  # direct: [wall, CPU] seconds of each create_subprocess_exec
-    switches: int = 0  # involuntary context switches of the agents
-
-
-# ----------------------------------------------------------------------------------------- measurement wrappers
-
-_CURRENT: contextvars.ContextVar[Episode | None] = contextvars.ContextVar("episode", default=None)
-_EPISODES: list[Episode] = []  # harness episodes as their slots end
-_BACKGROUND: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])  # work outside the slots: [wall, CPU] s
-_JUDGE_CPU: list[float] = []  # CPU seconds of each judge worker, read as its pool closes
-
-
-def _add(step: str, wall: float, cpu: float) -> None:
-    episode = _CURRENT.get()  # asyncio.to_thread copies the context into its thread
-    if episode is not None:
-        episode.wall[step] += wall
-        episode.cpu[step] += cpu
-
-
-def _add_background(step: str, wall: float, cpu: float) -> None:
-    _BACKGROUND[step][0] += wall
-    _BACKGROUND[step][1] += cpu
-
-
-def _time_sync(owner, name: str, step: str, add=_add) -> None:
-    original = getattr(owner, name)
-
-    def timed(*args, **kwargs):
-        t0, c0 = time.perf_counter(), time.process_time()
-        try:
-            return original(*args, **kwargs)
-        finally:
-            add(step, time.perf_counter() - t0, time.process_time() - c0)
-
-    setattr(owner, name, timed)
-
-
-def _time_async(owner, name: str, step: str, add=_add) -> None:
-    original = getattr(owner, name)
-
-    async def timed(*args, **kwargs):
-        t0, c0 = time.perf_counter(), time.process_time()
-        try:
-            return await original(*args, **kwargs)
-        finally:
-            add(step, time.perf_counter() - t0, time.process_time() - c0)
-
-    setattr(owner, name, timed)
-
-
-def install_wrappers() -> None:
-    """Wrap the harness functions an episode goes through with timers; the harness code itself is unchanged."""
-    import psutil
-
-    import harness.runner
-    import proxy.app
-    from harness.judge_pool import JudgePool
-    from harness.recorder import Recorder
-    from harness.runner import Runner
-    from harness.store import Store
-    from proxy.episodes import Episodes
-
-    for owner, name, step in [(harness.runner, "instance_for", "instance_for"), (Store, "next_call_index", None),
-                              (Recorder, "flush", None), (Store, "episode_calls", None), (Store, "add_outcome", None),
-                              (Store, "add_judgements", None)]:
-        _time_sync(owner, name, step or name)
-    for owner, name, step in [(Episodes, "open", "open"), (Runner, "_run_agent", "run_agent"),
-                              (JudgePool, "judge", "judge"), (asyncio, "create_subprocess_exec", "spawn")]:
-        _time_async(owner, name, step)
-    # Work that belongs to no slot: the proxy's handler (aiohttp's task) and the recorder's writes (its thread).
-    _time_async(proxy.app, "_llm_call", "proxy", _add_background)
-    _time_sync(Recorder, "_write", "recorder", _add_background)
-
-    close = JudgePool.close
-
-    def close_reading_cpu(self):
-        for pid in self.worker_pids:
-            try:
-                _JUDGE_CPU.append(sum(psutil.Process(pid).cpu_times()[:2]))
-            except psutil.Error:
-                pass
-        close(self)
-
-    JudgePool.close = close_reading_cpu
-
-    run_agent = Runner._run_agent
-
-    async def agent_times(self, *args, **kwargs):
-        outcome = await run_agent(self, *args, **kwargs)
-        episode = _CURRENT.get()
-        episode.spawned = outcome.started_at
-        episode.reaped = outcome.started_at + outcome.duration_ms / 1000
-        episode.wall["agent_process"] += outcome.duration_ms / 1000
-        return outcome
-
-    Runner._run_agent = agent_times
-
-    episode_slot = Runner._episode
-
-    async def timed_episode(self, slot, pool):
-        episode = Episode()
-        token = _CURRENT.set(episode)
-        episode.slot_cpu, episode.slot = (time.process_time(), 0.0), (time.perf_counter(), 0.0)
-        try:
-            return await episode_slot(self, slot, pool)
-        finally:
-            episode.slot = (episode.slot[0], time.perf_counter())
-            episode.slot_cpu = (episode.slot_cpu[0], time.process_time())
-            _CURRENT.reset(token)
-            _EPISODES.append(episode)
-
-    Runner._episode = timed_episode
-
-    parse_answer = harness.runner.parse_answer
-
-    def keep_report(stdout: str):
-        _CURRENT.get().report = _agent_report(stdout)
-        return parse_answer(stdout)
-
-    harness.runner.parse_answer = keep_report
-
-
-def _agent_report(stdout: str) -> dict:
-    for line in reversed(stdout.splitlines()):
-        if line.startswith("{"):
-            return json.loads(line)
-    raise RuntimeError(f"the agent printed no report: {stdout[-300:]!r}")
-
-
-# ---------------------------------------------------------------------------------------------------- CPU
-
-
-def _tree_cpu() -> float:
-    """CPU seconds of this process, its reaped children and its live descendants (with their reaped ones)."""
-    import psutil
-
-    me = psutil.Process()
-    total = sum(me.cpu_times()[:4])
-    for child in me.children(recursive=True):
-        try:
-            total += sum(child.cpu_times()[:4])
-        except psutil.Error:
-            pass
-    return total
-
-
-def _children_cpu() -> float:
-    import resource
-
-    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return usage.ru_utime + usage.ru_stime
-
-
-def _children_switches() -> int:
-    """Involuntary context switches of the reaped children: how often the agents were preempted."""
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_CHILDREN).ru_nivcsw
-
-
-def _machine_busy() -> float:
-    import psutil
-
-    t = psutil.cpu_times()  # guest time is already in user time; steal counts as someone else's
-    return sum(getattr(t, name, 0.0) for name in ("user", "nice", "system", "irq", "softirq", "steal"))
-
-
-class _CpuWindow:
-    """CPU used during a block: by the agents, by this benchmark's whole tree, and by everything else."""
-
-    def __enter__(self):
-        self.t0, self.agents0, self.tree0, self.busy0 = time.perf_counter(), _children_cpu(), _tree_cpu(), \
-            _machine_busy()
-        self.switches0 = _children_switches()
-        return self
-
-    def __exit__(self, *exc):
-        wall = time.perf_counter() - self.t0
-        self.agents = _children_cpu() - self.agents0
-        self.switches = _children_switches() - self.switches0
-        self.tree = _tree_cpu() - self.tree0
-        self.others_cores = max(0.0, _machine_busy() - self.busy0 - self.tree) / wall
 
 
 # ---------------------------------------------------------------------------------------------------- the arms
@@ -389,10 +149,10 @@ async def run_direct(tasks, concurrency: int, agent: list[str], engine_url: str,
             episode.reaped, episode.slot = time.time(), (start, time.perf_counter())
             if proc.returncode != 0:
                 raise RuntimeError(f"the agent exited with code {proc.returncode} in the direct arm")
-            episode.report = _agent_report(stdout.decode())
+            episode.report = agent_report(stdout.decode())
             episodes.append(episode)
 
-    with _CpuWindow() as cpu:
+    with CpuWindow() as cpu:
         t0, c0 = time.perf_counter(), time.process_time()
         await asyncio.gather(*(one(t) for t in tasks))
         wall, own = time.perf_counter() - t0, time.process_time() - c0
@@ -406,22 +166,22 @@ async def run_harness(tasks, concurrency: int, agent: list[str], engine_url: str
     from harness.run import run_dataset
     from harness.runner import RunConfig
 
-    _EPISODES.clear()
-    _BACKGROUND.clear()
-    _JUDGE_CPU.clear()
+    EPISODES.clear()
+    BACKGROUND.clear()
+    JUDGE_CPU.clear()
     config = RunConfig(command=agent, judge="exact_match", concurrency=concurrency, timeout_s=300, retries=0,
                        cwd=cwd)
-    with _CpuWindow() as cpu:
+    with CpuWindow() as cpu:
         t0 = time.perf_counter()
         _, report = await run_dataset(tasks, config, attach(engine_url), run_dir, progress=False)
         wall = time.perf_counter() - t0
     if report["episodes"] != len(tasks) or report["mean_reward"] != 1.0 or report["failures"]:
         raise RuntimeError(f"the harness arm did not run cleanly: {report}")
-    episodes = list(_EPISODES)
+    episodes = list(EPISODES)
     phase = max(e.slot[1] for e in episodes) - min(e.slot[0] for e in episodes)
     own = max(e.slot_cpu[1] for e in episodes) - min(e.slot_cpu[0] for e in episodes)
     return Arm("harness", episodes, wall, phase, cpu.agents, cpu.tree, cpu.others_cores, own_cpu_s=own,
-               judge_cpu_s=sum(_JUDGE_CPU), background={k: list(v) for k, v in _BACKGROUND.items()},
+               judge_cpu_s=sum(JUDGE_CPU), background={k: list(v) for k, v in BACKGROUND.items()},
                switches=cpu.switches)
 
 
@@ -447,92 +207,6 @@ async def measure(args, agent: list[str], engine_url: str, tmp: Path) -> tuple[d
                       f"({arm.phase_s / n * 1000:6.1f} ms/episode); others used {arm.others_cores:.2f} cores",
                       flush=True)
     return arms, warm
-
-
-# ------------------------------------------------------------------------------------------- side measurements
-
-
-def judge_worker_start(tmp: Path) -> dict[str, dict]:
-    """A fresh program starting a 2-worker judge pool, with a light and with a heavy __main__."""
-    out = {}
-    for name, heavy in (("light", ""), ("heavy", HEAVY_MAIN)):
-        script = tmp / f"pool_{name}.py"
-        script.write_text(POOL_START.format(root=str(ROOT), heavy=heavy))
-        done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
-                              cwd=tmp)
-        if done.returncode != 0:
-            raise RuntimeError(f"judge pool start ({name}) failed: {done.stderr[-500:]}")
-        out[name] = json.loads(done.stdout.strip().splitlines()[-1])
-    return out
-
-
-def _conversation_calls(turns: int, episode_id: str) -> list:
-    """An agent's episode of `turns` calls; each request carries the whole conversation so far (~2 kB a turn)."""
-    import random
-    import uuid
-
-    import orjson
-
-    from harness.records import ENGINE, OK, Call, Choice
-
-    rng = random.Random(episode_id)
-    words = ["".join(rng.choices("abcdefghijklmnopqrstuvwxyz", k=rng.randint(2, 9))) for _ in range(2000)]
-    messages = [{"role": "system", "content": "You are an agent."}]
-    calls = []
-    for turn in range(turns):
-        messages.append({"role": "user", "content": " ".join(rng.choices(words, k=330))})
-        answer = " ".join(rng.choices(words, k=160))
-        response = {"id": f"c{turn}", "object": "chat.completion", "model": "policy",
-                    "choices": [{"index": 0, "message": {"role": "assistant", "content": answer},
-                                 "finish_reason": "stop"}], "usage": {"prompt_tokens": 500 * (turn + 1),
-                                                                      "completion_tokens": 200}}
-        calls.append(Call(
-            call_id=uuid.uuid4().hex, run_id="side", episode_id=episode_id, call_index=turn, endpoint="chat",
-            stream=False, requested_model="gpt-4o-mini", served_model="policy", role_key="r0", system_hash="s0",
-            tools_hash=None, request=orjson.dumps({"model": "gpt-4o-mini", "messages": messages}),
-            response=orjson.dumps(response), prompt_ids=list(range(500 * (turn + 1))),
-            choices=[Choice(0, list(range(200)), [-0.5] * 200, "stop", answer)], token_source=ENGINE, status=OK,
-            http_status=200, error=None, started_at=time.time(), latency_ms=100.0, ttft_ms=None, weight_version=0,
-            prompt_tokens=500 * (turn + 1), completion_tokens=200))  # fmt: skip
-        messages.append({"role": "assistant", "content": answer})
-    return calls
-
-
-async def bigger_episode(tmp: Path, turns: int = 10, episodes: int = 50, blocks: int = 8) -> dict:
-    """episode_calls and a judge round trip for episodes of `turns` calls, in a store holding one block of
-    `episodes` such episodes, then `blocks` of them (written a block at a time, as the recorder batches)."""
-    import dataclasses
-    import pickle
-
-    from harness.judge_pool import JudgePool
-    from harness.store import Store
-
-    base = [_conversation_calls(turns, f"side-{e}") for e in range(episodes)]
-    json_kb = sum(len(c.request) + len(c.response) for c in base[0]) / 1024
-    out = {"turns": turns, "json_kb": json_kb, "episode_calls_ms": {}}
-    store = Store.open(tmp / "side.duckdb")
-    try:
-        async with JudgePool("exact_match", workers=1) as pool:
-            for block in range(blocks):
-                store.add_calls([dataclasses.replace(c, call_id=f"{block}-{c.call_id}",
-                                                     episode_id=f"b{block}-{c.episode_id}")
-                                 for calls in base for c in calls])
-                if block not in (0, blocks - 1):
-                    continue
-                read, judge = [], []
-                for e in range(0, episodes, 5):
-                    t0 = time.perf_counter()
-                    calls = store.episode_calls(f"b{block}-side-{e}")
-                    t1 = time.perf_counter()
-                    await pool.judge(f"b{block}-side-{e}", {"answer": "1"}, "1", calls)
-                    read.append((t1 - t0) * 1000)
-                    judge.append((time.perf_counter() - t1) * 1000)
-                out["episode_calls_ms"][(block + 1) * episodes * turns] = statistics.median(read)
-                out["judge_ms"] = statistics.median(judge)
-        out["job_kb"] = len(pickle.dumps(({"answer": "1"}, "1", calls), protocol=pickle.HIGHEST_PROTOCOL)) / 1024
-    finally:
-        store.close()
-    return out
 
 
 # ---------------------------------------------------------------------------------------------------- report
