@@ -29,7 +29,7 @@ import orjson
 import pyarrow as pa
 
 from harness.readonly import check_read_only
-from harness.records import Call, Episode, EpisodeOutcome, Judgement, Task
+from harness.records import Call, Choice, Episode, EpisodeOutcome, Judgement, Task
 from harness.schema import MIGRATIONS, SCHEMA_VERSION
 
 __all__ = ["MIGRATIONS", "SCHEMA_VERSION", "ROW_GROUP_SIZE", "QueryResult", "SchemaVersionError", "Store",
@@ -280,6 +280,29 @@ class Store:
         columns, types = [d[0] for d in description], [str(d[1]) for d in description]
         return QueryResult(columns, types, rows[:max_rows] if truncated else rows, truncated)
 
+
+    def load_calls(self, episode_id: str) -> list[Call]:
+        """An episode's calls as records, in call order (what the merger reads)."""
+        sql = ("SELECT c.*, list({'i': ch.choice_index, 'ids': ch.completion_ids, 'lp': ch.logprobs, "
+               "'finish': ch.finish_reason, 'text': ch.text, 'tools': ch.tool_calls, 'reasoning': ch.reasoning} "
+               "ORDER BY ch.choice_index) FILTER (WHERE ch.call_id IS NOT NULL) AS choice_list "
+               "FROM calls c LEFT JOIN choices ch USING (call_id) WHERE c.episode_id = ? "
+               "GROUP BY ALL ORDER BY c.call_index")
+        with self.cursor() as cur:
+            cur.execute(sql, [episode_id])
+            names = [d[0] for d in cur.description]
+            rows = [dict(zip(names, row, strict=True)) for row in cur.fetchall()]
+        calls = []
+        for r in rows:
+            choices = [Choice(x["i"], x["ids"], x["lp"], x["finish"], x["text"],
+                              orjson.loads(x["tools"]) if x["tools"] else None, x["reasoning"])
+                       for x in r.pop("choice_list") or []]
+            r["started_at"] = r["started_at"].replace(tzinfo=UTC).timestamp()
+            r["request"] = r["request"].encode()
+            r["response"] = r["response"].encode() if r["response"] is not None else None
+            r["extra"] = orjson.loads(r["extra"]) if r["extra"] else {}
+            calls.append(Call(**r, choices=choices))
+        return calls
 
     def episode_calls(self, episode_id: str) -> list[dict]:
         """An episode's calls in order, as judges see them (request and response parsed)."""

@@ -232,3 +232,29 @@ def test_harness_sql_on_live_proxy_and_closed_file(proxy):
     assert out.returncode == 0 and orjson.loads(out.stdout) == [{"episode_id": "sql-ep"}]
     with pytest.raises(SqlError, match="read-only"):
         run_sql(proxy.db_path, "INSERT INTO episodes (episode_id) VALUES ('x')")
+
+
+def test_a_recorded_conversation_merges_or_says_why(proxy):
+    """The merger on real engine ids: a two-turn chat merges into one sequence, or the break names the drift."""
+    from harness.merge import DRIFT, merge_episode
+    from harness.store import Store
+
+    client = _client(proxy.url, "merge")
+    messages = [SYSTEM, {"role": "user", "content": "Say something."}]
+    first = client.chat.completions.create(model="m", messages=messages, max_tokens=12, temperature=0)
+    messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                 {"role": "user", "content": "And again."}]
+    client.chat.completions.create(model="m", messages=messages, max_tokens=12, temperature=0)
+    proxy.close()
+    with Store.open(proxy.db_path, read_only=True) as store:
+        calls = store.load_calls("merge")
+    merged = merge_episode(calls)
+    c0, c1 = calls
+    if len(merged.samples) == 1:  # the template re-rendered the reply to the same ids: one sequence
+        [sample] = merged.samples
+        assert sample.token_ids == c1.prompt_ids + c1.choices[0].completion_ids
+        assert sum(sample.loss_mask) == len(c0.choices[0].completion_ids) + len(c1.choices[0].completion_ids)
+    else:  # re-rendered differently: the drift is named, at or after the end of the first prompt
+        drift = merged.breaks[-1]
+        assert drift.call_id == c1.call_id and drift.reason == DRIFT
+        assert drift.position >= len(c0.prompt_ids)

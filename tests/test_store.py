@@ -520,3 +520,16 @@ def test_a_full_row_group_batch_lands_whole(store: Store):
     expected = (len(calls), 32 * len(calls), sum(sum(c.prompt_ids) for c in calls))
     assert store.query(sql).rows == [expected]
     assert count(store, "choices") == len(calls)
+
+
+def test_load_calls_gives_back_the_records_that_were_added(store: Store):
+    first, second = make_call(), make_call()
+    store.add_calls([first, second])
+    loaded = {c.call_id: c for c in store.load_calls(first.episode_id)}
+    for call in (first, second):
+        got = loaded[call.call_id]
+        assert got.prompt_ids == call.prompt_ids and got.role_key == call.role_key
+        assert [c.completion_ids for c in got.choices] == [c.completion_ids for c in call.choices]
+        assert got.choices[0].logprobs == pytest.approx(call.choices[0].logprobs, abs=1e-6)
+        assert orjson.loads(got.request) == orjson.loads(call.request)
+        assert abs(got.started_at - call.started_at) < 1e-6
