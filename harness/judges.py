@@ -17,9 +17,13 @@ or a class, instantiated once with no arguments, whose instances are such callab
     response           the answer it got, parsed JSON (a stream assembled into one completion); None if none
     prompt_tokens      int or None
     completion_tokens  int or None
+    requested_model    the model name the agent asked for
+    role               the call's role name when roles are named (`roles.match`, `--role`), else None
 - the return value: a number (a bool counts as 1.0 / 0.0) or a dict with a numeric "reward"; the dict's other keys
   are kept as the judgement's details (stored as JSON). A "call_rewards" entry (a list by call_index, None for
-  calls not scored, or {call_index: reward}) gives `harness train` per-call rewards on top of the outcome.
+  calls not scored, or {call_index: reward}) gives `harness train` per-call rewards on top of the outcome. A
+  "role_rewards" entry ({role name: reward}) gives each named role its own reward (a role it leaves out gets
+  "reward"); each role's samples are then compared only with that role's samples of the same task.
 
 A judge is named by a spec (`load_judge`): a built-in short name (exact_match, math, substring, f1, rubric, env),
 "module:function", "module:Class", "module->Class" (AgentJet's spelling) or "path/to/file.py:name".

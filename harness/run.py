@@ -35,22 +35,31 @@ log = logging.getLogger(__name__)
 async def run_dataset(tasks: list[Task], config: RunConfig, engine: Engine, run_dir: Path, *,
                       success_threshold: float = 1.0, sampling: SamplingOverrides | None = None,
                       token_exact: bool = True, tool_parser: str = "hermes",
-                      progress: bool = True) -> tuple[str, dict]:
-    """Run every task `config.repeat` times through a fresh proxy; returns (run_id, report)."""
+                      progress: bool = True, interceptor=None, roles: tuple = ()) -> tuple[str, dict]:
+    """Run every task `config.repeat` times through a fresh proxy; returns (run_id, report). With an
+    `interceptor` (adapters.transparent.Interceptor, transparent mode), it is started in front of the proxy and
+    each agent gets its environment too."""
     # A typo in the judge fails here, before any agent runs; judgements carry the judge's normalised name.
     judge_name = load_judge(config.judge).name if config.judge else "none"
     run_dir.mkdir(parents=True, exist_ok=True)
     proxy_config = ProxyConfig(upstream_url=engine.base_url, served_model=engine.served_model,
                                returns_token_ids=engine.returns_token_ids, db_path=run_dir / "harness.duckdb",
                                port=0, sampling=sampling or SamplingOverrides(), token_exact=token_exact,
-                               tool_parser=tool_parser)
+                               tool_parser=tool_parser, roles=roles)
     server = ProxyServer(proxy_config)
     url = await server.start()
     app = server.app
+    try:
+        if interceptor is not None:
+            await asyncio.to_thread(interceptor.start, url)
+    except BaseException:
+        await server.stop()
+        raise
     bar = _Progress(len(tasks) * config.repeat, enabled=progress)
     runner = Runner(config, run_id=server.run_id, proxy_url=url, store=app[STORE], flush=app[RECORDER].flush,
                     open_episode=lambda eid, meta: app[EPISODES].open(eid, source="runner", meta=meta, new=True),
-                    run_dir=run_dir, on_episode=bar.update)
+                    run_dir=run_dir, on_episode=bar.update,
+                    episode_env=interceptor.agent_env if interceptor is not None else None)
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGINT, runner.stop)
     try:
@@ -65,6 +74,8 @@ async def run_dataset(tasks: list[Task], config: RunConfig, engine: Engine, run_
         await asyncio.to_thread(app[STORE].add_report, server.run_id, judge_name, report)
     finally:
         loop.remove_signal_handler(signal.SIGINT)
+        if interceptor is not None:
+            interceptor.close()
         await server.stop()
     (run_dir / f"report-{server.run_id}.json").write_text(json.dumps(report, indent=2))
     return server.run_id, report

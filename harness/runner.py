@@ -2,7 +2,9 @@
 
 For each task and repeat the agent gets:
 - `OPENAI_BASE_URL` = its episode-scoped proxy URL, `OPENAI_API_KEY` = its episode token;
-- the task as JSON on stdin and in `HARNESS_TASK`; its episode id in `HARNESS_EPISODE_ID`.
+- the task as JSON on stdin and in `HARNESS_TASK`; its episode id in `HARNESS_EPISODE_ID`;
+- in transparent mode, also the proxy and CA environment that sends hard-coded LLM hosts to the same episode
+  (adapters/transparent.py).
 Its answer is its stdout: the last line that is a JSON object with an "answer" field wins, else the last
 non-empty line. Its stderr goes to `<run_dir>/episodes/<episode>.log`.
 
@@ -113,7 +115,8 @@ class Runner:
 
     def __init__(self, config: RunConfig, *, run_id: str, proxy_url: str, open_episode, store: Store,
                  flush: Callable[[], None], run_dir: Path, on_episode: Callable[[EpisodeOutcome, Judgement | None],
-                                                                                  None] | None = None):
+                                                                                  None] | None = None,
+                 episode_env: Callable[[str, str], dict[str, str]] | None = None):
         self.config = config
         self.run_id = run_id
         self.proxy_url = proxy_url
@@ -122,6 +125,7 @@ class Runner:
         self.flush = flush  # blocks until the recorder has written everything so far
         self.log_dir = run_dir / "episodes"
         self.on_episode = on_episode
+        self.episode_env = episode_env  # (episode_id, api_key) -> more environment (transparent mode's hop)
         self.outcomes: list[EpisodeOutcome] = []
         self.judgements: list[Judgement] = []
         self.judge_s = 0.0  # seconds spent waiting for judges, summed over episodes (they overlap agents' runs)
@@ -208,6 +212,8 @@ class Runner:
         env = {**({"PYTHONUNBUFFERED": "1"} if debug else {}), **os.environ, **self.config.env,
                "OPENAI_BASE_URL": f"{self.proxy_url}/e/{episode_id}/v1", "OPENAI_API_KEY": api_key,
                "HARNESS_TASK": task_json, "HARNESS_EPISODE_ID": episode_id}
+        if self.episode_env is not None:
+            env.update(self.episode_env(episode_id, api_key))
         log_path = self.log_dir / f"{episode_id}.log"
         started, t0 = time.time(), time.perf_counter()
         status, error, exit_code, stdout = FINISHED, None, None, b""

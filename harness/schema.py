@@ -247,5 +247,23 @@ MIGRATIONS: list[tuple[str, str]] = [
         FROM calls WHERE role_key <> '' GROUP BY run_id, role_key;
         """,
     ),
+    (
+        "roles_view_names",
+        """
+        CREATE OR REPLACE VIEW roles AS
+        SELECT run_id, role_key,
+               arg_min(extra->>'role', started_at) AS role,
+               arg_min(requested_model, started_at) AS requested_model,
+               arg_min(system_hash, started_at) AS system_hash,
+               arg_min(tools_hash, started_at) AS tools_hash,
+               count(*) AS calls,
+               count(DISTINCT episode_id) AS episodes,
+               arg_min(coalesce(extra->>'upstream', 'policy'), started_at) AS served_by,
+               arg_min(call_id, started_at) AS example_call_id,
+               arg_min(left(json_extract_string(request, '$.messages[0].content'), 200), started_at)
+                   AS first_message
+        FROM calls WHERE role_key <> '' GROUP BY run_id, role_key;
+        """,
+    ),
 ]
 SCHEMA_VERSION = len(MIGRATIONS)

@@ -359,11 +359,12 @@ class Store:
 
     def episode_calls(self, episode_id: str) -> list[dict]:
         """An episode's calls in order, as judges see them (request and response parsed)."""
-        sql = ("SELECT call_index, status, http_status, request, response, prompt_tokens, completion_tokens "
-               "FROM calls WHERE episode_id = ? ORDER BY call_index")
+        sql = ("SELECT call_index, status, http_status, request, response, prompt_tokens, completion_tokens, "
+               "requested_model, extra->>'role' FROM calls WHERE episode_id = ? ORDER BY call_index")
         with self.cursor() as cur:
             rows = cur.execute(sql, [episode_id]).fetchall()
-        keys = ("call_index", "status", "http_status", "request", "response", "prompt_tokens", "completion_tokens")
+        keys = ("call_index", "status", "http_status", "request", "response", "prompt_tokens", "completion_tokens",
+                "requested_model", "role")
         calls = [dict(zip(keys, row, strict=True)) for row in rows]
         for call in calls:
             call["request"] = orjson.loads(call["request"]) if call["request"] else None

@@ -12,6 +12,7 @@ import asyncio
 import dataclasses
 import hashlib
 import logging
+import os
 import time
 import uuid
 from dataclasses import dataclass
@@ -33,7 +34,11 @@ from proxy.continuity import Timelines, completions_body, plan, prefix_hashes
 from proxy.episodes import Episodes
 from proxy.errors import ApiError, error_middleware, json_response
 from proxy.request import CHAT, COMPLETIONS, prepare
+from proxy.roles import find_role
 from proxy.tool_parsers import ToolParser, get_parser
+from proxy.wire import ConversationStore, Wire
+from proxy.wire_messages import MessagesWire
+from proxy.wire_responses import ResponsesWire
 
 log = logging.getLogger("harness.proxy")
 
@@ -55,6 +60,7 @@ STORE = web.AppKey("store", Store)
 RECORDER = web.AppKey("recorder", Recorder)
 EPISODES = web.AppKey("episodes", Episodes)
 SESSION = web.AppKey("session", aiohttp.ClientSession)
+RESPONSES = web.AppKey("responses", ConversationStore)  # the latest responses, for previous_response_id
 
 
 def create_app(config: ProxyConfig) -> web.Application:
@@ -65,11 +71,17 @@ def create_app(config: ProxyConfig) -> web.Application:
     if config.token_exact and config.returns_token_ids:
         state.timelines = Timelines(config.continuity_episodes, config.continuity_tokens)
         state.tool_parser = get_parser(config.tool_parser)
+    app[RESPONSES] = ConversationStore()
     app.cleanup_ctx.append(_resources)
     for prefix in ("/v1", "/e/{episode}/v1"):
         app.router.add_post(prefix + "/chat/completions", chat_completions)
         app.router.add_post(prefix + "/completions", completions)
         app.router.add_get(prefix + "/models", models)
+        app.router.add_post(prefix + "/responses", responses)
+        app.router.add_post(prefix + "/messages", messages)
+    for prefix in ("/v1", "/e/{episode}/v1"):  # after every route above: what the proxy does not serve itself
+        app.router.add_get(prefix + "/{tail:.+}", passthrough)
+        app.router.add_post(prefix + "/{tail:.+}", passthrough)
     app.router.add_get("/health", health)
     app.router.add_post("/harness/sql", sql)
     app.router.add_post("/harness/episodes", open_episode)
@@ -136,7 +148,7 @@ def _api_key(request: web.Request) -> str | None:
     auth = request.headers.get("Authorization", "")
     if auth[:7].lower() == "bearer ":
         return auth[7:].strip() or None
-    return request.headers.get("api-key") or None
+    return request.headers.get("api-key") or request.headers.get("x-api-key") or None  # x-api-key: Anthropic SDK
 
 
 def _check_agent_auth(request: web.Request, api_key: str | None) -> None:
@@ -154,7 +166,21 @@ async def completions(request: web.Request) -> web.StreamResponse:
     return await _llm_call(request, COMPLETIONS)
 
 
-async def _llm_call(request: web.Request, endpoint: str) -> web.StreamResponse:
+async def responses(request: web.Request) -> web.StreamResponse:
+    """The OpenAI Responses API, served as a chat call (proxy/wire_responses.py)."""
+    return await _llm_call(request, CHAT, ResponsesWire(request.app[RESPONSES]))
+
+
+async def messages(request: web.Request) -> web.StreamResponse:
+    """Anthropic Messages, served as a chat call (proxy/wire_messages.py); errors in Anthropic's shape."""
+    wire = MessagesWire()
+    try:
+        return await _llm_call(request, CHAT, wire)
+    except ApiError as exc:
+        return wire.error_response(exc)
+
+
+async def _llm_call(request: web.Request, endpoint: str, wire: Wire | None = None) -> web.StreamResponse:
     app = request.app
     config, state, episodes = app[CONFIG], app[STATE], app[EPISODES]
     api_key = _api_key(request)
@@ -163,16 +189,29 @@ async def _llm_call(request: web.Request, endpoint: str) -> web.StreamResponse:
     raw = await request.read()
     call_index = episodes.next_index(episode_id)
     seed = _call_seed(state, episode_id, call_index)
+    role = None
     try:
-        prepared = prepare(endpoint, raw, config, state.served_model, state.sampling, seed=seed)
+        chat_raw = raw if wire is None else wire.translate(raw)  # another API: its request as a chat request
+        prepared = prepare(endpoint, chat_raw, config, state.served_model, state.sampling, seed=seed)
+        role = find_role(config.roles, prepared.requested_model, prepared.body, prepared.role_key)
+        if role is not None and role.upstream is not None:  # a frozen role: its own server, the agent's sampling
+            prepared = prepare(endpoint, chat_raw, _frozen_config(config), role.upstream_model, SamplingOverrides())
     except ApiError as exc:
-        app[RECORDER].record_call(_rejected_call(state, call_index, episode_id, endpoint, exc))
+        app[RECORDER].record_call(_rejected_call(state, call_index, episode_id, endpoint, exc, wire))
         raise
     cap = Capture(prepared, run_id=state.run_id, episode_id=episode_id, call_index=call_index,
                   weight_version=state.weight_version)
-    url = f"{config.upstream_base}/v1/{'chat/completions' if endpoint == CHAT else 'completions'}"
+    base = config.upstream_base
+    if role is not None:
+        cap.notes["role"] = role.name
+        if role.upstream is not None:
+            base, cap.notes["upstream"] = role.upstream_base, role.upstream
+            key = os.environ.get(role.upstream_key_env) if role.upstream_key_env else None
+            if key:
+                cap.upstream_headers["Authorization"] = f"Bearer {key}"
+    url = f"{base}/v1/{'chat/completions' if endpoint == CHAT else 'completions'}"
     answer, hashes = None, None
-    if endpoint == CHAT and state.timelines is not None:
+    if endpoint == CHAT and state.timelines is not None and base == config.upstream_base:
         hashes = prefix_hashes(prepared.body)
         how = await plan(state.timelines, episode_id, prepared.body, hashes, app[SESSION], config.upstream_base)
         cap.continuity = how.record()
@@ -184,7 +223,7 @@ async def _llm_call(request: web.Request, endpoint: str) -> web.StreamResponse:
             answer = ChatAnswer(state.tool_parser if parse else None, int(body.get("top_logprobs") or 0),
                                 parallel_tool_calls=body.get("parallel_tool_calls") is not False)
     try:
-        return await forward(request, app[SESSION], url, cap, answer)
+        return await forward(request, app[SESSION], url, cap, answer, wire)
     except asyncio.CancelledError:
         if not cap.done_sent:  # cancelled after the whole stream went out (e.g. at shutdown): the answer is whole
             cap.fail(CANCELLED, 0, "the agent disconnected before the answer was complete")
@@ -194,9 +233,15 @@ async def _llm_call(request: web.Request, endpoint: str) -> web.StreamResponse:
         app[RECORDER].record_call(call)
         if hashes is not None and call.status == OK:
             state.timelines.remember(call, prepared.body, hashes)
-        if call.token_source == NONE and call.status == OK and config.returns_token_ids and not state.warned_no_ids:
+        if (call.token_source == NONE and call.status == OK and config.returns_token_ids and not state.warned_no_ids
+                and base == config.upstream_base):
             state.warned_no_ids = True
             log.warning("the engine at %s returned no token ids: this run records text only", config.upstream_base)
+
+
+def _frozen_config(config: ProxyConfig) -> ProxyConfig:
+    """How a frozen role's requests are prepared: no vLLM-only fields (a fixed model may be any OpenAI server)."""
+    return dataclasses.replace(config, returns_token_ids=False)
 
 
 def _call_seed(state: RunState, episode_id: str, call_index: int) -> int | None:
@@ -210,7 +255,8 @@ def _call_seed(state: RunState, episode_id: str, call_index: int) -> int | None:
     return int.from_bytes(hashlib.blake2b(key, digest_size=4).digest(), "big") & 0x7FFFFFFF
 
 
-def _rejected_call(state: RunState, call_index: int, episode_id: str, endpoint: str, exc: ApiError) -> Call:
+def _rejected_call(state: RunState, call_index: int, episode_id: str, endpoint: str, exc: ApiError,
+                   wire: Wire | None = None) -> Call:
     """A request the proxy refused: recorded (without its body, which may not even be JSON) so nothing vanishes."""
     return Call(
         call_id=uuid.uuid4().hex, run_id=state.run_id, episode_id=episode_id,
@@ -218,7 +264,7 @@ def _rejected_call(state: RunState, call_index: int, episode_id: str, endpoint: 
         served_model=None, role_key="", system_hash=None, tools_hash=None, request=b"null", response=None,
         prompt_ids=None, choices=[], token_source=NONE, status=ERROR, http_status=exc.status,
         error=exc.message, started_at=time.time(), latency_ms=0.0, ttft_ms=None,
-        weight_version=state.weight_version,
+        weight_version=state.weight_version, extra={"wire": wire.name} if wire is not None else {},
     )
 
 
@@ -231,6 +277,54 @@ async def models(request: web.Request) -> web.Response:
             return web.Response(body=await resp.read(), status=resp.status, content_type="application/json")
     except (TimeoutError, aiohttp.ClientError) as exc:
         raise ApiError(502, f"the engine at {url} is unreachable: {exc}", code="upstream_unavailable") from None
+
+
+_OWN_ROUTES = {"chat/completions": "POST", "completions": "POST", "models": "GET", "responses": "POST",
+               "messages": "POST"}
+# First path segments of OpenAI / Anthropic API endpoints: one the engine lacks is a 501 (not offered), any other
+# path the engine does not know stays a 404 (no such route).
+_API_ENDPOINTS = {"embeddings", "audio", "images", "moderations", "files", "uploads", "batches", "fine_tuning",
+                  "fine-tunes", "assistants", "threads", "vector_stores", "realtime", "conversations", "containers",
+                  "evals", "videos", "responses", "messages", "rerank", "score", "classify", "pooling", "tokenize",
+                  "detokenize", "models", "chat", "completions"}
+
+
+async def passthrough(request: web.Request) -> web.Response:
+    """A /v1/<tail> the proxy does not serve itself: forwarded to the engine unrecorded (a JSON body's model name
+    becomes the served policy's, as on the recorded routes). An API endpoint the engine does not offer (it answers
+    404 or 405) is a 501 that says so."""
+    tail = request.match_info["tail"]
+    if tail in _OWN_ROUTES:  # one of ours, asked with the other method
+        raise web.HTTPMethodNotAllowed(request.method, [_OWN_ROUTES[tail]])
+    _check_agent_auth(request, _api_key(request))
+    config = request.app[CONFIG]
+    url = f"{config.upstream_base}/v1/{tail}"
+    headers = {k: v for k in ("Content-Type", "Accept") if (v := request.headers.get(k))}
+    data = await request.read() if request.method == "POST" else None
+    served = request.app[STATE].served_model
+    if data and served and request.content_type == "application/json":  # any model name serves the policy
+        try:
+            body = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            body = None
+        if isinstance(body, dict) and isinstance(body.get("model"), str):
+            data = orjson.dumps({**body, "model": served})
+    try:
+        async with request.app[SESSION].request(request.method, url, params=request.query, data=data,
+                                                headers=headers) as resp:
+            body, status = await resp.read(), resp.status
+            out_headers = {k: v for k in ("Content-Type", "Content-Encoding") if (v := resp.headers.get(k))}
+    except (TimeoutError, aiohttp.ClientError) as exc:
+        raise ApiError(502, f"the engine at {url} is unreachable: {exc}", code="upstream_unavailable") from None
+    if status in (404, 405):
+        if tail.split("/", 1)[0] in _API_ENDPOINTS:
+            raise ApiError(501, f"the engine at {config.upstream_base} does not offer /v1/{tail} (it answered "
+                           f"{status}); the proxy records /v1/chat/completions, /v1/completions, /v1/responses and "
+                           "/v1/messages", code="not_implemented")
+        raise web.HTTPNotFound()
+    if status >= 500 and status not in (502, 503, 504):
+        status = 502
+    return web.Response(body=body, status=status, headers=out_headers)
 
 
 async def health(request: web.Request) -> web.Response:

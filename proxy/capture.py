@@ -20,6 +20,7 @@ from harness.records import CANCELLED, ENGINE, ERROR, NONE, OK, Call, Choice
 from proxy.chat_answer import ChatAnswer
 from proxy.errors import ApiError, error_body
 from proxy.request import CHAT, COMPLETIONS, Prepared
+from proxy.wire import Wire
 
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "Connection": "keep-alive"}
 
@@ -110,6 +111,9 @@ class Capture:
         self.http_status = 200
         self.error: str | None = None
         self.continuity: dict | None = None  # how a chat call was served (proxy/continuity.py), and why
+        self.wire: str | None = None  # the wire format the agent spoke, when not chat ("responses", "messages")
+        self.notes: dict = {}  # more for calls.extra: the role's name, the upstream that served a frozen role
+        self.upstream_headers: dict[str, str] = {}  # e.g. a frozen role's upstream key: sent, never recorded
         self.saw_done = False  # the engine's stream said [DONE]...
         self.done_sent = False  # ...and it went out to the agent: the agent has the whole answer
 
@@ -239,6 +243,9 @@ class Capture:
         extra = {"sampling_overrides": self.p.overrides} if self.p.overrides else {}
         if self.continuity is not None:
             extra["continuity"] = self.continuity
+        if self.wire is not None:
+            extra["wire"] = self.wire
+        extra.update(self.notes)
         return Call(
             call_id=uuid.uuid4().hex,
             run_id=self.run_id,
@@ -301,11 +308,16 @@ def _error_message(raw: bytes) -> str:
 
 
 async def forward(
-    request: web.Request, session: aiohttp.ClientSession, url: str, cap: Capture, answer: ChatAnswer | None = None
+    request: web.Request, session: aiohttp.ClientSession, url: str, cap: Capture, answer: ChatAnswer | None = None,
+    wire: Wire | None = None,
 ) -> web.StreamResponse:
     """Send the prepared request to the engine and answer the agent; `cap` records what happened. With `answer`,
-    the engine answers a completions request and the agent gets it as the chat answer it asked for."""
-    headers = {"Content-Type": "application/json"}
+    the engine answers a completions request and the agent gets it as the chat answer it asked for. With `wire`,
+    the agent spoke another API (proxy/wire.py): it gets the chat answer translated back, errors included, while
+    the record stays chat form."""
+    headers = {"Content-Type": "application/json", **cap.upstream_headers}
+    if wire is not None:
+        cap.wire = wire.name
     try:
         async with session.post(url, data=cap.p.upstream_body, headers=headers) as upstream:
             if upstream.status != 200:
@@ -315,23 +327,26 @@ async def forward(
                 if status != upstream.status:
                     raw = orjson.dumps(error_body(status, cap.error, code="upstream_error"))
                 cap.response = raw
+                if wire is not None:
+                    raw = orjson.dumps(wire.error_body(status, cap.error, "upstream_error"))
                 return web.Response(body=raw, status=status, content_type="application/json")
             if cap.p.stream:
-                return await _forward_stream(request, upstream, cap, answer)
+                return await _forward_stream(request, upstream, cap, answer, wire)
             raw = await upstream.read()
     except (TimeoutError, aiohttp.ClientError) as exc:
         err = _upstream_error(exc, url)
         cap.fail(ERROR, err.status, err.message)
-        return err.response()
+        return err.response() if wire is None else wire.error_response(err)
     try:
         obj = orjson.loads(raw)
     except orjson.JSONDecodeError:
         err = ApiError(502, f"the engine at {url} answered 200 with a body that is not JSON", code="upstream_error")
         cap.fail(ERROR, 502, err.message)
-        return err.response()
+        return err.response() if wire is None else wire.error_response(err)
     obj = cap.take_response(answer.response(obj) if answer is not None else obj)
     cap.response = orjson.dumps(obj)
-    return web.Response(body=cap.response, status=200, content_type="application/json")
+    body = cap.response if wire is None else orjson.dumps(wire.response(obj))
+    return web.Response(body=body, status=200, content_type="application/json")
 
 
 def _split_events(buf: bytearray) -> list[bytes]:
@@ -347,7 +362,7 @@ def _split_events(buf: bytearray) -> list[bytes]:
 
 
 async def _forward_stream(request: web.Request, upstream: aiohttp.ClientResponse, cap: Capture,
-                          answer: ChatAnswer | None) -> web.StreamResponse:
+                          answer: ChatAnswer | None, wire: Wire | None) -> web.StreamResponse:
     resp = web.StreamResponse(status=200, headers=_SSE_HEADERS)
     await resp.prepare(request)
     buf = bytearray()
@@ -357,7 +372,7 @@ async def _forward_stream(request: web.Request, upstream: aiohttp.ClientResponse
                 buf += data.replace(b"\r\n", b"\n") if b"\r" in data else data
                 out = []
                 for event in _split_events(buf):
-                    out.append(_translate_event(event, cap, answer))
+                    out.append(_translate_event(event, cap, answer, wire))
                 payload = b"".join(out)
                 if payload:
                     await resp.write(payload)
@@ -367,7 +382,8 @@ async def _forward_stream(request: web.Request, upstream: aiohttp.ClientResponse
         except (TimeoutError, aiohttp.ClientError) as exc:
             err = _upstream_error(exc, str(upstream.url))
             cap.fail(ERROR, 200, f"stream broke off: {err.message}")
-            await resp.write(b"data: " + orjson.dumps(err.body()) + b"\n\n")
+            await resp.write(b"data: " + orjson.dumps(err.body()) + b"\n\n" if wire is None
+                             else wire.error_event(cap.error))
         await resp.write_eof()
     except (ConnectionResetError, aiohttp.ClientConnectionResetError) as exc:
         if not cap.done_sent:  # an agent that hangs up after [DONE] got the whole answer
@@ -376,27 +392,33 @@ async def _forward_stream(request: web.Request, upstream: aiohttp.ClientResponse
     return resp
 
 
-def _translate_event(event: bytes, cap: Capture, answer: ChatAnswer | None) -> bytes:
+def _translate_event(event: bytes, cap: Capture, answer: ChatAnswer | None, wire: Wire | None) -> bytes:
+    """One SSE event of the engine -> what the agent gets: the chat chunk(s), or with `wire`, that API's events
+    (the engine's [DONE] becomes the wire's closing events: the agent then has the whole answer)."""
     if not event.startswith(b"data: "):
-        return event + b"\n\n"
+        return event + b"\n\n" if wire is None else b""
     payload = event[6:]
     if payload == b"[DONE]":
         cap.saw_done = True
-        return event + b"\n\n"
+        return event + b"\n\n" if wire is None else wire.done()
     try:
         chunk = orjson.loads(payload)
     except orjson.JSONDecodeError:
         cap.fail(ERROR, 200, f"the engine sent a stream chunk that is not JSON: {payload[:200]!r}")
-        return event + b"\n\n"
+        return event + b"\n\n" if wire is None else wire.error_event(cap.error)
     if "error" in chunk:
         err = chunk["error"]
         cap.fail(ERROR, 200, f"engine error mid-stream: {err.get('message') if isinstance(err, dict) else err}")
-        return event + b"\n\n"
+        return event + b"\n\n" if wire is None else wire.error_event(cap.error)
     out = []
     for piece in answer.chunk(chunk) if answer is not None else (chunk,):
         if cap.first_chunk is None:
             cap.first_chunk = {"id": piece.get("id"), "created": piece.get("created")}
         piece = cap.take_chunk(piece)
-        if piece is not None:
+        if piece is None:
+            continue
+        if wire is None:
             out.append(b"data: " + orjson.dumps(piece) + b"\n\n")
+        else:
+            out.append(wire.chunk(piece, len(cap.prompt_ids) if cap.prompt_ids is not None else None))
     return b"".join(out)

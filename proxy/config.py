@@ -7,6 +7,8 @@ import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from proxy.roles import RoleRule
+
 
 @dataclass(frozen=True)
 class SamplingOverrides:
@@ -51,6 +53,7 @@ class ProxyConfig:
     tool_parser: str = "hermes"  # how generated text becomes tool calls on the token-exact path (proxy/tool_parsers.py)
     continuity_episodes: int = 4096  # episodes whose replies are kept in memory for token-exact continuation...
     continuity_tokens: int = 32_000_000  # ...and the ids they may hold together (4 bytes each)
+    roles: tuple[RoleRule, ...] = ()  # named roles; a frozen one's calls go to its own upstream (proxy/roles.py)
 
     def __post_init__(self):
         if not self.upstream_url.startswith(("http://", "https://")):

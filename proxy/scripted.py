@@ -34,6 +34,7 @@ class ScriptedEngine:
     def __init__(self, script: Script | None = None):
         self.script = script or Script()
         self.requests: list[dict] = []  # bodies received, newest last
+        self.authorizations: list[str | None] = []  # each request's Authorization header, same order
         self.cancelled = 0  # requests whose client went away before the answer ended
         self.app = web.Application()
         self.app.router.add_post("/v1/chat/completions", self._chat)
@@ -71,6 +72,7 @@ class ScriptedEngine:
     async def _answer(self, request: web.Request, chat: bool) -> web.StreamResponse:
         body = orjson.loads(await request.read())
         self.requests.append(body)
+        self.authorizations.append(request.headers.get("Authorization"))
         s = self.script
         if s.delay_s:
             await asyncio.sleep(s.delay_s)

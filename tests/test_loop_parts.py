@@ -14,8 +14,9 @@ from harness.records import Sample
 from harness.tiny_model import build_tiny_model
 from trainer import algorithms as algo
 from trainer.config import load_config
+from trainer.experience import Experience
 from trainer.fsdp import init_distributed
-from trainer.loop import Experience, _advantages, _mini_batch, _token_weights
+from trainer.loop import _advantages, _mini_batch, _token_weights
 from trainer.policy import collate, load_policy, token_logprobs
 from trainer.schedule import lr_factor, next_tasks
 

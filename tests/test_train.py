@@ -7,6 +7,7 @@ see the engine they expect.
 
 from __future__ import annotations
 
+import json
 import math
 import statistics
 import subprocess
@@ -15,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import db_rows
+from proxy.scripted import Script
+from tests.support import ScriptedUpstream, db_rows
 from trainer.weight_sync import WeightSync
 
 pytestmark = pytest.mark.engine
@@ -117,3 +119,44 @@ def test_a_killed_and_resumed_run_makes_the_same_next_step_as_an_uninterrupted_o
     assert straight.keys() == resumed.keys()
     for name in ("reward/mean", "actor/pg_loss", "actor/grad_norm", "actor/entropy", "samples/tokens"):
         assert resumed[name] == pytest.approx(straight[name], rel=1e-6, abs=1e-9), name
+
+
+def test_training_one_role_of_a_multi_agent_app_leaves_the_frozen_role_to_its_fixed_model(engine, tiny_model_dir,
+                                                                                          tmp_path):
+    """examples/multi_agent (solver + critic, one base URL): only the solver learns; the critic's calls go to a
+    fixed model (here a scripted server, so each of its answers is known) and none of its samples is trained."""
+    fixed = ScriptedUpstream(Script(content="The answer looks right.", model="fixed-critic"))
+    steps = 2
+    try:
+        out = subprocess.run(
+            [sys.executable, "-m", "harness.cli", "train", str(ROOT / "examples/train/multi_agent.yaml"),
+             f"--set=model.path={tiny_model_dir}", f"--set=rollout.engine.url={engine.base_url}",
+             f"--set=logging.run_dir={tmp_path}", f"--set=trainer.total_steps={steps}", "--set=logging.console=false",
+             "--set=logging.curve_png=false", f"--set=roles.upstream={{critic: {fixed.url}/v1}}"],
+            capture_output=True, text=True, timeout=900)
+    finally:
+        WeightSync(engine.base_url, tmp_path / "restore").load(tiny_model_dir, 0)
+        critic_requests = len(fixed.engine.requests)
+        fixed.close()
+    assert out.returncode == 0, out.stderr[-4000:]
+    db = tmp_path / "multi_agent" / "harness.duckdb"
+
+    # Every critic call was answered by the fixed model, every solver call by the policy at the step's weights.
+    calls = db_rows(db, "SELECT extra->>'role', extra->>'upstream', served_model, weight_version, count(*) FROM calls "
+                    "GROUP BY ALL ORDER BY ALL")
+    critic = [c for c in calls if c[0] == "critic"]
+    solver = [c for c in calls if c[0] == "solver"]
+    assert {(c[1], c[2]) for c in critic} == {(f"{fixed.url}/v1", "fixed-critic")}
+    assert sum(c[4] for c in critic) == critic_requests == steps * 8  # one critic call per episode
+    assert {c[1] for c in solver} == {None} and {c[3] for c in solver} == {0, 1}
+    assert sum(c[4] for c in solver) == steps * 8 * 2
+
+    # Per step: the solver's samples were trained, the critic's were left out, and the judge gave each role its own
+    # reward.
+    metrics = dict(((s, n), v) for s, n, v in db_rows(db, "SELECT step, name, value FROM metrics"))
+    for step in range(1, steps + 1):
+        assert metrics[(step, "samples/role/solver")] > 0
+        assert metrics[(step, "samples/frozen_roles")] == 8  # the critic's one sample per episode
+        assert (step, "samples/role/critic") not in metrics
+    details = db_rows(db, "SELECT details FROM judgements")
+    assert details and all(set(json.loads(d)["role_rewards"]) == {"solver", "critic"} for (d,) in details)

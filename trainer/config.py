@@ -376,6 +376,35 @@ def _check(cfg: TrainConfig, where: str) -> None:
 
     if r.tool_parser not in known_parsers():
         raise ConfigError(f"rollout.tool_parser must be one of {', '.join(known_parsers())}, got {r.tool_parser!r}")
+    _check_roles(cfg)
+
+
+def role_rules(cfg: TrainConfig):
+    """The proxy's role rules (proxy/roles.py) from the roles section."""
+    from proxy.roles import parse_rules
+
+    roles = cfg.roles
+    return parse_rules(roles.match, roles.upstream, roles.upstream_model, roles.upstream_key_env)
+
+
+def _check_roles(cfg: TrainConfig) -> None:
+    roles = cfg.roles
+    try:
+        role_rules(cfg)
+    except ValueError as exc:
+        raise ConfigError(f"roles: {exc}") from None
+    unknown = [name for name in roles.train if name not in roles.match]
+    if unknown:
+        raise ConfigError(f"roles.train names {unknown[0]!r}, which roles.match does not define: add "
+                          f"roles.match.{unknown[0]}: model:NAME (or system:REGEX, key:FINGERPRINT)")
+    frozen = [name for name in roles.train if name in roles.upstream]
+    if frozen:
+        raise ConfigError(f"role {frozen[0]!r} is in roles.train but served by roles.upstream "
+                          f"{roles.upstream[frozen[0]]!r}: a role that learns must be served by the policy engine")
+    if roles.train and not set(roles.train) - set(roles.upstream):
+        raise ConfigError("roles.train names no role the policy serves")
+    if (cfg.rollout.llm_hosts or cfg.rollout.refuse_other_hosts) and not cfg.rollout.transparent:
+        raise ConfigError("rollout.llm_hosts and rollout.refuse_other_hosts need rollout.transparent: true")
 
 
 def _split_ok(command: str) -> bool:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 __all__ = ["TrainConfig", "ModelConfig", "DataConfig", "TaskJudgeConfig", "RolloutConfig", "ValidationSampling",
-           "EngineConfig", "TrainerConfig", "FsdpConfig", "LoggingConfig", "DebugConfig", "iter_keys",
+           "EngineConfig", "RolesConfig", "TrainerConfig", "FsdpConfig", "LoggingConfig", "DebugConfig", "iter_keys",
            "describe_config", "ADV_ESTIMATORS", "LOSS_AGG_MODES", "KL_TYPES", "GROUP_ESTIMATORS"]
 
 ROOT = "harness"
@@ -139,8 +139,29 @@ class RolloutConfig:
     token_exact: bool = _key(True, "continue conversations from the recorded token ids (docs/proxy.md); false: "
                              "re-render every call with the chat template")
     tool_parser: str = _key("hermes", "how generated text becomes tool calls, as vLLM's --tool-call-parser")
+    transparent: bool = _key(False, "put an embedded mitmproxy in front of the agents, so agents that hard-code an "
+                             "LLM host (api.openai.com, DashScope, DeepSeek...) are recorded too (docs/proxy.md)")
+    llm_hosts: list[str] = _key([], "with rollout.transparent: more LLM hosts to intercept, each host[/api-prefix]")
+    refuse_other_hosts: bool = _key(False, "with rollout.transparent: refuse agents' traffic to other hosts instead "
+                                    "of tunnelling it untouched")
     validation: ValidationSampling = _section(ValidationSampling)
     engine: EngineConfig = _section(EngineConfig)
+
+
+@dataclass(frozen=True)
+class RolesConfig:
+    """Named roles of a multi-agent app: which of them learn, and where frozen ones' calls go."""
+
+    match: dict[str, str] = _key({}, "role name -> how its calls are recognised: model:NAME (the model name the "
+                                 "agent asks for), system:REGEX (searched in the system prompt) or key:FINGERPRINT "
+                                 "(as `harness roles` prints it); the first match wins")
+    train: list[str] = _key([], "the roles that learn; []: every role (calls no rule matches included)")
+    upstream: dict[str, str] = _key({}, "frozen role name -> base URL of a fixed model its calls go to instead of "
+                                    "the policy engine; such a role never learns")
+    upstream_model: dict[str, str] = _key({}, "frozen role name -> model name sent to its upstream; default: the "
+                                          "name the agent asked for")
+    upstream_key_env: dict[str, str] = _key({}, "frozen role name -> environment variable holding its upstream's "
+                                            "API key (never recorded)")
 
 
 @dataclass(frozen=True)
@@ -227,6 +248,7 @@ class TrainConfig:
     data: DataConfig = _section(DataConfig)
     task_judge: TaskJudgeConfig = _section(TaskJudgeConfig)
     rollout: RolloutConfig = _section(RolloutConfig)
+    roles: RolesConfig = _section(RolesConfig)
     trainer: TrainerConfig = _section(TrainerConfig)
     logging: LoggingConfig = _section(LoggingConfig)
     debug: DebugConfig = _section(DebugConfig)

@@ -28,38 +28,27 @@ import logging
 import math
 import random
 import time
-from dataclasses import dataclass
 
 import torch
 
 from harness.engine import attach, start_vllm
-from harness.records import FINISHED, Sample
+from harness.records import Sample
 from harness.report import pass_at_k
 from harness.runner import RunConfig
 from harness.tasks import read_tasks
 from proxy.config import SamplingOverrides
 from trainer import algorithms as algo
 from trainer.checkpoint import find_resume, load, save
-from trainer.config import TrainConfig, config_to_dict, run_dir, save_resolved
+from trainer.config import TrainConfig, config_to_dict, role_rules, run_dir, save_resolved
+from trainer.experience import Experience, experience_of, mean
 from trainer.fsdp import Dist, full_state_dict, init_distributed, shard, shutdown
 from trainer.policy import collate, load_policy, micro_batches, token_logprobs
-from trainer.rollout import Rollouts, StepRollout
+from trainer.rollout import Rollouts, interceptor_for
 from trainer.schedule import lr_factor, next_tasks
 from trainer.tracking import Tracker
 from trainer.weight_sync import WeightSync
 
 log = logging.getLogger("harness.train")
-
-
-@dataclass
-class Experience:
-    """One step's episodes that count for training, the same on every rank."""
-
-    samples: list[Sample]  # every sample of the kept episodes
-    rewards: dict[str, float]  # episode id -> reward (failed episodes: dropped, or 0)
-    groups: dict[str, str]  # episode id -> its task (the GRPO group)
-    metrics: dict[str, float]
-    call_spans: list[list[tuple[int, int, float]]] | None = None  # per sample, when the judge scored calls
 
 
 def train(cfg: TrainConfig) -> dict[str, float]:
@@ -109,7 +98,8 @@ def train(cfg: TrainConfig) -> dict[str, float]:
                              extra_args=cfg.rollout.engine.extra_args))
         rollouts = Rollouts(engine, out, _run_config(cfg), sampling=SamplingOverrides(
             temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, max_tokens_cap=cfg.rollout.max_tokens,
-            seed=_sampling_seed(cfg)), token_exact=cfg.rollout.token_exact, tool_parser=cfg.rollout.tool_parser)
+            seed=_sampling_seed(cfg)), token_exact=cfg.rollout.token_exact, tool_parser=cfg.rollout.tool_parser,
+            roles=role_rules(cfg), interceptor=interceptor_for(cfg.rollout, out))
         sync = WeightSync(engine.base_url, out / "weights", proxy_url=rollouts.url,
                           proxy_admin_token=rollouts.admin_token, model_dir=cfg.model.path)
         tracker = Tracker(rollouts.store, rollouts.run_id, out, project=cfg.project_name,
@@ -129,7 +119,7 @@ def train(cfg: TrainConfig) -> dict[str, float]:
             # ------------------------------------------------ 1. episodes, judged and merged (rank 0), to all ranks
             step_tasks, data_pos = next_tasks(tasks, data_pos, batch_size, cfg.data.shuffle, cfg.data.seed)
             rollout = rollouts.collect(step, step_tasks) if dist.is_main else None
-            experience = _broadcast(_experience(rollout, cfg) if dist.is_main else None, dist)
+            experience = _broadcast(experience_of(rollout, cfg) if dist.is_main else None, dist)
             metrics = dict(experience.metrics)
 
             # ------------------------------------------------ 2. old and reference logprobs, at the rollout weights
@@ -146,7 +136,7 @@ def train(cfg: TrainConfig) -> dict[str, float]:
 
             # ------------------------------------------------ 4. PPO epochs over mini-batches
             t0 = time.perf_counter()
-            tasks_of_rows = [experience.groups[r.episode_id] for r in rows]
+            tasks_of_rows = [experience.task(experience.unit(i)) for i in keep]
             update = _update(model, optimizer, rows, tasks_of_rows, advantages, old, ref, pad_id, cfg, dist)
             scheduler.step()
             metrics.update(update)
@@ -178,34 +168,6 @@ def train(cfg: TrainConfig) -> dict[str, float]:
 # ---------------------------------------------------------------------------------------------- the step's parts
 
 
-def _experience(rollout: StepRollout, cfg: TrainConfig) -> Experience:
-    """Which episodes count (the failed-episode policy), their rewards and samples, and the rollout's metrics."""
-    samples, rewards, groups, spans = [], {}, {}, []
-    failed = unjudged = 0
-    for e in rollout.episodes:
-        reward = e.reward
-        if e.status != FINISHED or reward is None:
-            failed += e.status != FINISHED
-            unjudged += e.status == FINISHED and reward is None
-            if cfg.trainer.failed_episodes == "drop" or (reward is None and e.status == FINISHED):
-                continue
-            reward = 0.0
-        rewards[e.episode_id], groups[e.episode_id] = reward, e.task_id
-        samples += e.samples
-        spans += e.call_spans
-    all_rewards = [e.reward for e in rollout.episodes if e.reward is not None]
-    metrics = {
-        "reward/mean": _mean(all_rewards), "reward/max": max(all_rewards, default=None),
-        "reward/min": min(all_rewards, default=None),
-        "episodes/total": len(rollout.episodes), "episodes/failed": failed, "episodes/unjudged": unjudged,
-        "episodes/truncated": sum(e.truncated > 0 for e in rollout.episodes),
-        "merge/ratio": rollout.merge.get("merge_ratio"), "merge/drift_rate": rollout.merge.get("drift_rate"),
-        "time/rollout_s": rollout.timings["rollout_s"], "time/judge_s": rollout.timings["judge_s"],
-        "time/merge_s": rollout.timings["merge_s"],
-    }
-    return Experience(samples, rewards, groups, metrics, spans if any(spans) else None)
-
-
 def _advantages(exp: Experience, old, ref, cfg: TrainConfig) -> tuple[list[int], list[float], dict[str, float]]:
     """Each episode's advantage against its group, given to its samples; the samples to train (indices).
 
@@ -214,10 +176,10 @@ def _advantages(exp: Experience, old, ref, cfg: TrainConfig) -> tuple[list[int],
     t = cfg.trainer
     rewards = dict(exp.rewards)
     if t.use_kl_in_reward and t.kl_coef > 0:
-        for sample, lp, ref_lp in zip(exp.samples, old, ref, strict=True):
+        for i, (sample, lp, ref_lp) in enumerate(zip(exp.samples, old, ref, strict=True)):
             mask = torch.tensor(sample.loss_mask, dtype=lp.dtype)
             kl = float((algo.kl_penalty(lp, ref_lp, t.kl_type) * mask).sum())
-            rewards[sample.episode_id] -= t.kl_coef * kl
+            rewards[exp.unit(i)] -= t.kl_coef * kl
     episodes = list(rewards)
     values = torch.tensor([rewards[e] for e in episodes], dtype=torch.float64)
     adv = algo.outcome_advantages(values, [exp.groups[e] for e in episodes], t.adv_estimator) if episodes else []
@@ -227,18 +189,18 @@ def _advantages(exp: Experience, old, ref, cfg: TrainConfig) -> tuple[list[int],
         by_group.setdefault(exp.groups[e], []).append(rewards[e])
     flat = {g for g, rs in by_group.items() if len(rs) < 2 or max(rs) - min(rs) < 1e-12}
     keep_flat = (t.kl_coef > 0 and not t.use_kl_in_reward) or t.entropy_coef > 0
-    keep = [i for i, s in enumerate(exp.samples) if keep_flat or exp.groups[s.episode_id] not in flat]
-    advantages: list = [advantage[exp.samples[i].episode_id] for i in keep]
+    keep = [i for i in range(len(exp.samples)) if keep_flat or exp.groups[exp.unit(i)] not in flat]
+    advantages: list = [advantage[exp.unit(i)] for i in keep]
     if exp.call_spans is not None:  # per-call rewards: normalised over the group's calls, on each call's tokens
-        keep = [i for i, s in enumerate(exp.samples) if keep_flat or exp.groups[s.episode_id] not in flat
+        keep = [i for i in range(len(exp.samples)) if keep_flat or exp.groups[exp.unit(i)] not in flat
                 or exp.call_spans[i]]
         advantages = _with_call_advantages(exp, keep, advantage, t.adv_estimator)
     lengths = [sum(exp.samples[i].loss_mask) for i in keep]
     return keep, advantages, {
         "groups/total": len(by_group), "groups/zero_variance": len(flat),
         "samples/trained": len(keep), "samples/tokens": sum(len(exp.samples[i].token_ids) for i in keep),
-        "response/length_mean": _mean(lengths), "response/length_max": max(lengths, default=None),
-        "advantage/mean": _mean(advantages), "advantage/abs_mean": _mean([abs(a) for a in advantages]),
+        "response/length_mean": mean(lengths), "response/length_max": max(lengths, default=None),
+        "advantage/mean": mean(advantages), "advantage/abs_mean": mean([abs(a) for a in advantages]),
     }
 
 
@@ -272,18 +234,18 @@ def _with_call_advantages(exp: Experience, keep: list[int], outcome: dict[str, f
     A call that appears in several samples of an episode (a shared prefix) counts once."""
     calls: dict[tuple[str, int, int], tuple[float, str]] = {}
     for i, spans in enumerate(exp.call_spans):
-        episode = exp.samples[i].episode_id
+        unit = exp.unit(i)
         for start, end, reward in spans:
-            calls.setdefault((episode, start, end), (reward, exp.groups[episode]))
+            calls.setdefault((unit, start, end), (reward, exp.groups[unit]))
     keys = list(calls)
     values = torch.tensor([calls[k][0] for k in keys], dtype=torch.float64)
     call_adv = dict(zip(keys, algo.outcome_advantages(values, [calls[k][1] for k in keys], estimator).tolist(),
                         strict=True)) if keys else {}
     out = []
     for i in keep:
-        sample = exp.samples[i]
-        tokens = torch.tensor(sample.loss_mask, dtype=torch.float32) * outcome.get(sample.episode_id, 0.0)
-        spans = [(s, e, call_adv[(sample.episode_id, s, e)]) for s, e, _ in exp.call_spans[i]]
+        sample, unit = exp.samples[i], exp.unit(i)
+        tokens = torch.tensor(sample.loss_mask, dtype=torch.float32) * outcome.get(unit, 0.0)
+        spans = [(s, e, call_adv[(unit, s, e)]) for s, e, _ in exp.call_spans[i]]
         out.append(tokens + algo.call_reward_tokens(len(sample.token_ids), spans, at="spread")
                    * torch.tensor(sample.loss_mask, dtype=torch.float32))
     return out
@@ -419,7 +381,7 @@ def _validate(rollouts: Rollouts, step: int, tasks, cfg: TrainConfig) -> dict[st
         by_task.setdefault(e.task_id, []).append(e.reward is not None and e.reward >= threshold)
     rewards = [e.reward for e in rollout.episodes if e.reward is not None]
     passes = [pass_at_k(len(hits), sum(hits), v.n) for hits in by_task.values()]
-    return {"val/pass@n": _mean(passes), "val/reward_mean": _mean(rewards), "time/validation_s":
+    return {"val/pass@n": mean(passes), "val/reward_mean": mean(rewards), "time/validation_s":
             rollout.timings["rollout_s"]}
 
 
@@ -480,11 +442,6 @@ def _broadcast(experience: Experience | None, dist: Dist) -> Experience:
 def _log(tracker: Tracker | None, step: int, metrics: dict) -> None:
     if tracker is not None:
         tracker.log(step, metrics)
-
-
-def _mean(values) -> float | None:
-    values = [v for v in values if v is not None]
-    return sum(values) / len(values) if values else None
 
 
 def _seed(seed: int) -> None:

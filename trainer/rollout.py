@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from harness.engine import Engine
@@ -23,6 +23,7 @@ from harness.runner import RunConfig, Runner
 from harness.store import Store
 from proxy.app import EPISODES, RECORDER, STATE, STORE
 from proxy.config import ProxyConfig, SamplingOverrides
+from proxy.roles import RoleRule
 from proxy.server import ProxyServer
 
 log = logging.getLogger("harness.train")
@@ -40,6 +41,8 @@ class EpisodeResult:
     merged: Merged
     truncated: int  # replies cut off by max_tokens (finish_reason "length")
     call_spans: list[list[tuple[int, int, float]]]  # per sample: (start, end, reward) of each call the judge scored
+    sample_roles: list[str | None] = field(default_factory=list)  # per sample: its calls' role name (None: unnamed)
+    role_rewards: dict[str, float] = field(default_factory=dict)  # the judge's per-role rewards, if it gave any
 
 
 @dataclass
@@ -53,19 +56,27 @@ class Rollouts:
     """The engine behind a recording proxy, for the whole training run."""
 
     def __init__(self, engine: Engine, run_dir: Path, run: RunConfig, *, sampling: SamplingOverrides,
-                 token_exact: bool = True, tool_parser: str = "hermes"):
+                 token_exact: bool = True, tool_parser: str = "hermes", roles: tuple[RoleRule, ...] = (),
+                 interceptor=None):
         self.engine = engine
         self.run_dir = run_dir
         self.run = run
         self.sampling = sampling
         config = ProxyConfig(upstream_url=engine.base_url, served_model=engine.served_model,
                              returns_token_ids=engine.returns_token_ids, db_path=run_dir / "harness.duckdb", port=0,
-                             sampling=sampling, token_exact=token_exact, tool_parser=tool_parser)
+                             sampling=sampling, token_exact=token_exact, tool_parser=tool_parser, roles=roles)
         if not engine.returns_token_ids:
             raise ValueError(f"the engine at {engine.base_url} returns no token ids: training needs vLLM's ids")
         self.server = ProxyServer(config)
         self.url = self.server.start_in_thread()
         self.admin_token = config.admin_token
+        self.interceptor = interceptor  # transparent mode's hop (adapters/transparent.py), or None
+        if interceptor is not None:
+            try:
+                interceptor.start(self.url)
+            except BaseException:
+                self.server.stop_thread()
+                raise
 
     @property
     def run_id(self) -> str:
@@ -83,7 +94,8 @@ class Rollouts:
         state.sampling = sampling or self.sampling
         runner = Runner(replace(self.run, repeat=repeat or self.run.repeat), run_id=f"{self.run_id}-{tag}{step:05d}",
                         proxy_url=self.url, store=app[STORE], flush=app[RECORDER].flush, run_dir=self.run_dir,
-                        open_episode=lambda eid, meta: app[EPISODES].open(eid, source="runner", meta=meta, new=True))
+                        open_episode=lambda eid, meta: app[EPISODES].open(eid, source="runner", meta=meta, new=True),
+                        episode_env=self.interceptor.agent_env if self.interceptor is not None else None)
         started = time.perf_counter()
         try:
             self.server.call(runner.run(tasks))
@@ -115,15 +127,24 @@ class Rollouts:
             except ValueError as exc:  # a judge's mistake costs its per-call rewards, never the step
                 log.warning("%s: per-call rewards ignored", exc)
                 call_rewards = {}
+            try:
+                role_rewards = role_rewards_of(judgement, o.episode_id)
+            except ValueError as exc:
+                log.warning("%s: per-role rewards ignored", exc)
+                role_rewards = {}
             spans = [_call_spans(s, episode_calls, call_rewards) for s in merged.samples]
             truncated = sum(ch.finish_reason == "length" for c in episode_calls for ch in c.choices)
+            by_id = {c.call_id: c for c in episode_calls}
+            roles = [by_id[s.call_ids[0]].extra.get("role") if s.call_ids else None for s in merged.samples]
             results.append(EpisodeResult(o.episode_id, o.task_id, o.status, reward, merged.samples, merged,
-                                         truncated, spans))
+                                         truncated, spans, roles, role_rewards))
             items.append((o.episode_id, merged, reward))
         self.store.add_merged_episodes(self.run_id, items)
         return results
 
     def close(self) -> None:
+        if self.interceptor is not None:
+            self.interceptor.close()
         self.server.stop_thread()
 
 
@@ -150,6 +171,34 @@ def call_rewards_of(judgement: Judgement | None, episode_id: str) -> dict[int, f
             raise ValueError(f"episode {episode_id!r}: call_rewards[{index!r}] = {value!r}; give a number per call "
                              "index")
         out[int(index)] = float(value)
+    return out
+
+
+def interceptor_for(rollout, out: Path):
+    """Transparent mode's hop for the rollout section (adapters/transparent.py, loaded only when chosen), or None."""
+    if not rollout.transparent:
+        return None
+    from adapters.transparent import Interceptor, TransparentOptions
+
+    options = TransparentOptions(llm_hosts=tuple(rollout.llm_hosts), refuse_other=rollout.refuse_other_hosts)
+    return Interceptor(options, log_path=out / "transparent.log")
+
+
+def role_rewards_of(judgement: Judgement | None, episode_id: str) -> dict[str, float]:
+    """Per-role rewards a judge returned in its details as "role_rewards": {role name: reward}. A role it does not
+    name gets the episode's reward."""
+    raw = (judgement.details or {}).get("role_rewards") if judgement is not None and judgement.reward is not None \
+        else None
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise ValueError(f"episode {episode_id!r}: the judge's role_rewards must be a mapping {{role name: reward}}, "
+                         f"got {type(raw).__name__}")
+    out = {}
+    for name, value in raw.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"episode {episode_id!r}: role_rewards[{name!r}] = {value!r}; give a number per role")
+        out[str(name)] = float(value)
     return out
 
 

@@ -1,0 +1,115 @@
+"""Named roles: which calls of a (multi-agent) app belong to which role, and where a frozen role's calls go.
+
+Every call already carries a fingerprint (`role_key`: the requested model name, the system prompt and the tool
+set); `harness roles` lists the fingerprints a run saw. A `RoleRule` gives a role a name by one of three matches,
+the first rule that matches a call wins:
+
+    model:gpt-4o-mini        the model name the agent asked for, exactly
+    system:^You review       a regular expression searched in the system (or developer) prompt
+    key:3f2a9c0d1e4b5a67     the fingerprint itself, as `harness roles` prints it
+
+A rule with an `upstream` sends its role's calls to that OpenAI-compatible server (a fixed model) instead of the
+policy engine; they are recorded all the same (with that server's token ids if it returns them), stamped with
+the role's name in `calls.extra`, and the trainer never trains on them.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+_KINDS = ("model", "system", "key")
+
+
+@dataclass(frozen=True)
+class RoleRule:
+    name: str  # the role's name, e.g. "solver"
+    match: str  # "model:NAME", "system:REGEX" or "key:FINGERPRINT"
+    upstream: str | None = None  # base URL of a fixed model for this role's calls; None: the policy engine
+    upstream_model: str | None = None  # the model name sent to that upstream; None: the one the agent asked for
+    upstream_key_env: str | None = None  # environment variable holding that upstream's API key (never recorded)
+
+    def __post_init__(self):
+        if not self.name or not re.fullmatch(r"[A-Za-z0-9_.-]+", self.name):
+            raise ValueError(f"role name {self.name!r} must be letters, digits, '_', '-' or '.'")
+        kind, sep, value = self.match.partition(":")
+        if not sep or kind not in _KINDS or not value:
+            raise ValueError(f"role {self.name!r}: match {self.match!r} must be model:NAME, system:REGEX or "
+                             "key:FINGERPRINT (as `harness roles` prints it)")
+        if kind == "system":
+            try:
+                re.compile(value)
+            except re.error as exc:
+                raise ValueError(f"role {self.name!r}: system regex {value!r} does not compile: {exc}") from None
+        if self.upstream is not None and not self.upstream.startswith(("http://", "https://")):
+            raise ValueError(f"role {self.name!r}: upstream {self.upstream!r} must start with http:// or https://")
+
+    @property
+    def kind(self) -> str:
+        return self.match.partition(":")[0]
+
+    @property
+    def value(self) -> str:
+        return self.match.partition(":")[2]
+
+    @property
+    def upstream_base(self) -> str | None:
+        """The upstream URL without a trailing /v1 or slash."""
+        if self.upstream is None:
+            return None
+        url = self.upstream.rstrip("/")
+        return url[:-3] if url.endswith("/v1") else url
+
+    def matches(self, requested_model: str | None, system_prompt: str | None, role_key: str) -> bool:
+        kind, value = self.kind, self.value
+        if kind == "model":
+            return requested_model == value
+        if kind == "key":
+            return role_key == value
+        return system_prompt is not None and re.search(value, system_prompt) is not None
+
+
+def parse_rules(matches: dict[str, str], upstreams: dict[str, str] | None = None,
+                upstream_models: dict[str, str] | None = None,
+                upstream_key_envs: dict[str, str] | None = None) -> tuple[RoleRule, ...]:
+    """Rules from name -> match mappings (config files and command lines), in the order given. A frozen upstream
+    for a role with no match is a mistake: it is named."""
+    upstreams, upstream_models, upstream_key_envs = upstreams or {}, upstream_models or {}, upstream_key_envs or {}
+    for what, mapping in (("an upstream", upstreams), ("an upstream model", upstream_models),
+                          ("an upstream key", upstream_key_envs)):
+        unknown = sorted(set(mapping) - set(matches))
+        if unknown:
+            raise ValueError(f"role {unknown[0]!r} has {what} but no match: add it to the role matches, e.g. "
+                             f"{unknown[0]}=model:NAME")
+    return tuple(RoleRule(name, spec, upstreams.get(name), upstream_models.get(name), upstream_key_envs.get(name))
+                 for name, spec in matches.items())
+
+
+def parse_assignments(items: list[str], what: str) -> dict[str, str]:
+    """["solver=model:gpt-4o-mini", ...] (command-line flags) -> {"solver": "model:gpt-4o-mini"}."""
+    out: dict[str, str] = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep or not name.strip() or not value.strip():
+            raise ValueError(f"{what} {item!r} must look like NAME=VALUE, e.g. solver=model:gpt-4o-mini")
+        out[name.strip()] = value.strip()
+    return out
+
+
+def system_prompt(body: dict) -> str | None:
+    """The text of a chat request's first system or developer message (content parts joined)."""
+    for message in body.get("messages") or ():
+        if isinstance(message, dict) and message.get("role") in ("system", "developer"):
+            content = message.get("content")
+            if isinstance(content, list):
+                return "".join(p.get("text", "") for p in content if isinstance(p, dict))
+            return content if isinstance(content, str) else None
+    return None
+
+
+def find_role(rules: tuple[RoleRule, ...], requested_model: str | None, body: dict | None,
+              role_key: str) -> RoleRule | None:
+    if not rules:
+        return None
+    prompt = system_prompt(body) if body is not None else None
+    return next((r for r in rules if r.matches(requested_model, prompt, role_key)), None)
