@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import statistics
 import subprocess
 import sys
@@ -160,3 +161,27 @@ def test_training_one_role_of_a_multi_agent_app_leaves_the_frozen_role_to_its_fi
         assert (step, "samples/role/critic") not in metrics
     details = db_rows(db, "SELECT details FROM judgements")
     assert details and all(set(json.loads(d)["role_rewards"]) == {"solver", "critic"} for (d,) in details)
+
+
+def test_transparent_training_of_an_agent_that_hard_codes_api_openai_com(engine, tiny_model_dir, tmp_path):
+    """rollout.transparent: the black-box agent never reads OPENAI_BASE_URL, yet its calls are recorded through
+    the hop, merged and trained on, and the next step's calls are served by the new weights."""
+    try:
+        out = subprocess.run(
+            [sys.executable, "-m", "harness.cli", "train", str(ROOT / "examples/train/terse.yaml"),
+             f"--set=model.path={tiny_model_dir}", f"--set=rollout.engine.url={engine.base_url}",
+             f"--set=logging.run_dir={tmp_path}", "--set=trainer.total_steps=2", "--set=logging.console=false",
+             "--set=logging.curve_png=false", f"--set=rollout.agent={ROOT / 'examples/blackbox_agent/agent.py'}",
+             "--set=rollout.transparent=true", "--set=rollout.batch_size=2", "--set=rollout.num_repeat=2",
+             "--set=rollout.max_tokens=6",  # short replies: the terse judge scores them apart
+             "--set=trainer.mini_batch_size=1", "--set=experiment_name=blackbox"],
+            capture_output=True, text=True, timeout=900, env={**os.environ, "HARNESS_HOME": str(tmp_path / "home")})
+    finally:
+        WeightSync(engine.base_url, tmp_path / "restore").load(tiny_model_dir, 0)
+    assert out.returncode == 0, out.stderr[-4000:]
+    db = tmp_path / "blackbox" / "harness.duckdb"
+    calls = db_rows(db, "SELECT weight_version, stream, token_source, count(*) FROM calls GROUP BY ALL ORDER BY ALL")
+    assert calls == [(0, False, "engine", 4), (0, True, "engine", 4), (1, False, "engine", 4), (1, True, "engine", 4)]
+    trained = db_rows(db, "SELECT step, value FROM metrics WHERE name = 'samples/tokens' ORDER BY step")
+    assert [s for s, _ in trained] == [1, 2] and all(v > 0 for _, v in trained)
+    assert (tmp_path / "blackbox" / "transparent.log").exists()

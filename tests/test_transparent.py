@@ -219,3 +219,31 @@ def test_harness_run_transparent_records_a_black_box_agent_with_engine_ids(engin
                     ("qwen-plus", False, "engine", True, True), ("qwen-plus", True, "engine", True, True)]
     merged = db_rows(tmp_path / "run" / "harness.duckdb", "SELECT count(*) FROM samples")
     assert merged[0][0] >= 2
+
+
+def test_harness_serve_transparent_prints_the_environment_that_records_a_black_box_agent(upstream, tmp_path):
+    """`harness serve --transparent`: the printed exports are all an agent needs; its calls land in the run's
+    default episode."""
+    env = {**os.environ, "HARNESS_HOME": str(tmp_path / "home")}
+    serve = subprocess.Popen([sys.executable, "-m", "harness.cli", "serve", "--upstream", upstream.url, "--port", "0",
+                              "--run-dir", str(tmp_path / "run"), "--transparent"], env=env, stderr=subprocess.PIPE,
+                             text=True)
+    exports: dict[str, str] = {}
+    try:
+        for line in serve.stderr:
+            if line.strip().startswith("export ") and "OPENAI_BASE_URL" not in line:
+                key, _, value = line.strip().removeprefix("export ").partition("=")
+                exports[key] = value
+            if "NODE_USE_ENV_PROXY" in line:
+                break
+        assert {"HTTPS_PROXY", "SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "NO_PROXY"} <= set(exports)
+        agent_env = {**os.environ, **exports, "HARNESS_TASK": json.dumps({"question": "1 + 1?", "vendor": "openai"})}
+        agent_env.pop("OPENAI_BASE_URL", None)
+        done = subprocess.run([sys.executable, str(AGENT)], env=agent_env, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+    finally:
+        serve.terminate()
+        serve.wait(30)
+    rows = db_rows(tmp_path / "run" / "harness.duckdb", "SELECT requested_model, stream, episode_id LIKE '%-default' "
+                   "FROM calls ORDER BY call_index")
+    assert rows == [("gpt-4o-mini", True, True), ("gpt-4o-mini", False, True)]

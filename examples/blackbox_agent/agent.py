@@ -4,7 +4,7 @@ Agents like this are common (a vendor SDK set up in code, a compiled tool, a thi
 --transparent` records them anyway: the agent's HTTPS traffic goes through the embedded mitmproxy, which sends
 calls for known LLM hosts to the recording proxy and tunnels everything else untouched. Nothing here knows.
 
-The task (`{"id": ..., "question": ..., "vendor": "openai" | "dashscope" | "deepseek"}`) comes in HARNESS_TASK or
+The task (`{"id": ..., "question" (or "prompt"): ..., "vendor": "openai" | "dashscope" | "deepseek"}`) comes in HARNESS_TASK or
 on stdin. Two calls: a streamed answer, then a non-streamed check. The last stdout line is `{"answer": ...}`.
 """
 
@@ -27,7 +27,7 @@ def main() -> None:
     base_url, model = VENDORS[task.get("vendor", "openai")]
     client = OpenAI(base_url=base_url, api_key=HARD_CODED_KEY, max_retries=0)
     messages = [{"role": "system", "content": "Answer with one number."},
-                {"role": "user", "content": task["question"]}]
+                {"role": "user", "content": task.get("question") or task["prompt"]}]
     stream = client.chat.completions.create(model=model, messages=messages, max_tokens=24, stream=True)
     first = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
     messages += [{"role": "assistant", "content": first}, {"role": "user", "content": "Check it. Final number?"}]
