@@ -86,7 +86,9 @@ class Interceptor:
         self.trust_bundle: Path | None = None
         self._proc: subprocess.Popen | None = None
 
-    def start(self, proxy_url: str, timeout_s: float = 60.0) -> Interceptor:
+    def start(self, proxy_url: str, timeout_s: float = 60.0, auth_token: str | None = None) -> Interceptor:
+        """Start the hop in front of the proxy at `proxy_url`. With `auth_token` (a proxy that requires one), calls
+        without an episode token carry it; it goes to the hop through its environment, never its command line."""
         python = mitm_python()
         self.ca_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         os.chmod(self.ca_dir, 0o700)
@@ -98,8 +100,11 @@ class Interceptor:
             command.append("--refuse-other")
         log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
         try:
+            env = {k: v for k, v in os.environ.items() if k != "HARNESS_MITM_INJECT_KEY"}
+            if auth_token:
+                env["HARNESS_MITM_INJECT_KEY"] = auth_token
             self._proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL,
-                                          start_new_session=True)
+                                          start_new_session=True, env=env)
         finally:
             if log is not subprocess.DEVNULL:
                 log.close()

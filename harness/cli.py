@@ -97,7 +97,7 @@ def _serve(args) -> int:
                   file=sys.stderr)
             if interceptor is not None:
                 try:
-                    interceptor.start(server.url)
+                    interceptor.start(server.url, auth_token=config.auth_token)
                 except interceptor.Error as exc:
                     print(f"error: {exc}", file=sys.stderr)
                     raise SystemExit(1) from None

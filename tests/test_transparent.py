@@ -222,11 +222,12 @@ def test_harness_run_transparent_records_a_black_box_agent_with_engine_ids(engin
 
 
 def test_harness_serve_transparent_prints_the_environment_that_records_a_black_box_agent(upstream, tmp_path):
-    """`harness serve --transparent`: the printed exports are all an agent needs; its calls land in the run's
-    default episode."""
+    """`harness serve --transparent`: the printed exports are all an agent needs (the proxy's auth token is added by
+    the hop, never printed); its calls land in the run's default episode."""
     env = {**os.environ, "HARNESS_HOME": str(tmp_path / "home")}
     serve = subprocess.Popen([sys.executable, "-m", "harness.cli", "serve", "--upstream", upstream.url, "--port", "0",
-                              "--run-dir", str(tmp_path / "run"), "--transparent"], env=env, stderr=subprocess.PIPE,
+                              "--run-dir", str(tmp_path / "run"), "--transparent", "--auth-token", "hx-serve-secret"],
+                             env=env, stderr=subprocess.PIPE,
                              text=True)
     exports: dict[str, str] = {}
     try:
@@ -237,6 +238,7 @@ def test_harness_serve_transparent_prints_the_environment_that_records_a_black_b
             if "NODE_USE_ENV_PROXY" in line:
                 break
         assert {"HTTPS_PROXY", "SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "NO_PROXY"} <= set(exports)
+        assert "hx-serve-secret" not in json.dumps(exports)
         agent_env = {**os.environ, **exports, "HARNESS_TASK": json.dumps({"question": "1 + 1?", "vendor": "openai"})}
         agent_env.pop("OPENAI_BASE_URL", None)
         done = subprocess.run([sys.executable, str(AGENT)], env=agent_env, capture_output=True, text=True, timeout=60)
