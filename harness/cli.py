@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from harness import __version__
+from harness import cli_options as options
 from proxy.tool_parsers import known_parsers
 
 DEFAULT_RUN_DIR = Path("runs")
@@ -60,8 +61,8 @@ def _add_serve(verbs) -> None:
     p.add_argument("--temperature", type=float, help="training-time override of the agents' temperature")
     p.add_argument("--top-p", type=float, help="training-time override of the agents' top_p")
     p.add_argument("--max-tokens-cap", type=int, help="cap on the agents' max_tokens")
-    _add_role_args(p)
-    _add_transparent_args(p)
+    options.add_role_args(p)
+    options.add_transparent_args(p)
     p.set_defaults(func=_serve)
 
 
@@ -85,10 +86,10 @@ def _serve(args) -> int:
             upstream_url=engine.base_url, db_path=db, served_model=engine.served_model,
             returns_token_ids=engine.returns_token_ids, host=args.host, port=args.port,
             auth_token=args.auth_token, auto_episodes=not args.strict_episodes, sampling=sampling,
-            token_exact=not args.no_token_exact, tool_parser=args.tool_parser, roles=_role_rules(args),
+            token_exact=not args.no_token_exact, tool_parser=args.tool_parser, roles=options.role_rules(args),
         )
 
-        interceptor = _interceptor(args, args.run_dir)
+        interceptor = options.interceptor(args, args.run_dir)
 
         def ready(server):
             print(f"proxy ready: {server.url}/v1  (recording into {db})", file=sys.stderr)
@@ -119,57 +120,6 @@ def _serve(args) -> int:
     finally:
         engine.stop()
     return 0
-
-
-def _add_role_args(p) -> None:
-    g = p.add_argument_group("roles (multi-agent apps: name roles, send frozen ones to a fixed model)")
-    g.add_argument("--role", action="append", default=[], metavar="NAME=MATCH",
-                   help="name a role: MATCH is model:NAME, system:REGEX or key:FINGERPRINT (as `harness roles` "
-                   "prints it); the first match wins, e.g. --role critic=model:critic-model")
-    g.add_argument("--role-upstream", action="append", default=[], metavar="NAME=URL",
-                   help="send a named role's calls to this OpenAI-compatible server (a fixed model) instead of the "
-                   "policy engine, e.g. --role-upstream critic=https://api.openai.com/v1")
-    g.add_argument("--role-model", action="append", default=[], metavar="NAME=MODEL",
-                   help="the model name sent to that upstream (default: the one the agent asked for)")
-    g.add_argument("--role-key-env", action="append", default=[], metavar="NAME=ENV",
-                   help="environment variable holding that upstream's API key (read at each call, never recorded)")
-
-
-def _role_rules(args):
-    from proxy.roles import parse_assignments, parse_rules
-
-    return parse_rules(parse_assignments(args.role, "--role"), parse_assignments(args.role_upstream, "--role-upstream"),
-                       parse_assignments(args.role_model, "--role-model"),
-                       parse_assignments(args.role_key_env, "--role-key-env"))
-
-
-def _add_transparent_args(p) -> None:
-    g = p.add_argument_group("transparent mode (agents that hard-code an LLM host)")
-    g.add_argument("--transparent", action="store_true",
-                   help="put an embedded mitmproxy in front of the agents: calls to known LLM hosts (api.openai.com, "
-                   "DashScope compatible mode, DeepSeek, api.anthropic.com, and --llm-host) are recorded like "
-                   "calls to OPENAI_BASE_URL; other hosts are tunnelled untouched")
-    g.add_argument("--llm-host", action="append", default=[], metavar="HOST[/PREFIX]",
-                   help="one more LLM host to intercept, with its API prefix (default /v1), "
-                   "e.g. llm.corp.example/api/v1")
-    g.add_argument("--refuse-other-hosts", action="store_true",
-                   help="with --transparent: refuse traffic to any other host instead of tunnelling it")
-
-
-def _hop_errors(interceptor) -> tuple[type[Exception], ...]:
-    return (interceptor.Error,) if interceptor is not None else ()
-
-
-def _interceptor(args, run_dir: Path):
-    """The transparent hop the flags ask for (not started), or None."""
-    if not args.transparent:
-        if args.llm_host or args.refuse_other_hosts:
-            raise ValueError("--llm-host and --refuse-other-hosts need --transparent")
-        return None
-    from adapters.transparent import Interceptor, TransparentOptions
-
-    options = TransparentOptions(llm_hosts=tuple(args.llm_host), refuse_other=args.refuse_other_hosts)
-    return Interceptor(options, log_path=run_dir / "transparent.log")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -220,8 +170,8 @@ def _add_run(verbs) -> None:
                    help="one episode at a time, the agent on this terminal (stdin, stdout and stderr; its task only in "
                    "HARNESS_TASK), the judge in this process, no timeouts: breakpoints in agent or judge code work")
     _add_engine_args(p)
-    _add_role_args(p)
-    _add_transparent_args(p)
+    options.add_role_args(p)
+    options.add_transparent_args(p)
     p.set_defaults(func=_run)
 
 
@@ -255,7 +205,7 @@ def _run(args) -> int:
             from harness.judges import load_judge
 
             load_judge(args.judge)
-        interceptor, roles = _interceptor(args, args.run_dir), _role_rules(args)
+        interceptor, roles = options.interceptor(args, args.run_dir), options.role_rules(args)
         engine = start_or_attach(model=args.model, upstream=args.upstream, run_dir=args.run_dir,
                                  max_model_len=args.max_model_len)
     except (TaskError, JudgeError, EngineError, ValueError) as exc:
@@ -267,7 +217,7 @@ def _run(args) -> int:
                                                  success_threshold=args.success_threshold, sampling=sampling,
                                                  token_exact=not args.no_token_exact, tool_parser=args.tool_parser,
                                                  progress=not args.debug, interceptor=interceptor, roles=roles))
-    except _hop_errors(interceptor) as exc:  # the transparent hop could not start
+    except options.hop_errors(interceptor) as exc:  # the transparent hop could not start
         print(f"error: {exc}", file=sys.stderr)
         return 1
     finally:

@@ -1,0 +1,56 @@
+"""Flag groups shared by several `harness` verbs: named roles (run, serve) and transparent mode (run, serve)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def add_role_args(p) -> None:
+    g = p.add_argument_group("roles (multi-agent apps: name roles, send frozen ones to a fixed model)")
+    g.add_argument("--role", action="append", default=[], metavar="NAME=MATCH",
+                   help="name a role: MATCH is model:NAME, system:REGEX or key:FINGERPRINT (as `harness roles` "
+                   "prints it); the first match wins, e.g. --role critic=model:critic-model")
+    g.add_argument("--role-upstream", action="append", default=[], metavar="NAME=URL",
+                   help="send a named role's calls to this OpenAI-compatible server (a fixed model) instead of the "
+                   "policy engine, e.g. --role-upstream critic=https://api.openai.com/v1")
+    g.add_argument("--role-model", action="append", default=[], metavar="NAME=MODEL",
+                   help="the model name sent to that upstream (default: the one the agent asked for)")
+    g.add_argument("--role-key-env", action="append", default=[], metavar="NAME=ENV",
+                   help="environment variable holding that upstream's API key (read at each call, never recorded)")
+
+
+def role_rules(args):
+    from proxy.roles import parse_assignments, parse_rules
+
+    return parse_rules(parse_assignments(args.role, "--role"), parse_assignments(args.role_upstream, "--role-upstream"),
+                       parse_assignments(args.role_model, "--role-model"),
+                       parse_assignments(args.role_key_env, "--role-key-env"))
+
+
+def add_transparent_args(p) -> None:
+    g = p.add_argument_group("transparent mode (agents that hard-code an LLM host)")
+    g.add_argument("--transparent", action="store_true",
+                   help="put an embedded mitmproxy in front of the agents: calls to known LLM hosts (api.openai.com, "
+                   "DashScope compatible mode, DeepSeek, api.anthropic.com, and --llm-host) are recorded like "
+                   "calls to OPENAI_BASE_URL; other hosts are tunnelled untouched")
+    g.add_argument("--llm-host", action="append", default=[], metavar="HOST[/PREFIX]",
+                   help="one more LLM host to intercept, with its API prefix (default /v1), "
+                   "e.g. llm.corp.example/api/v1")
+    g.add_argument("--refuse-other-hosts", action="store_true",
+                   help="with --transparent: refuse traffic to any other host instead of tunnelling it")
+
+
+def hop_errors(interceptor) -> tuple[type[Exception], ...]:
+    return (interceptor.Error,) if interceptor is not None else ()
+
+
+def interceptor(args, run_dir: Path):
+    """The transparent hop the flags ask for (not started), or None."""
+    if not args.transparent:
+        if args.llm_host or args.refuse_other_hosts:
+            raise ValueError("--llm-host and --refuse-other-hosts need --transparent")
+        return None
+    from adapters.transparent import Interceptor, TransparentOptions
+
+    options = TransparentOptions(llm_hosts=tuple(args.llm_host), refuse_other=args.refuse_other_hosts)
+    return Interceptor(options, log_path=run_dir / "transparent.log")
