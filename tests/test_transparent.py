@@ -249,3 +249,22 @@ def test_harness_serve_transparent_prints_the_environment_that_records_a_black_b
     rows = db_rows(tmp_path / "run" / "harness.duckdb", "SELECT requested_model, stream, episode_id LIKE '%-default' "
                    "FROM calls ORDER BY call_index")
     assert rows == [("gpt-4o-mini", True, True), ("gpt-4o-mini", False, True)]
+
+
+def test_the_anthropic_sdk_with_its_default_host_is_recorded_through_the_hop(hop):
+    """anthropic.Anthropic() with no base URL talks to https://api.anthropic.com/v1/messages: the hop sends it to
+    the proxy's Messages route, which records it as a chat call (extra.wire = messages)."""
+    proxy, interceptor = hop
+    script = ("import anthropic\n"
+              "c = anthropic.Anthropic(api_key='sk-ant-hardcoded', max_retries=0)\n"
+              "m = c.messages.create(model='claude-haiku-4-5', max_tokens=8,\n"
+              "    messages=[{'role': 'user', 'content': 'hi'}])\n"
+              "print(m.model, m.content[0].type)\n")
+    env = {**os.environ, **interceptor.agent_env("ep-anthropic", "t")}
+    env.pop("ANTHROPIC_BASE_URL", None)
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["claude-haiku-4-5", "text"]
+    proxy.close()
+    assert db_rows(proxy.db_path, "SELECT requested_model, extra->>'wire', status FROM calls") == [
+        ("claude-haiku-4-5", "messages", "ok")]
