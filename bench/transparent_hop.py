@@ -18,7 +18,7 @@ Pinning: the proxy and the hop on core 0, the scripted engine and the client on 
 batches (the order flips every round) so machine noise hits both; each arm warms up first. CPU time of every
 process is sampled per batch, so the report says what a call costs each of them.
 
-    .venv/bin/python bench/transparent_hop.py [--calls 1600] [--no-docs]
+    .venv/bin/python bench/transparent_hop.py [--calls 2400] [--no-docs]
 
 Writes its section of docs/BENCHMARKS.md (between the transparent_hop markers) unless --no-docs.
 """
@@ -49,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from adapters.transparent import Interceptor, TransparentOptions, mitm_python  # noqa: E402
 from bench.docs_section import DOCS, write_section  # noqa: E402
 from bench.hops import Child, CoTenant, core_busy, pin, proxy_main, wait_quiet, watch_parent  # noqa: E402
-from bench.loadgen import mean, pct, run_loop  # noqa: E402
+from bench.loadgen import pct, run_loop  # noqa: E402
 from proxy.scripted import Script, ScriptedEngine  # noqa: E402
 
 HOP_CORE, LOAD_CORE = 0, 1
@@ -63,7 +63,7 @@ VENDOR_URL = "https://api.openai.com/v1"
 
 @dataclass(frozen=True)
 class Settings:
-    calls: int = 1600  # non-stream calls per arm, at c=1 and at c=16 each; streams: half as many
+    calls: int = 2400  # non-stream calls per arm, at c=1 and at c=16 each; streams: half as many
     block: int = 50  # c=1 calls per arm in a row before the other arm's turn
     per_worker: int = 16  # c=16: calls per worker in one batch (a batch: 16 x this, then the other arm's turn)
     warmup: int = 20  # calls per worker and arm before measuring (each worker's connection opened and warm)
@@ -259,25 +259,31 @@ async def measure(arms: list[Arm], meter: Meter, s: Settings) -> dict:
     for arm in arms:
         for stream in (False, True):
             await asyncio.gather(*(_repeat(arm, client, stream, s.warmup) for client in arm.clients))
-    opened = {arm.name: (arm.tcp, arm.tls) for arm in arms}
-    out: dict = {"cotenant": {}, "waited": {}}
+    out: dict = {"cotenant": {}, "waited": {}, "opened": {arm.name: [arm.tcp, arm.tls] for arm in arms},
+                 "reopened": {arm.name: [0, 0] for arm in arms}}  # fmt: skip
     phases = [
-        ("c1", "c=1 non-stream", lambda: phase(arms, meter, s.calls, 1, s.block, False)),
-        ("c1s", "c=1 streams", lambda: phase(arms, meter, s.calls // 2, 1, s.block, True)),
-        ("c16", f"c={CONCURRENCY} non-stream", lambda: phase(arms, meter, s.calls, CONCURRENCY, s.per_worker, False)),
-        ("c16s", f"c={CONCURRENCY} streams",
+        ("c1", "c=1 non-stream", 1, lambda: phase(arms, meter, s.calls, 1, s.block, False)),
+        ("c1s", "c=1 streams", 1, lambda: phase(arms, meter, s.calls // 2, 1, s.block, True)),
+        ("c16", f"c={CONCURRENCY} non-stream", CONCURRENCY,
+         lambda: phase(arms, meter, s.calls, CONCURRENCY, s.per_worker, False)),
+        ("c16s", f"c={CONCURRENCY} streams", CONCURRENCY,
          lambda: phase(arms, meter, s.calls // 2, CONCURRENCY, s.per_worker // 2, True)),
     ]  # fmt: skip
-    for key, label, run in phases:
+    for key, label, workers, run in phases:
         print(f"{label} ...", flush=True)
         t0 = time.perf_counter()
         wait_quiet(s.quiet_wait_s)
         out["waited"][key] = time.perf_counter() - t0
+        # Idle connections expire after httpx's 5 s keep-alive: a few calls per worker reopen them before timing.
+        for arm in arms:
+            await asyncio.gather(*(_repeat(arm, arm.clients[w], False, 3) for w in range(workers)))
+        before = {arm.name: (arm.tcp, arm.tls) for arm in arms}
         cotenant = CoTenant()
         out[key] = await run()
         out["cotenant"][key] = cotenant.cores()
-    out["reused"] = {arm.name: (arm.tcp - opened[arm.name][0], arm.tls - opened[arm.name][1]) for arm in arms}
-    out["opened"] = opened
+        for arm in arms:  # connections opened while measuring: none, when keep-alive holds
+            out["reopened"][arm.name][0] += arm.tcp - before[arm.name][0]
+            out["reopened"][arm.name][1] += arm.tls - before[arm.name][1]
     print("c=1 with keep-alive off (diagnostic) ...", flush=True)
     wait_quiet(s.quiet_wait_s)
     out["nka"] = await no_keepalive(arms, s.no_keepalive, 25)
@@ -364,9 +370,11 @@ def cpu_table(r: dict) -> list[str]:
 
 
 def report(r: dict, recorded: dict, s: Settings, argv: list[str], versions: str) -> str:
-    c, ka = CONCURRENCY, r["reused"]
+    c, ka, warm = CONCURRENCY, r["reopened"], r["opened"]
     answered = {arm: recorded[EPISODES[arm]] for arm in ("plain", "hop")}
-    hop_cpu = _cpu_us(r["c16"]["hop"], "hop")
+    c16 = r["c16"]
+    hop_cpu = _cpu_us(c16["hop"], "hop")
+    busy0 = c16["hop"].core_busy[0] / max(1.0, c16["hop"].core_busy[1])
     added50 = (pct(r["c1"]["hop"].latency, 0.5) - pct(r["c1"]["plain"].latency, 0.5)) * 1000
     added99 = (pct(r["c1"]["hop"].latency, 0.99) - pct(r["c1"]["plain"].latency, 0.99)) * 1000
     cot = ", ".join(f"{k} {v:.2f} (waited {r['waited'][k]:.0f} s)" for k, v in r["cotenant"].items())
@@ -382,10 +390,12 @@ def report(r: dict, recorded: dict, s: Settings, argv: list[str], versions: str)
         "DuckDB) to the same scripted engine (64 prompt ids, 4 answer tokens, streams 2 ms between tokens): the "
         "difference is the hop alone.",
         f"Client: httpx {httpx.__version__} AsyncClient (what the openai SDK uses; HTTP/1.1) on asyncio, one "
-        "client per worker kept for the whole run, so **connections are kept alive and reused**: after the "
-        f"warm-up, the measured phases opened {ka['plain'][0]} new TCP connections in the plain arm and "
-        f"{ka['hop'][0]} TCP connections / {ka['hop'][1]} TLS handshakes in the hop arm (warm-up: "
-        f"{r['opened']['hop'][0]} CONNECT tunnels + TLS handshakes through the hop, one per worker). The last row "
+        "client per worker kept for the whole run, so **connections are kept alive and reused**: the warm-up "
+        f"opened {warm['plain'][0]} TCP connections in the plain arm and {warm['hop'][0]} CONNECT tunnels / "
+        f"{warm['hop'][1]} TLS handshakes through the hop (one per worker); all the measured calls together "
+        f"opened {ka['plain'][0]} more (plain) and {ka['hop'][0]} / {ka['hop'][1]} more (hop) (each phase first "
+        "re-warms its workers, since "
+        "httpx closes connections idle for 5 s). The last row "
         "turns keep-alive off (a new connection per call; through the hop a new CONNECT + TLS handshake per call) "
         "to show what an agent that does not reuse connections pays.",
         f"Pinning: the proxy and the hop on core {HOP_CORE}, the engine and the client on core {LOAD_CORE}. The "
@@ -404,12 +414,16 @@ def report(r: dict, recorded: dict, s: Settings, argv: list[str], versions: str)
         "~+3 ms median per call on this machine kind (../shared/notes/engines-and-stores.md); a Python LiteLLM "
         "proxy adds +4.3 ms p50 / +9.8 ms p99 at c=1 (a whole proxy, not only a hop). The hop comes on top of the "
         "recording proxy's own cost (docs/BENCHMARKS.md, proxy_overhead).",
-        f"- The hop costs ~{hop_cpu:,.0f} us of CPU per non-stream call at c={c} (mitmproxy is pure Python: "
-        "TLS, HTTP parsing and its flow objects), several times the recording proxy's; one core of hop carries "
-        f"about {1e6 / hop_cpu:,.0f} calls/s. At c={c} the hop and the proxy share core {HOP_CORE}, which is then "
-        "the limit on throughput.",
+        f"- CPU: the hop spends ~{hop_cpu:,.0f} us per non-stream call at c={c} (mitmproxy is pure Python: TLS, "
+        f"HTTP parsing, its flow objects), {hop_cpu / _cpu_us(c16['plain'], 'proxy'):.1f}x what the recording "
+        f"proxy spends on a call; one core of hop alone would carry at most ~{1e6 / hop_cpu:,.0f} calls/s. The "
+        f"proxy itself spends {_cpu_us(c16['hop'], 'proxy') - _cpu_us(c16['plain'], 'proxy'):+,.0f} us a call "
+        "more behind the hop (it shares the core, and gets a new Host and headers), and the agent's own process "
+        f"{_cpu_us(c16['hop'], 'client') - _cpu_us(c16['plain'], 'client'):+,.0f} us (TLS to the hop). At c={c} "
+        f"the hop and the proxy share core {HOP_CORE}, {busy0:.0%} busy through the hop: that core is the limit on "
+        "throughput there; a machine with a core to spare for the hop would carry more.",
         "- Recorded rows (status ok) / calls answered, per arm: "
-        + ", ".join(f"{arm} {answered[arm][1]:,} / {_sent(r, arm):,}" for arm in ("plain", "hop"))
+        + ", ".join(f"{arm} {answered[arm][1]:,} / {r['sent'][arm]:,}" for arm in ("plain", "hop"))
         + "; errors: " + ", ".join(f"{arm} {r['errors'][arm]}" for arm in ("plain", "hop")) + ".",
         f"- CPU used by processes outside this benchmark, in cores (of {os.cpu_count()}), per phase: {cot}.",
     ]
@@ -418,10 +432,6 @@ def report(r: dict, recorded: dict, s: Settings, argv: list[str], versions: str)
         lines.append(f"- **Disturbed phases** (other processes used > 0.2 cores): {', '.join(disturbed)}; the "
                      "arms alternate, so both saw it, but their tails measure the machine's other load too.")
     return "\n".join(lines)
-
-
-def _sent(r: dict, arm: str) -> int:
-    return r["sent"][arm]
 
 
 def main() -> None:

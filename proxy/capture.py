@@ -388,7 +388,8 @@ async def _forward_stream(request: web.Request, upstream: aiohttp.ClientResponse
     except (ConnectionResetError, aiohttp.ClientConnectionResetError) as exc:
         if not cap.done_sent:  # an agent that hangs up after [DONE] got the whole answer
             cap.fail(CANCELLED, 0, f"the agent disconnected mid-stream: {exc}")
-    cap.response = cap.assembled_response()
+    finally:  # also when the handler is cancelled (an agent that hangs up right after [DONE]): the answer stays
+        cap.response = cap.assembled_response()
     return resp
 
 

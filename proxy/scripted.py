@@ -25,6 +25,7 @@ class Script:
     status: int = 200  # answer with this HTTP status (non-200: an OpenAI-style error)
     model: str = "scripted-model"
     break_stream_after: int | None = None  # close the connection after this many chunks
+    linger_after_done_s: float = 0.0  # wait this long after [DONE] before ending the stream
     token_ids: bool = True  # False: answer like a server that knows nothing of token ids (no such fields)
     tool_arguments: str | None = None  # chat answers a call of tool "lookup" with these arguments instead of text
     content: str | None = None  # fixed reply text (chat and completions) instead of the generated "w1000 w1001 ..."
@@ -171,6 +172,8 @@ class ScriptedEngine:
                      "total_tokens": len(prompt_ids) + n * len(ids)}
             await resp.write(b"data: " + orjson.dumps(dict(base, choices=[], usage=usage)) + b"\n\n")
         await resp.write(b"data: [DONE]\n\n")
+        if s.linger_after_done_s:
+            await asyncio.sleep(s.linger_after_done_s)
         await resp.write_eof()
         return resp
 

@@ -7,8 +7,9 @@ string or text-part content; `function_call` and `function_call_output` items; `
 proxy's memory of its latest responses. `store`, `metadata`, `user`, `include`, `reasoning`, `truncation` are
 accepted and ignored. Built-in tools, `background`, `conversation` and prompt templates are 501. Output: a
 `message` item (output_text) and `function_call` items; status `incomplete` (reason `max_output_tokens`) when the
-engine stopped at the token limit. Streams end with `response.completed` whatever the status, as vLLM's own
-/v1/responses does.
+engine stopped at the token limit. Streams end as OpenAI's do: `response.completed`, or `response.incomplete` for
+an answer cut off at the token limit (the openai SDK's `responses.stream(...).get_final_response()` then raises,
+as it does against OpenAI itself).
 """
 
 from __future__ import annotations
@@ -399,7 +400,7 @@ class ResponsesWire(Wire):
         out = self._start()
         out += self._close("incomplete" if self._finish == "length" else "completed")
         final = self._finished(self._finish, self._items, self._usage)
-        out.append(self._event("response.completed", response=final))
+        out.append(self._event(f"response.{final['status']}", response=final))  # as OpenAI: .incomplete when cut off
         return b"".join(out)
 
     def error_event(self, message: str) -> bytes:

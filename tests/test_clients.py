@@ -7,7 +7,8 @@ or not) with the engine's token ids, and the agent must have exited 0 with an `{
 
 Every example makes the same two moves: a call that must call the `add` tool (tool_choice "required", a strict
 schema with integer arguments: vLLM constrains the call, so even the random tiny model makes a well-formed one),
-then, with the tool's result appended, a call for the answer (streamed where the client streams). AgentScope's
+then, with the tool's result appended, a call for the answer (streamed where the client streams). The Agents SDK
+on its default model (the Responses API) makes the first move only: the tool's result is its answer. AgentScope's
 example is tested in tests/test_examples.py; docs/clients.md has the whole matrix.
 """
 
@@ -140,3 +141,44 @@ def test_client_recorded_end_to_end(request, tmp_path, name):
     finally:
         proxy.close()
     _check_recorded(tmp_path / "calls.duckdb", f"{name}-1", client)
+
+
+# The Agents SDK on its default model class, OpenAIResponsesModel: POST /v1/responses, served as a chat call.
+AGENTS_RESPONSES = Client(("python", "agents_sdk_responses_agent.py"), "gpt-4.1-mini", (False,), ("agents",))
+
+
+def test_agents_sdk_default_responses_model_recorded_end_to_end(request, tmp_path):
+    """One call over /v1/responses, recorded as its chat translation (`extra.wire`): not streamed (Runner.run_sync
+    calls `responses.create` without `stream`), the forced `add` call with the engine's ids and logprobs, and the
+    agent's answer is that call's result (`tool_use_behavior="stop_on_first_tool"`: no second model call, since the
+    SDK fails a run on an `incomplete` response and the random tiny model's prose seldom ends inside any limit)."""
+    command = _command(AGENTS_RESPONSES)
+    engine = request.getfixturevalue("engine")
+    db, episode = tmp_path / "calls.duckdb", "openai_agents_responses-1"
+    proxy = RunningProxy(engine.base_url, db, served_model=engine.served_model)
+    try:
+        answer = _run_agent(proxy, command, episode)
+    finally:
+        proxy.close()
+
+    calls = db_rows(db, "SELECT endpoint, extra->>'$.wire', stream, requested_model, response->>'$.model', status, "
+                    "http_status, token_source, len(prompt_ids), request FROM calls WHERE episode_id = ?", [episode])
+    assert len(calls) == 1, calls
+    (*fields, n_prompt, sent), = calls
+    assert fields == ["chat", "responses", False, "gpt-4.1-mini", "gpt-4.1-mini", "ok", 200, "engine"], fields
+    assert n_prompt and n_prompt > 0
+    sent = json.loads(sent)  # the translated request: the Responses fields as chat fields
+    assert (sent["tool_choice"], sent["parallel_tool_calls"], sent["max_tokens"]) == ("required", False, 512)
+    assert "stream" not in sent
+    assert [t["function"]["name"] for t in sent["tools"]] == ["add"] and sent["tools"][0]["function"]["strict"]
+
+    (choice,) = db_rows(db, "SELECT len(ch.completion_ids), len(ch.logprobs), ch.finish_reason, ch.tool_calls "
+                        "FROM choices ch JOIN calls c USING (call_id) WHERE c.episode_id = ?", [episode])
+    n_ids, n_logprobs, finish, tool_calls = choice
+    assert n_ids and n_ids == n_logprobs  # the engine's completion ids, each with its logprob
+    assert finish == "tool_calls", finish  # whole, not cut off: the SDK got a `completed` response
+    (call,) = json.loads(tool_calls)
+    assert call["function"]["name"] == "add"
+    arguments = json.loads(call["function"]["arguments"])
+    assert set(arguments) == {"a", "b"}
+    assert answer["answer"] == str(arguments["a"] + arguments["b"])  # the SDK ran the recorded call: its answer

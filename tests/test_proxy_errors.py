@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import time
 
 import aiohttp
 import pytest
@@ -172,6 +173,34 @@ async def test_client_disconnect_cancels_the_engine_request_and_is_recorded(prox
     proxy.close()
     rows = db_rows(proxy.db_path, "SELECT status, http_status FROM calls WHERE episode_id = 'gone'")
     assert rows == [("cancelled", 0)]
+
+
+def _stream_and_hang_up(port: int, episode: str) -> None:
+    """Read a streamed answer up to [DONE], then reset the connection at once, as an agent that exits does."""
+    body = (b'{"model": "m", "stream": true, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}')
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.sendall(b"POST /e/" + episode.encode() + b"/v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                     b"Content-Type: application/json\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n"
+                     + body)
+        seen = b""
+        while b"data: [DONE]" not in seen:
+            data = sock.recv(65536)
+            assert data, "the proxy closed the stream before [DONE]"
+            seen += data
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")  # RST
+
+
+def test_an_agent_that_hangs_up_right_after_done_keeps_its_whole_answer_recorded(proxy, upstream):
+    """The engine ends its stream a little after [DONE]: the agent hangs up in between, which cancels the proxy's
+    handler while it waits for the engine's end. The agent had the whole answer: recorded ok, with the answer."""
+    upstream.script.linger_after_done_s = 0.3
+    port = int(proxy.url.rsplit(":", 1)[1])
+    for k in range(3):
+        _stream_and_hang_up(port, f"hangup-{k}")
+    time.sleep(0.5)
+    proxy.close()
+    rows = db_rows(proxy.db_path, "SELECT status, response IS NOT NULL FROM calls WHERE episode_id LIKE 'hangup-%'")
+    assert len(rows) == 3 and set(rows) == {("ok", True)}
 
 
 async def test_non_loopback_bind_needs_an_auth_token(tmp_path):

@@ -4,8 +4,9 @@ Agents like this are common (a vendor SDK set up in code, a compiled tool, a thi
 --transparent` records them anyway: the agent's HTTPS traffic goes through the embedded mitmproxy, which sends
 calls for known LLM hosts to the recording proxy and tunnels everything else untouched. Nothing here knows.
 
-The task (`{"id": ..., "question" (or "prompt"): ..., "vendor": "openai" | "dashscope" | "deepseek"}`) comes in HARNESS_TASK or
-on stdin. Two calls: a streamed answer, then a non-streamed check. The last stdout line is `{"answer": ...}`.
+The task (`{"id": ..., "question" (or "prompt"): ..., "vendor": "openai" | "dashscope" | "deepseek"}`) comes in
+HARNESS_TASK or on stdin. Two calls: a streamed answer, then a non-streamed check. The last stdout line is
+`{"answer": ...}`.
 """
 
 import json
