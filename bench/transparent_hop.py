@@ -186,7 +186,7 @@ class Cell:
     calls: int = 0
     wall_s: float = 0.0
     cpu: dict[str, float] = field(default_factory=dict)
-    core_busy: list[float] = field(default_factory=lambda: [0.0, 0.0])  # busy jiffies, total jiffies (per core)
+    busy: dict[int, list[int]] = field(default_factory=dict)  # per core: [busy jiffies, all jiffies]
 
     def add(self, result: tuple[float, float | None]) -> None:
         self.latency.append(result[0])
@@ -222,8 +222,10 @@ async def batch(arm: Arm, cell: Cell, meter: Meter, workers: int, per_worker: in
     cell.wall_s += t1 - t0
     for name in c1:
         cell.cpu[name] = cell.cpu.get(name, 0.0) + c1[name] - c0[name]
-    cell.core_busy[0] += b1[HOP_CORE][0] - b0[HOP_CORE][0]
-    cell.core_busy[1] += b1[HOP_CORE][1] - b0[HOP_CORE][1]
+    for core in (HOP_CORE, LOAD_CORE):
+        acc = cell.busy.setdefault(core, [0, 0])
+        acc[0] += b1[core][0] - b0[core][0]
+        acc[1] += b1[core][1] - b0[core][1]
 
 
 async def phase(arms: list[Arm], meter: Meter, n: int, workers: int, per_worker: int, stream: bool) -> dict:
@@ -333,6 +335,11 @@ def _rate(cell: Cell) -> float:
     return cell.calls / cell.wall_s
 
 
+def _busy(cell: Cell, core: int) -> float:
+    busy, total = cell.busy.get(core, (0, 0))
+    return busy / max(1, total)
+
+
 def _cpu_us(cell: Cell, proc: str) -> float:
     return cell.cpu.get(proc, 0.0) / cell.calls * 1e6
 
@@ -356,16 +363,17 @@ def table(r: dict) -> list[str]:
 
 
 def cpu_table(r: dict) -> list[str]:
-    """CPU per call of each process, at c=16 (non-stream, and streams)."""
+    """CPU per call of each process, at c=16 (non-stream, and streams), and how busy each core was."""
     procs = ("hop", "proxy", "client", "engine")
-    out = ["| CPU per call, us (c=16) | " + " | ".join(procs) + f" | core {HOP_CORE} busy |",
-           "| --- | " + " | ".join("---:" for _ in procs) + " | ---: |"]  # fmt: skip
+    out = ["| CPU per call, us (c=16) | " + " | ".join(procs)
+           + f" | core {HOP_CORE} busy (hop, proxy) | core {LOAD_CORE} busy (client, engine) |",
+           "| --- | " + " | ".join("---:" for _ in procs) + " | ---: | ---: |"]  # fmt: skip
     for key, what in (("c16", "non-stream"), ("c16s", "stream")):
         for arm in ("plain", "hop"):
             cell = r[key][arm]
-            busy = cell.core_busy[0] / max(1.0, cell.core_busy[1])
             cells = ["-" if arm == "plain" and p == "hop" else f"{_cpu_us(cell, p):,.0f}" for p in procs]
-            out.append(f"| {what}, {arm} | " + " | ".join(cells) + f" | {busy:.0%} |")
+            cells += [f"{_busy(cell, HOP_CORE):.0%}", f"{_busy(cell, LOAD_CORE):.0%}"]
+            out.append(f"| {what}, {arm} | " + " | ".join(cells) + " |")
     return out
 
 
@@ -374,7 +382,6 @@ def report(r: dict, recorded: dict, s: Settings, argv: list[str], versions: str)
     answered = {arm: recorded[EPISODES[arm]] for arm in ("plain", "hop")}
     c16 = r["c16"]
     hop_cpu = _cpu_us(c16["hop"], "hop")
-    busy0 = c16["hop"].core_busy[0] / max(1.0, c16["hop"].core_busy[1])
     added50 = (pct(r["c1"]["hop"].latency, 0.5) - pct(r["c1"]["plain"].latency, 0.5)) * 1000
     added99 = (pct(r["c1"]["hop"].latency, 0.99) - pct(r["c1"]["plain"].latency, 0.99)) * 1000
     cot = ", ".join(f"{k} {v:.2f} (waited {r['waited'][k]:.0f} s)" for k, v in r["cotenant"].items())
@@ -406,7 +413,7 @@ def report(r: dict, recorded: dict, s: Settings, argv: list[str], versions: str)
         "",
         *table(r),
         "",
-        f"CPU per call of each process at c={c}, and how busy core {HOP_CORE} (the proxy and the hop) was:",
+        f"CPU per call of each process at c={c}, and how busy each core was (share of the batches' wall time):",
         "",
         *cpu_table(r),
         "",
@@ -417,11 +424,14 @@ def report(r: dict, recorded: dict, s: Settings, argv: list[str], versions: str)
         f"- CPU: the hop spends ~{hop_cpu:,.0f} us per non-stream call at c={c} (mitmproxy is pure Python: TLS, "
         f"HTTP parsing, its flow objects), {hop_cpu / _cpu_us(c16['plain'], 'proxy'):.1f}x what the recording "
         f"proxy spends on a call; one core of hop alone would carry at most ~{1e6 / hop_cpu:,.0f} calls/s. The "
-        f"proxy itself spends {_cpu_us(c16['hop'], 'proxy') - _cpu_us(c16['plain'], 'proxy'):+,.0f} us a call "
-        "more behind the hop (it shares the core, and gets a new Host and headers), and the agent's own process "
-        f"{_cpu_us(c16['hop'], 'client') - _cpu_us(c16['plain'], 'client'):+,.0f} us (TLS to the hop). At c={c} "
-        f"the hop and the proxy share core {HOP_CORE}, {busy0:.0%} busy through the hop: that core is the limit on "
-        "throughput there; a machine with a core to spare for the hop would carry more.",
+        f"proxy's own CPU a call is {_cpu_us(c16['hop'], 'proxy') - _cpu_us(c16['plain'], 'proxy'):+,.0f} us "
+        "higher in the hop arm (it shares its core with the hop), and the agent's own process spends "
+        f"{_cpu_us(c16['hop'], 'client') - _cpu_us(c16['plain'], 'client'):+,.0f} us more (TLS to the hop). At c={c} "
+        f"the hop and the proxy share core {HOP_CORE}: {_busy(c16['hop'], HOP_CORE):.0%} busy through the hop, "
+        f"the limit on that arm's throughput (a machine with a core to spare for the hop would carry more); the "
+        f"plain arm left it {_busy(c16['plain'], HOP_CORE):.0%} busy and was held by core {LOAD_CORE} (httpx "
+        f"client and engine, {_busy(c16['plain'], LOAD_CORE):.0%} busy), so its calls/s are the client's limit, "
+        "not the proxy's (docs/BENCHMARKS.md, proxy_overhead, has the proxy's own).",
         "- Recorded rows (status ok) / calls answered, per arm: "
         + ", ".join(f"{arm} {answered[arm][1]:,} / {r['sent'][arm]:,}" for arm in ("plain", "hop"))
         + "; errors: " + ", ".join(f"{arm} {r['errors'][arm]}" for arm in ("plain", "hop")) + ".",
