@@ -9,8 +9,10 @@ the agent its environment. What it does with each connection:
   http://<proxy>/e/<episode>/v1/<rest> (the host's own API prefix, e.g. /compatible-mode/v1, is replaced).
   No DNS lookup and no connection to the real host is ever made.
 - The episode comes from the proxy credentials the agent's HTTPS_PROXY carries (http://<episode>:<token>@...);
-  the agent's own API key is replaced by the episode token (or --inject-key, or dropped), so a real key never
-  reaches the recorder.
+  the agent's own API key is replaced by the episode token, so a real key never reaches the recorder. Agents of
+  `harness serve --transparent` show the hop's secret instead (harness:<secret>): their calls go to the run's
+  default episode with the proxy's auth token, if it has one ($HARNESS_MITM_SECRET, $HARNESS_MITM_INJECT_KEY).
+  Proxy credentials are never passed on to any host.
 - Any other host: tunnelled untouched (TLS is not opened), or refused with a 403 under --refuse-other.
 - Answers from the proxy are streamed through as they arrive (SSE is never buffered).
 
@@ -71,13 +73,14 @@ class Rewrite:
     """The addon: rewrite LLM calls to the recording proxy, leave everything else alone (or refuse it)."""
 
     def __init__(self, proxy_url: str, hosts: dict[str, tuple[str, ...]], refuse_other: bool, inject_key: str | None,
-                 ready_out):
+                 secret: str | None, ready_out):
         target = urlsplit(proxy_url)
         self.scheme, self.host, self.port = target.scheme, target.hostname, target.port or 80
         self.base_path = target.path.rstrip("/")
         self.hosts = hosts
         self.refuse_other = refuse_other
-        self.inject_key = inject_key
+        self.inject_key = inject_key  # the proxy's own auth token, for agents that show the hop's secret
+        self.secret = secret
         self.episodes: dict[str, tuple[str, str]] = {}  # client connection id -> (episode, token)
         self.ready_out = ready_out
 
@@ -85,28 +88,31 @@ class Rewrite:
         addrs = ctx.master.addons.get("proxyserver").listen_addrs()
         ca = Path(ctx.options.confdir).expanduser() / _CA_NAME
         print(json.dumps({"port": addrs[0][1], "ca_cert": str(ca)}), file=self.ready_out, flush=True)
+        os.dup2(2, 1)  # from now on mitmproxy's own messages go to the log, never into the pipe no one reads
 
-    def _prefixes(self, host: str) -> tuple[str, ...] | None:
-        return self.hosts.get(host.lower())
+    def _prefixes(self, host: str, port: int | None = None) -> tuple[str, ...] | None:
+        host = host.lower()
+        return self.hosts.get(f"{host}:{port}") or self.hosts.get(host)
 
     def http_connect(self, flow: http.HTTPFlow) -> None:
         auth = _episode_auth(flow.request.headers)
         if auth is not None:
             self.episodes[flow.client_conn.id] = auth
-        if self.refuse_other and self._prefixes(flow.request.host) is None:
+        if self.refuse_other and self._prefixes(flow.request.host, flow.request.port) is None:
             flow.response = _refusal(flow.request.host)
 
     def client_disconnected(self, client) -> None:
         self.episodes.pop(client.id, None)
 
     def request(self, flow: http.HTTPFlow) -> None:
+        auth = self.episodes.get(flow.client_conn.id) or _episode_auth(flow.request.headers)
+        flow.request.headers.pop("Proxy-Authorization", None)  # the episode's credentials go nowhere else
         host = flow.request.pretty_host
-        prefixes = self._prefixes(host)
+        prefixes = self._prefixes(host, flow.request.port)
         if prefixes is None:
             if self.refuse_other:
                 flow.response = _refusal(host)
             return
-        auth = self.episodes.get(flow.client_conn.id) or _episode_auth(flow.request.headers)
         path = flow.request.path
         for prefix in prefixes:
             if path == prefix or path.startswith(prefix + "/") or path.startswith(prefix + "?") or prefix == "":
@@ -119,11 +125,13 @@ class Rewrite:
                                            "type": "invalid_request_error", "code": "unknown_path"}}),
                 {"Content-Type": "application/json"})
             return
-        episode_path = f"/e/{quote(auth[0], safe='')}" if auth else ""
         for name in _AGENT_KEY_HEADERS:
             flow.request.headers.pop(name, None)
-        flow.request.headers.pop("Proxy-Authorization", None)
-        key = (auth[1] if auth and auth[1] else None) or self.inject_key
+        episode_path, key = "", None
+        if auth is not None and self.secret and auth == ("harness", self.secret):
+            key = self.inject_key  # an agent of `harness serve --transparent`: the run's default episode
+        elif auth is not None:
+            episode_path, key = f"/e/{quote(auth[0], safe='')}", auth[1] or None
         if key:
             flow.request.headers["Authorization"] = f"Bearer {key}"
         flow.request.headers["X-Harness-Original-Host"] = host
@@ -149,7 +157,7 @@ async def _serve(args, hosts) -> None:
     allow = [rf"^{re.escape(h.split(':')[0])}(:\d+)?$" for h in hosts]
     master.options.update(connection_strategy="lazy", upstream_cert=False, allow_hosts=allow, termlog_verbosity="warn")
     master.addons.add(Rewrite(args.proxy, hosts, args.refuse_other, os.environ.get("HARNESS_MITM_INJECT_KEY"),
-                              sys.stdout))
+                              os.environ.get("HARNESS_MITM_SECRET"), sys.stdout))
     await master.run()
 
 

@@ -17,6 +17,7 @@ import contextlib
 import importlib.util
 import json
 import os
+import secrets
 import shutil
 import ssl
 import subprocess
@@ -85,6 +86,7 @@ class Interceptor:
         self.ca_cert: Path | None = None
         self.trust_bundle: Path | None = None
         self._proc: subprocess.Popen | None = None
+        self._secret = ""
 
     def start(self, proxy_url: str, timeout_s: float = 60.0, auth_token: str | None = None) -> Interceptor:
         """Start the hop in front of the proxy at `proxy_url`. With `auth_token` (a proxy that requires one), calls
@@ -100,7 +102,9 @@ class Interceptor:
             command.append("--refuse-other")
         log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
         try:
-            env = {k: v for k, v in os.environ.items() if k != "HARNESS_MITM_INJECT_KEY"}
+            env = {k: v for k, v in os.environ.items() if not k.startswith("HARNESS_MITM_")}
+            self._secret = secrets.token_urlsafe(24)  # what agents without an episode show the hop
+            env["HARNESS_MITM_SECRET"] = self._secret
             if auth_token:
                 env["HARNESS_MITM_INJECT_KEY"] = auth_token
             self._proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL,
@@ -108,16 +112,19 @@ class Interceptor:
         finally:
             if log is not subprocess.DEVNULL:
                 log.close()
-        line = _read_line(self._proc, timeout_s)
-        if not line:
-            code = self._proc.poll()
+        try:
+            line = _read_line(self._proc, timeout_s)
+            ready = json.loads(line) if line else None
+            if not isinstance(ready, dict):
+                code = self._proc.poll()
+                where = f"; see {self.log_path}" if self.log_path else ""
+                raise TransparentError(f"the transparent hop ({python} {_ADDON.name}) did not start "
+                                       f"(exit code {code}, said {line[:200]!r}){where}")
+            self.port, self.ca_cert = int(ready["port"]), Path(ready["ca_cert"])
+            self.trust_bundle = self._write_trust_bundle()
+        except BaseException:
             self.close()
-            where = f"; see {self.log_path}" if self.log_path else ""
-            raise TransparentError(f"the transparent hop ({python} {_ADDON.name}) did not start "
-                                   f"(exit code {code}){where}")
-        ready = json.loads(line)
-        self.port, self.ca_cert = int(ready["port"]), Path(ready["ca_cert"])
-        self.trust_bundle = self._write_trust_bundle()
+            raise
         return self
 
     def _write_trust_bundle(self) -> Path:
@@ -128,7 +135,7 @@ class Interceptor:
             parts.append(system.read_bytes().rstrip(b"\n") + b"\n")
         parts.append(self.ca_cert.read_bytes())
         path = self.ca_dir / "trust-bundle.pem"
-        tmp = path.with_suffix(".tmp")
+        tmp = path.with_suffix(f".{os.getpid()}.{secrets.token_hex(4)}.tmp")  # runs sharing a home never collide
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "wb") as f:
             f.write(b"".join(parts))
@@ -145,7 +152,10 @@ class Interceptor:
         recorded into that episode (the episode and its token ride along as proxy credentials)."""
         if self.port is None:
             raise TransparentError("the transparent hop is not started")
-        auth = f"{quote(episode_id, safe='')}:{quote(token or '', safe='')}@" if episode_id else ""
+        if episode_id:
+            auth = f"{quote(episode_id, safe='')}:{quote(token or '', safe='')}@"
+        else:  # `harness serve`: no episode; the hop's secret says the agent is one of ours
+            auth = f"harness:{quote(self._secret, safe='')}@"
         url = f"http://{auth}{self.proxy_address}"
         bundle, cert = str(self.trust_bundle), str(self.ca_cert)
         return {

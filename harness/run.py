@@ -14,6 +14,7 @@ import json
 import logging
 import signal
 import sys
+from dataclasses import replace
 from datetime import UTC
 from pathlib import Path
 
@@ -27,6 +28,7 @@ from harness.runner import RunConfig, Runner
 from harness.store import Store
 from proxy.app import EPISODES, RECORDER, STORE
 from proxy.config import ProxyConfig, SamplingOverrides
+from proxy.roles import key_env_names
 from proxy.server import ProxyServer, discover
 
 log = logging.getLogger(__name__)
@@ -46,6 +48,7 @@ async def run_dataset(tasks: list[Task], config: RunConfig, engine: Engine, run_
                                returns_token_ids=engine.returns_token_ids, db_path=run_dir / "harness.duckdb",
                                port=0, sampling=sampling or SamplingOverrides(), token_exact=token_exact,
                                tool_parser=tool_parser, roles=roles)
+    config = replace(config, hidden_env=(*config.hidden_env, *key_env_names(roles)))
     server = ProxyServer(proxy_config)
     url = await server.start()
     app = server.app

@@ -74,6 +74,7 @@ class RunConfig:
     judge_workers: int = 2
     cwd: Path | None = None  # where agents run (default: the current directory)
     env: dict[str, str] = field(default_factory=dict)  # extra environment for agents
+    hidden_env: tuple[str, ...] = ()  # variables agents never see (e.g. a frozen role's upstream key)
     debug: bool = False  # one episode at a time, agent on the terminal, judge in this process, no timeouts
 
     def __post_init__(self):
@@ -214,6 +215,8 @@ class Runner:
                "HARNESS_TASK": task_json, "HARNESS_EPISODE_ID": episode_id}
         if self.episode_env is not None:
             env.update(self.episode_env(episode_id, api_key))
+        for name in self.config.hidden_env:
+            env.pop(name, None)
         log_path = self.log_dir / f"{episode_id}.log"
         started, t0 = time.time(), time.perf_counter()
         status, error, exit_code, stdout = FINISHED, None, None, b""

@@ -33,7 +33,7 @@ from proxy.config import ProxyConfig, SamplingOverrides
 from proxy.continuity import Timelines, completions_body, plan, prefix_hashes
 from proxy.episodes import Episodes
 from proxy.errors import ApiError, error_middleware, json_response
-from proxy.request import CHAT, COMPLETIONS, prepare
+from proxy.request import CHAT, COMPLETIONS, Prepared, prepare
 from proxy.roles import find_role
 from proxy.tool_parsers import ToolParser, get_parser
 from proxy.wire import ConversationStore, Wire
@@ -189,29 +189,30 @@ async def _llm_call(request: web.Request, endpoint: str, wire: Wire | None = Non
     raw = await request.read()
     call_index = episodes.next_index(episode_id)
     seed = _call_seed(state, episode_id, call_index)
-    role = None
+    role, frozen = None, False
     try:
         chat_raw = raw if wire is None else wire.translate(raw)  # another API: its request as a chat request
         prepared = prepare(endpoint, chat_raw, config, state.served_model, state.sampling, seed=seed)
         role = find_role(config.roles, prepared.requested_model, prepared.body, prepared.role_key)
-        if role is not None and role.upstream is not None:  # a frozen role: its own server, the agent's sampling
-            prepared = prepare(endpoint, chat_raw, _frozen_config(config), role.upstream_model, SamplingOverrides())
+        frozen = role is not None and role.upstream is not None
+        if frozen:  # a frozen role: its own server, the agent's own sampling
+            prepared = _frozen_prepare(endpoint, chat_raw, config, role)
     except ApiError as exc:
         app[RECORDER].record_call(_rejected_call(state, call_index, episode_id, endpoint, exc, wire))
         raise
     cap = Capture(prepared, run_id=state.run_id, episode_id=episode_id, call_index=call_index,
                   weight_version=state.weight_version)
-    base = config.upstream_base
+    route = "chat/completions" if endpoint == CHAT else "completions"
+    url = f"{config.upstream_base}/v1/{route}"
     if role is not None:
         cap.notes["role"] = role.name
-        if role.upstream is not None:
-            base, cap.notes["upstream"] = role.upstream_base, role.upstream
-            key = os.environ.get(role.upstream_key_env) if role.upstream_key_env else None
-            if key:
-                cap.upstream_headers["Authorization"] = f"Bearer {key}"
-    url = f"{base}/v1/{'chat/completions' if endpoint == CHAT else 'completions'}"
+    if frozen:
+        url, cap.notes["upstream"] = role.upstream_url(route), role.upstream
+        key = os.environ.get(role.upstream_key_env) if role.upstream_key_env else None
+        if key:
+            cap.upstream_headers["Authorization"] = f"Bearer {key}"
     answer, hashes = None, None
-    if endpoint == CHAT and state.timelines is not None and base == config.upstream_base:
+    if endpoint == CHAT and state.timelines is not None and not frozen:
         hashes = prefix_hashes(prepared.body)
         how = await plan(state.timelines, episode_id, prepared.body, hashes, app[SESSION], config.upstream_base)
         cap.continuity = how.record()
@@ -234,14 +235,23 @@ async def _llm_call(request: web.Request, endpoint: str, wire: Wire | None = Non
         if hashes is not None and call.status == OK:
             state.timelines.remember(call, prepared.body, hashes)
         if (call.token_source == NONE and call.status == OK and config.returns_token_ids and not state.warned_no_ids
-                and base == config.upstream_base):
+                and not frozen):
             state.warned_no_ids = True
             log.warning("the engine at %s returned no token ids: this run records text only", config.upstream_base)
 
 
-def _frozen_config(config: ProxyConfig) -> ProxyConfig:
-    """How a frozen role's requests are prepared: no vLLM-only fields (a fixed model may be any OpenAI server)."""
-    return dataclasses.replace(config, returns_token_ids=False)
+def _frozen_prepare(endpoint: str, raw: bytes, config: ProxyConfig, role) -> Prepared:
+    """A frozen role's request as its fixed model gets it: the agent's sampling, the rule's model name (default:
+    the agent's), and nothing the recorder would add (token ids, logprobs) unless the agent asked for it, since
+    a fixed model may be any OpenAI-compatible server (reasoning models refuse logprobs)."""
+    prepared = prepare(endpoint, raw, dataclasses.replace(config, returns_token_ids=False), role.upstream_model,
+                       SamplingOverrides())
+    body = prepared.body
+    if not prepared.asked_logprobs:
+        body.pop("logprobs", None)
+    if not prepared.asked_token_ids:
+        body.pop("return_token_ids", None)
+    return dataclasses.replace(prepared, upstream_body=orjson.dumps(body))
 
 
 def _call_seed(state: RunState, episode_id: str, call_index: int) -> int | None:
@@ -296,6 +306,8 @@ async def passthrough(request: web.Request) -> web.Response:
     tail = request.match_info["tail"]
     if tail in _OWN_ROUTES:  # one of ours, asked with the other method
         raise web.HTTPMethodNotAllowed(request.method, [_OWN_ROUTES[tail]])
+    if any(part in (".", "..") or "%" in part or "\\" in part for part in tail.split("/")):
+        raise web.HTTPNotFound()  # never a way out of the engine's /v1 (its admin routes live beside it)
     _check_agent_auth(request, _api_key(request))
     config = request.app[CONFIG]
     url = f"{config.upstream_base}/v1/{tail}"

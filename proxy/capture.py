@@ -315,7 +315,8 @@ async def forward(
     the engine answers a completions request and the agent gets it as the chat answer it asked for. With `wire`,
     the agent spoke another API (proxy/wire.py): it gets the chat answer translated back, errors included, while
     the record stays chat form."""
-    headers = {"Content-Type": "application/json", **cap.upstream_headers}
+    # identity: the answer is parsed and recorded here, and a vendor's fixed model would otherwise compress it
+    headers = {"Content-Type": "application/json", "Accept-Encoding": "identity", **cap.upstream_headers}
     if wire is not None:
         cap.wire = wire.name
     try:

@@ -25,7 +25,7 @@ _KINDS = ("model", "system", "key")
 class RoleRule:
     name: str  # the role's name, e.g. "solver"
     match: str  # "model:NAME", "system:REGEX" or "key:FINGERPRINT"
-    upstream: str | None = None  # base URL of a fixed model for this role's calls; None: the policy engine
+    upstream: str | None = None  # base URL (as an OpenAI SDK takes it) of a fixed model for this role's calls
     upstream_model: str | None = None  # the model name sent to that upstream; None: the one the agent asked for
     upstream_key_env: str | None = None  # environment variable holding that upstream's API key (never recorded)
 
@@ -52,13 +52,10 @@ class RoleRule:
     def value(self) -> str:
         return self.match.partition(":")[2]
 
-    @property
-    def upstream_base(self) -> str | None:
-        """The upstream URL without a trailing /v1 or slash."""
-        if self.upstream is None:
-            return None
-        url = self.upstream.rstrip("/")
-        return url[:-3] if url.endswith("/v1") else url
+    def upstream_url(self, route: str) -> str:
+        """The URL of `route` ("chat/completions") at the upstream, a base URL as an OpenAI SDK takes it
+        (https://api.openai.com/v1, .../compatible-mode/v1, .../v1beta/openai): the route is appended as it is."""
+        return f"{self.upstream.rstrip('/')}/{route}"
 
     def matches(self, requested_model: str | None, system_prompt: str | None, role_key: str) -> bool:
         kind, value = self.kind, self.value
@@ -85,6 +82,11 @@ def parse_rules(matches: dict[str, str], upstreams: dict[str, str] | None = None
                  for name, spec in matches.items())
 
 
+def key_env_names(rules: tuple[RoleRule, ...]) -> tuple[str, ...]:
+    """The environment variables that hold frozen roles' upstream keys: agents are never given them."""
+    return tuple(r.upstream_key_env for r in rules if r.upstream_key_env)
+
+
 def parse_assignments(items: list[str], what: str) -> dict[str, str]:
     """["solver=model:gpt-4o-mini", ...] (command-line flags) -> {"solver": "model:gpt-4o-mini"}."""
     out: dict[str, str] = {}
@@ -102,7 +104,7 @@ def system_prompt(body: dict) -> str | None:
         if isinstance(message, dict) and message.get("role") in ("system", "developer"):
             content = message.get("content")
             if isinstance(content, list):
-                return "".join(p.get("text", "") for p in content if isinstance(p, dict))
+                return "".join(p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
             return content if isinstance(content, str) else None
     return None
 

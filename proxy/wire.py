@@ -39,7 +39,7 @@ class ConversationStore:
     """The conversation behind each of the latest `size` answers (as chat messages), by answer id: what the
     Responses API's `previous_response_id` continues. In memory: lost when the proxy restarts."""
 
-    def __init__(self, size: int = 1024):
+    def __init__(self, size: int = 8192):
         self.size = size
         self._items: OrderedDict[str, list[dict]] = OrderedDict()
 

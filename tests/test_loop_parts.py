@@ -159,3 +159,32 @@ def test_per_call_rewards_become_advantages_on_their_calls_tokens():
                                              outcome[1] + calls_adv[2]])
     with pytest.raises(ValueError, match="call_rewards"):
         call_rewards_of(Judgement("e", "j", "h", 1.0, {"call_rewards": "high"}, None, 0.0), "e")
+
+
+def test_named_roles_get_their_own_rewards_groups_and_frozen_roles_are_left_out():
+    from harness.records import FINISHED, TIMED_OUT
+    from trainer.experience import experience_of
+    from trainer.rollout import EpisodeResult, StepRollout
+
+    def episode(eid: str, status: str, reward: float, role_rewards: dict) -> EpisodeResult:
+        samples = [_sample(eid, 6, 1), _sample(eid, 7, 2), _sample(eid, 5, 3)]
+        return EpisodeResult(eid, "task", status, reward, samples, None, 0, [[], [], []],
+                             ["solver", "critic", None], role_rewards)
+
+    rollout = StepRollout([episode("e1", FINISHED, 0.5, {"solver": 1.0, "critic": 0.0}),
+                           episode("e2", FINISHED, 0.2, {"solver": 0.0}),
+                           episode("e3", TIMED_OUT, 1.0, {"solver": 1.0})],  # judged, but it failed
+                          {"rollout_s": 0.0, "judge_s": 0.0, "merge_s": 0.0}, {})
+    cfg = _cfg("trainer.failed_episodes=zero_reward", "roles.match={solver: 'model:a', critic: 'model:b'}",
+               "roles.upstream={critic: 'http://127.0.0.1:9/v1'}")
+    exp = experience_of(rollout, cfg)
+    units = [exp.unit(i) for i in range(len(exp.samples))]
+    assert units == ["e1\0solver", "e1", "e2\0solver", "e2", "e3\0solver", "e3"]  # the critic's samples: out
+    assert [exp.rewards[u] for u in units] == [1.0, 0.5, 0.0, 0.2, 0.0, 0.0]  # a failed episode gets 0, per role too
+    assert {exp.groups[u] for u in units} == {"task\0solver", "task"}
+    assert {exp.task(u) for u in units} == {"task"}
+    assert exp.metrics["samples/frozen_roles"] == 3 and exp.metrics["samples/role/solver"] == 3
+    # With roles.train naming the solver, only its samples learn.
+    exp = experience_of(rollout, _cfg("roles.match={solver: 'model:a', critic: 'model:b'}", "roles.train=[solver]",
+                                      "trainer.failed_episodes=zero_reward"))
+    assert [exp.unit(i) for i in range(len(exp.samples))] == ["e1\0solver", "e2\0solver", "e3\0solver"]

@@ -9,9 +9,10 @@ import time
 
 import aiohttp
 import pytest
+from aiohttp import web
 
 from proxy import ProxyConfig
-from tests.support import RunningProxy, db_rows
+from tests.support import BackgroundApp, RunningProxy, db_rows
 
 CHAT = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 
@@ -201,6 +202,40 @@ def test_an_agent_that_hangs_up_right_after_done_keeps_its_whole_answer_recorded
     proxy.close()
     rows = db_rows(proxy.db_path, "SELECT status, response IS NOT NULL FROM calls WHERE episode_id LIKE 'hangup-%'")
     assert len(rows) == 3 and set(rows) == {("ok", True)}
+
+
+def _raw_status(port: int, path: str) -> int:
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 2\r\n"
+                     f"Connection: close\r\n\r\n{{}}".encode())
+        head = b""
+        while b"\r\n" not in head:
+            head += sock.recv(4096)
+    return int(head.split()[1])
+
+
+@pytest.mark.parametrize("path", ["/v1/../collective_rpc", "/v1/%2e%2e/collective_rpc", "/v1/x/../../pause",
+                                  "/e/ep/v1/%2E%2E/reset_prefix_cache", "/v1/.%2e/pause"])
+def test_the_passthrough_never_leads_out_of_the_engines_v1(tmp_path, path):
+    """The engine's admin routes (/collective_rpc, /pause...) sit beside /v1: a path that climbs out is a 404 and
+    never reaches the engine, however it is spelled. The engine here answers every path and notes it."""
+    seen: list[str] = []
+
+    async def anything(request):
+        seen.append(request.raw_path)
+        return web.json_response({"ok": True})
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", anything)
+    engine = BackgroundApp(app)
+    proxy = RunningProxy(engine.url, tmp_path / "rec.duckdb", served_model="m")
+    try:
+        assert _raw_status(int(proxy.url.rsplit(":", 1)[1]), path) == 404
+        assert _raw_status(int(proxy.url.rsplit(":", 1)[1]), "/v1/embeddings") == 200  # the passthrough works
+    finally:
+        proxy.close()
+        engine.close()
+    assert seen == ["/v1/embeddings"]
 
 
 async def test_non_loopback_bind_needs_an_auth_token(tmp_path):

@@ -9,6 +9,7 @@ answered each call; the agent is the real openai SDK.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -49,6 +50,7 @@ def test_a_frozen_role_is_served_by_its_own_upstream_and_recorded_by_name(upstre
     assert len(upstream.engine.requests) == 3
     [critic_request] = fixed.engine.requests
     assert critic_request["model"] == "gpt-4o" and "return_token_ids" not in critic_request
+    assert "logprobs" not in critic_request  # not asked by the agent: reasoning models refuse it
     assert fixed.engine.authorizations == ["Bearer sk-critic-secret-123"]
     rows = db_rows(proxy.db_path, "SELECT call_index, extra->>'role', extra->>'upstream', requested_model, status "
                    "FROM calls ORDER BY call_index")
@@ -73,6 +75,8 @@ def test_matching_by_fingerprint_and_first_match_wins():
     assert find_role(rules, "m", {"messages": []}, "zzz").name == "by-model"
     assert find_role(rules, "x", {"messages": []}, "zzz") is None
     assert find_role((), "m", body, "abc123") is None
+    odd = {"messages": [{"role": "system", "content": [{"type": "text", "text": 5}, "x", {"text": "review me"}]}]}
+    assert find_role(rules, "x", odd, "zzz").name == "by-system"  # malformed parts are skipped, never a crash
 
 
 @pytest.mark.parametrize("make,message", [
@@ -95,3 +99,16 @@ def test_harness_run_flags_refuse_an_upstream_without_a_role(tmp_path):
                           "--role-upstream", "critic=http://127.0.0.1:9/v1"], capture_output=True, text=True,
                          timeout=60)
     assert out.returncode == 2 and "role 'critic' has an upstream but no match" in out.stderr
+
+
+def test_agents_never_see_a_frozen_roles_upstream_key(upstream, tmp_path):
+    (tmp_path / "tasks.jsonl").write_text('{"id": "t", "question": "q"}\n')
+    agent = "import json, os; print(json.dumps({'answer': os.environ.get('CRITIC_KEY', 'absent')}))"
+    out = subprocess.run([sys.executable, "-m", "harness.cli", "run", "--cmd", f'{sys.executable} -c "{agent}"',
+                          "--data", str(tmp_path / "tasks.jsonl"), "--upstream", upstream.url, "--run-dir",
+                          str(tmp_path / "run"), "--role", "critic=model:critic-model", "--role-upstream",
+                          "critic=http://127.0.0.1:9/v1", "--role-key-env", "critic=CRITIC_KEY"],
+                         capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "CRITIC_KEY": "sk-critic-secret-456"})
+    assert out.returncode == 0, out.stderr
+    assert db_rows(tmp_path / "run" / "harness.duckdb", "SELECT answer FROM episode_outcomes") == [("absent",)]

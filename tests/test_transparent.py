@@ -107,8 +107,9 @@ def test_streams_pass_through_the_hop_unbuffered(hop, upstream):
 
 def _other_host_server(tmp_path, tls: bool):
     """A non-LLM service on this machine's host name (not in NO_PROXY, so the agent reaches it through the hop)."""
-    async def hello(request):
-        return web.Response(text="hello from elsewhere")
+    async def hello(request):  # the episode's proxy credentials must never reach another host
+        leaked = " (and the episode's credentials!)" if "Proxy-Authorization" in request.headers else ""
+        return web.Response(text="hello from elsewhere" + leaked)
 
     app = web.Application()
     app.router.add_get("/hello", hello)
@@ -173,7 +174,8 @@ def test_other_hosts_are_tunnelled_untouched_and_never_recorded(hop, tmp_path, t
 def test_refuse_other_hosts(upstream, tmp_path):
     proxy = RunningProxy(upstream.url, tmp_path / "rec.duckdb")
     served = _other_host_server(tmp_path, tls=False)
-    options = TransparentOptions(home=tmp_path / "home", refuse_other=True, llm_hosts=("llm.corp.example/api/v1",))
+    options = TransparentOptions(home=tmp_path / "home", refuse_other=True,
+                                 llm_hosts=("llm.corp.example/api/v1", "llm.other.example:8443/openai/v1"))
     try:
         with Interceptor(options).start(proxy.url) as interceptor:
             port = served.url.rsplit(":", 1)[1]
@@ -188,10 +190,14 @@ def test_refuse_other_hosts(upstream, tmp_path):
             done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60)
             assert done.returncode == 0, done.stderr
             assert done.stdout.strip() == "corp-model"
+            # A host given with its port is intercepted on that port.
+            script = script.replace("llm.corp.example/api/v1", "llm.other.example:8443/openai/v1")
+            done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60)
+            assert done.returncode == 0, done.stderr
     finally:
         served.close()
         proxy.close()
-    assert db_rows(proxy.db_path, "SELECT episode_id, requested_model FROM calls") == [("ep-corp", "corp-model")]
+    assert db_rows(proxy.db_path, "SELECT episode_id, requested_model FROM calls") == [("ep-corp", "corp-model")] * 2
 
 
 def test_bad_llm_host_is_refused_with_a_clear_error():

@@ -54,7 +54,8 @@ def experience_of(rollout: StepRollout, cfg: TrainConfig) -> Experience:
                 frozen += 1
                 continue
             unit = e.episode_id if role is None else f"{e.episode_id}\0{role}"
-            rewards[unit] = e.role_rewards.get(role, reward) if e.reward is not None else reward
+            judged = e.status == FINISHED and e.reward is not None  # a failed episode's judge gives it nothing
+            rewards[unit] = e.role_rewards.get(role, reward) if judged else reward
             groups[unit] = e.task_id if role is None else f"{e.task_id}\0{role}"
             tasks[unit] = e.task_id
             samples.append(sample)

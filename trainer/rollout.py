@@ -23,7 +23,7 @@ from harness.runner import RunConfig, Runner
 from harness.store import Store
 from proxy.app import EPISODES, RECORDER, STATE, STORE
 from proxy.config import ProxyConfig, SamplingOverrides
-from proxy.roles import RoleRule
+from proxy.roles import RoleRule, key_env_names
 from proxy.server import ProxyServer
 
 log = logging.getLogger("harness.train")
@@ -60,7 +60,7 @@ class Rollouts:
                  interceptor=None):
         self.engine = engine
         self.run_dir = run_dir
-        self.run = run
+        self.run = replace(run, hidden_env=(*run.hidden_env, *key_env_names(roles)))
         self.sampling = sampling
         config = ProxyConfig(upstream_url=engine.base_url, served_model=engine.served_model,
                              returns_token_ids=engine.returns_token_ids, db_path=run_dir / "harness.duckdb", port=0,
