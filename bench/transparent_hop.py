@@ -32,6 +32,7 @@ import os
 import platform
 import signal
 import ssl
+import subprocess
 import sys
 import tempfile
 import time
@@ -118,9 +119,7 @@ def body(stream: bool) -> bytes:
     """A short agent turn, as the openai SDK sends it."""
     out = {"messages": [{"role": "system", "content": "You are a careful agent. Answer briefly."},
                         {"role": "user", "content": "What is 6 * 7? Reply with the number only."}],
-           "model": "gpt-4o-mini", "max_tokens": 8, "temperature": 1.0}  # fmt: skip
-    if stream:
-        out["stream"] = True
+           "model": "gpt-4o-mini", "max_tokens": 8, "temperature": 1.0, **({"stream": True} if stream else {})}
     return orjson.dumps(out)
 
 
@@ -492,8 +491,6 @@ def main() -> None:
 
 
 def _mitm_version(python: str) -> str:
-    import subprocess
-
     done = subprocess.run([python, "-c", "from mitmproxy.version import VERSION; print(VERSION)"],
                           capture_output=True, text=True, timeout=60)  # fmt: skip
     return done.stdout.strip() or "?"
