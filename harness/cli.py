@@ -74,7 +74,7 @@ def _serve(args) -> int:
     db = args.db or args.run_dir / "harness.duckdb"
     try:
         sampling = SamplingOverrides(args.temperature, args.top_p, args.max_tokens_cap)
-        engine = start_or_attach(model=args.model, upstream=args.upstream, run_dir=args.run_dir,
+        engine = start_or_attach(model=args.model, upstream=(args.upstream or [None])[0], run_dir=args.run_dir,
                                  max_model_len=args.max_model_len)
     except (EngineError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -87,6 +87,7 @@ def _serve(args) -> int:
             returns_token_ids=engine.returns_token_ids, host=args.host, port=args.port,
             auth_token=args.auth_token, auto_episodes=not args.strict_episodes, sampling=sampling,
             token_exact=not args.no_token_exact, tool_parser=args.tool_parser, roles=options.role_rules(args),
+            more_upstreams=tuple((args.upstream or [])[1:]),
         )
 
         interceptor = options.interceptor(args, args.run_dir)
@@ -128,7 +129,9 @@ def _serve(args) -> int:
 def _add_engine_args(p) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", type=Path, help="model directory to serve with vLLM (started as a subprocess)")
-    src.add_argument("--upstream", help="URL of an engine already running, e.g. http://127.0.0.1:8000")
+    src.add_argument("--upstream", action="append", metavar="URL",
+                     help="URL of an engine already running, e.g. http://127.0.0.1:8000; repeat it for several "
+                     "engines serving the same model (an episode stays on one; a failed engine's calls move on)")
     p.add_argument("--max-model-len", type=int, default=2048, help="engine context length (default: %(default)s)")
     p.add_argument("--no-token-exact", action="store_true",
                    help="render every chat call with the engine's chat template instead of continuing conversations "
@@ -206,7 +209,7 @@ def _run(args) -> int:
 
             load_judge(args.judge)
         interceptor, roles = options.interceptor(args, args.run_dir), options.role_rules(args)
-        engine = start_or_attach(model=args.model, upstream=args.upstream, run_dir=args.run_dir,
+        engine = start_or_attach(model=args.model, upstream=(args.upstream or [None])[0], run_dir=args.run_dir,
                                  max_model_len=args.max_model_len)
     except (TaskError, JudgeError, EngineError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -216,7 +219,8 @@ def _run(args) -> int:
         run_id, report = asyncio.run(run_dataset(tasks, config, engine, args.run_dir,
                                                  success_threshold=args.success_threshold, sampling=sampling,
                                                  token_exact=not args.no_token_exact, tool_parser=args.tool_parser,
-                                                 progress=not args.debug, interceptor=interceptor, roles=roles))
+                                                 progress=not args.debug, interceptor=interceptor, roles=roles,
+                                                 more_upstreams=tuple((args.upstream or [])[1:])))
     except options.hop_errors(interceptor) as exc:  # the transparent hop could not start
         print(f"error: {exc}", file=sys.stderr)
         return 1

@@ -37,7 +37,8 @@ log = logging.getLogger(__name__)
 async def run_dataset(tasks: list[Task], config: RunConfig, engine: Engine, run_dir: Path, *,
                       success_threshold: float = 1.0, sampling: SamplingOverrides | None = None,
                       token_exact: bool = True, tool_parser: str = "hermes",
-                      progress: bool = True, interceptor=None, roles: tuple = ()) -> tuple[str, dict]:
+                      progress: bool = True, interceptor=None, roles: tuple = (),
+                      more_upstreams: tuple[str, ...] = ()) -> tuple[str, dict]:
     """Run every task `config.repeat` times through a fresh proxy; returns (run_id, report). With an
     `interceptor` (adapters.transparent.Interceptor, transparent mode), it is started in front of the proxy and
     each agent gets its environment too."""
@@ -47,7 +48,7 @@ async def run_dataset(tasks: list[Task], config: RunConfig, engine: Engine, run_
     proxy_config = ProxyConfig(upstream_url=engine.base_url, served_model=engine.served_model,
                                returns_token_ids=engine.returns_token_ids, db_path=run_dir / "harness.duckdb",
                                port=0, sampling=sampling or SamplingOverrides(), token_exact=token_exact,
-                               tool_parser=tool_parser, roles=roles)
+                               tool_parser=tool_parser, roles=roles, more_upstreams=more_upstreams)
     config = replace(config, hidden_env=(*config.hidden_env, *key_env_names(roles)))
     server = ProxyServer(proxy_config)
     url = await server.start()

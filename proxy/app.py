@@ -31,10 +31,11 @@ from proxy.capture import Capture, forward
 from proxy.chat_answer import ChatAnswer
 from proxy.config import ProxyConfig, SamplingOverrides
 from proxy.continuity import Timelines, completions_body, plan, prefix_hashes
+from proxy.engines import Engines
 from proxy.episodes import Episodes
 from proxy.errors import ApiError, error_middleware, json_response
 from proxy.request import CHAT, COMPLETIONS, Prepared, prepare
-from proxy.roles import find_role
+from proxy.roles import RoleRule, find_role
 from proxy.tool_parsers import ToolParser, get_parser
 from proxy.wire import ConversationStore, Wire
 from proxy.wire_messages import MessagesWire
@@ -60,6 +61,7 @@ STORE = web.AppKey("store", Store)
 RECORDER = web.AppKey("recorder", Recorder)
 EPISODES = web.AppKey("episodes", Episodes)
 SESSION = web.AppKey("session", aiohttp.ClientSession)
+ENGINES = web.AppKey("engines", Engines)
 RESPONSES = web.AppKey("responses", ConversationStore)  # the latest responses, for previous_response_id
 
 
@@ -72,6 +74,7 @@ def create_app(config: ProxyConfig) -> web.Application:
         state.timelines = Timelines(config.continuity_episodes, config.continuity_tokens)
         state.tool_parser = get_parser(config.tool_parser)
     app[RESPONSES] = ConversationStore()
+    app[ENGINES] = Engines(config.engine_bases)
     app.cleanup_ctx.append(_resources)
     for prefix in ("/v1", "/e/{episode}/v1"):
         app.router.add_post(prefix + "/chat/completions", chat_completions)
@@ -200,44 +203,75 @@ async def _llm_call(request: web.Request, endpoint: str, wire: Wire | None = Non
     except ApiError as exc:
         app[RECORDER].record_call(_rejected_call(state, call_index, episode_id, endpoint, exc, wire))
         raise
+    engines, moved_from = app[ENGINES], []
+    while True:  # once, unless the engine cannot be reached and another can take the call
+        base = None if frozen else engines.pick(episode_id)
+        cap, url, answer, hashes = await _plan_call(app, prepared, episode_id, call_index, endpoint, role, base)
+        if moved_from:
+            cap.notes["engine_failover"] = moved_from
+        if base is not None:
+            engines.in_flight[base] += 1
+        try:
+            resp = await forward(request, app[SESSION], url, cap, answer, wire)
+        except BaseException:
+            if not cap.done_sent:  # cancelled after the whole stream went out (e.g. at shutdown): the answer is whole
+                cap.fail(CANCELLED, 0, "the agent disconnected before the answer was complete")
+            _record(app, cap, prepared, hashes, base)
+            raise
+        finally:
+            if base is not None:
+                engines.in_flight[base] -= 1
+        if cap.unreachable and base is not None and engines.mark_down(base, cap.error):
+            moved_from.append(base)  # nothing reached the agent yet: the call goes to another engine
+            continue
+        _record(app, cap, prepared, hashes, base)
+        return resp
+
+
+async def _plan_call(app: web.Application, prepared: Prepared, episode_id: str, call_index: int, endpoint: str,
+                     role: RoleRule | None, base: str | None):
+    """Where one attempt of a call goes (`base`: the policy engine chosen; None: a frozen role's upstream) and how:
+    the capture, the URL, and for token-exact continuity the completions answer and the prefix hashes."""
+    state = app[STATE]
     cap = Capture(prepared, run_id=state.run_id, episode_id=episode_id, call_index=call_index,
                   weight_version=state.weight_version)
     route = "chat/completions" if endpoint == CHAT else "completions"
-    url = f"{config.upstream_base}/v1/{route}"
     if role is not None:
         cap.notes["role"] = role.name
-    if frozen:
+    if base is None:
         url, cap.notes["upstream"] = role.upstream_url(route), role.upstream
         key = os.environ.get(role.upstream_key_env) if role.upstream_key_env else None
         if key:
             cap.upstream_headers["Authorization"] = f"Bearer {key}"
+        return cap, url, None, None
+    url = f"{base}/v1/{route}"
+    if not app[ENGINES].single:
+        cap.notes["engine"] = base
     answer, hashes = None, None
-    if endpoint == CHAT and state.timelines is not None and not frozen:
+    if endpoint == CHAT and state.timelines is not None:
         hashes = prefix_hashes(prepared.body)
-        how = await plan(state.timelines, episode_id, prepared.body, hashes, app[SESSION], config.upstream_base)
+        how = await plan(state.timelines, episode_id, prepared.body, hashes, app[SESSION], base)
         cap.continuity = how.record()
         if how.prompt_ids is not None:
             body = prepared.body
             cap.p = dataclasses.replace(prepared, upstream_body=orjson.dumps(completions_body(body, how)))
-            url = f"{config.upstream_base}/v1/completions"
+            url = f"{base}/v1/completions"
             parse = body.get("tools") and body.get("tool_choice") != "none"
             answer = ChatAnswer(state.tool_parser if parse else None, int(body.get("top_logprobs") or 0),
                                 parallel_tool_calls=body.get("parallel_tool_calls") is not False)
-    try:
-        return await forward(request, app[SESSION], url, cap, answer, wire)
-    except asyncio.CancelledError:
-        if not cap.done_sent:  # cancelled after the whole stream went out (e.g. at shutdown): the answer is whole
-            cap.fail(CANCELLED, 0, "the agent disconnected before the answer was complete")
-        raise
-    finally:
-        call = cap.to_call()
-        app[RECORDER].record_call(call)
-        if hashes is not None and call.status == OK:
-            state.timelines.remember(call, prepared.body, hashes)
-        if (call.token_source == NONE and call.status == OK and config.returns_token_ids and not state.warned_no_ids
-                and not frozen):
-            state.warned_no_ids = True
-            log.warning("the engine at %s returned no token ids: this run records text only", config.upstream_base)
+    return cap, url, answer, hashes
+
+
+def _record(app: web.Application, cap: Capture, prepared: Prepared, hashes, base: str | None) -> None:
+    config, state = app[CONFIG], app[STATE]
+    call = cap.to_call()
+    app[RECORDER].record_call(call)
+    if hashes is not None and call.status == OK:
+        state.timelines.remember(call, prepared.body, hashes)
+    if (call.token_source == NONE and call.status == OK and config.returns_token_ids and not state.warned_no_ids
+            and base is not None):
+        state.warned_no_ids = True
+        log.warning("the engine at %s returned no token ids: this run records text only", base)
 
 
 def _frozen_prepare(endpoint: str, raw: bytes, config: ProxyConfig, role) -> Prepared:
@@ -279,9 +313,8 @@ def _rejected_call(state: RunState, call_index: int, episode_id: str, endpoint: 
 
 
 async def models(request: web.Request) -> web.Response:
-    config = request.app[CONFIG]
     _check_agent_auth(request, _api_key(request))
-    url = config.upstream_base + "/v1/models"
+    url = request.app[ENGINES].any_up() + "/v1/models"
     try:
         async with request.app[SESSION].get(url) as resp:
             return web.Response(body=await resp.read(), status=resp.status, content_type="application/json")
@@ -309,8 +342,8 @@ async def passthrough(request: web.Request) -> web.Response:
     if any(part in (".", "..") or "%" in part or "\\" in part for part in tail.split("/")):
         raise web.HTTPNotFound()  # never a way out of the engine's /v1 (its admin routes live beside it)
     _check_agent_auth(request, _api_key(request))
-    config = request.app[CONFIG]
-    url = f"{config.upstream_base}/v1/{tail}"
+    engine = request.app[ENGINES].any_up()
+    url = f"{engine}/v1/{tail}"
     headers = {k: v for k in ("Content-Type", "Accept") if (v := request.headers.get(k))}
     data = await request.read() if request.method == "POST" else None
     served = request.app[STATE].served_model
@@ -330,7 +363,7 @@ async def passthrough(request: web.Request) -> web.Response:
         raise ApiError(502, f"the engine at {url} is unreachable: {exc}", code="upstream_unavailable") from None
     if status in (404, 405):
         if tail.split("/", 1)[0] in _API_ENDPOINTS:
-            raise ApiError(501, f"the engine at {config.upstream_base} does not offer /v1/{tail} (it answered "
+            raise ApiError(501, f"the engine at {engine} does not offer /v1/{tail} (it answered "
                            f"{status}); the proxy records /v1/chat/completions, /v1/completions, /v1/responses and "
                            "/v1/messages", code="not_implemented")
         raise web.HTTPNotFound()

