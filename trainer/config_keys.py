@@ -109,6 +109,10 @@ class EngineConfig:
 
     url: str | None = _key(None, "attach to this running vLLM server (e.g. http://127.0.0.1:8000) instead of "
                            "starting one on model.path; weight sync needs its dev endpoints")
+    more_urls: list[str] = _key([], "with engine.url: more running vLLM servers of the same model; the proxy "
+                                "keeps each episode on one and moves calls off one that fails (docs/proxy.md)")
+    count: int = _key(1, "engines started on model.path when engine.url is not set, all behind the one proxy "
+                      "(each its own vLLM process and GPU share)", ge=1)
     max_model_len: int = _key(4096, "context length of the engine, prompt and completion together", ge=16)
     extra_args: list[str] = _key([], "extra vLLM command-line arguments when the engine is started, e.g. "
                                  "[--gpu-memory-utilization, '0.5']")

@@ -93,15 +93,14 @@ def train(cfg: TrainConfig) -> dict[str, float]:
 
     rollouts = sync = tracker = None
     if dist.is_main:
-        engine = (attach(cfg.rollout.engine.url) if cfg.rollout.engine.url else
-                  start_vllm(cfg.model.path, out / "logs", max_model_len=cfg.rollout.engine.max_model_len,
-                             extra_args=cfg.rollout.engine.extra_args))
+        engine, *more = _engines(cfg, out)
         rollouts = Rollouts(engine, out, _run_config(cfg), sampling=SamplingOverrides(
             temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, max_tokens_cap=cfg.rollout.max_tokens,
             seed=_sampling_seed(cfg)), token_exact=cfg.rollout.token_exact, tool_parser=cfg.rollout.tool_parser,
-            roles=role_rules(cfg), interceptor=interceptor_for(cfg.rollout, out))
+            roles=role_rules(cfg), interceptor=interceptor_for(cfg.rollout, out), more_engines=tuple(more))
         sync = WeightSync(engine.base_url, out / "weights", proxy_url=rollouts.url,
-                          proxy_admin_token=rollouts.admin_token, model_dir=cfg.model.path)
+                          proxy_admin_token=rollouts.admin_token, model_dir=cfg.model.path,
+                          more_engine_urls=tuple(e.base_url for e in more))
         tracker = Tracker(rollouts.store, rollouts.run_id, out, project=cfg.project_name,
                           experiment=cfg.experiment_name, config=config_to_dict(cfg), console=cfg.logging.console,
                           curve_png=cfg.logging.curve_png, swanlab=cfg.logging.swanlab, wandb=cfg.logging.wandb)
@@ -160,7 +159,8 @@ def train(cfg: TrainConfig) -> dict[str, float]:
             tracker.close()
         if rollouts is not None:
             rollouts.close()
-            rollouts.engine.stop()
+            for engine in (rollouts.engine, *rollouts.more_engines):
+                engine.stop()
         shutdown()
     return metrics
 
@@ -398,6 +398,23 @@ def _run_config(cfg: TrainConfig) -> RunConfig:
     return RunConfig(command=command, judge=cfg.task_judge.judge, repeat=r.num_repeat, concurrency=r.concurrency,
                      timeout_s=r.timeout_s, retries=r.retries, judge_timeout_s=cfg.task_judge.timeout_s,
                      judge_workers=cfg.task_judge.workers, cwd=r.cwd, env=dict(r.env), debug=cfg.debug.enabled)
+
+
+def _engines(cfg: TrainConfig, out):
+    """The engines serving the policy: attached (engine.url, engine.more_urls) or started (engine.count)."""
+    e = cfg.rollout.engine
+    if e.url:
+        return [attach(url) for url in (e.url, *e.more_urls)]
+    started = []
+    try:
+        for k in range(e.count):
+            started.append(start_vllm(cfg.model.path, out / "logs" / (f"engine{k}" if k else ""),
+                                      max_model_len=e.max_model_len, extra_args=e.extra_args))
+    except BaseException:
+        for engine in started:
+            engine.stop()
+        raise
+    return started
 
 
 def _sampling_seed(cfg: TrainConfig) -> int | None:

@@ -57,14 +57,16 @@ class Rollouts:
 
     def __init__(self, engine: Engine, run_dir: Path, run: RunConfig, *, sampling: SamplingOverrides,
                  token_exact: bool = True, tool_parser: str = "hermes", roles: tuple[RoleRule, ...] = (),
-                 interceptor=None):
+                 interceptor=None, more_engines: tuple[Engine, ...] = ()):
         self.engine = engine
+        self.more_engines = more_engines  # more engines of the same policy (proxy/engines.py)
         self.run_dir = run_dir
         self.run = replace(run, hidden_env=(*run.hidden_env, *key_env_names(roles)))
         self.sampling = sampling
         config = ProxyConfig(upstream_url=engine.base_url, served_model=engine.served_model,
                              returns_token_ids=engine.returns_token_ids, db_path=run_dir / "harness.duckdb", port=0,
-                             sampling=sampling, token_exact=token_exact, tool_parser=tool_parser, roles=roles)
+                             sampling=sampling, token_exact=token_exact, tool_parser=tool_parser, roles=roles,
+                             more_upstreams=tuple(e.base_url for e in more_engines))
         if not engine.returns_token_ids:
             raise ValueError(f"the engine at {engine.base_url} returns no token ids: training needs vLLM's ids")
         self.server = ProxyServer(config)

@@ -53,21 +53,25 @@ class WeightSyncError(RuntimeError):
 
 
 class WeightSync:
-    """Pushes weights to one engine (and tells one recording proxy the new weight version)."""
+    """Pushes weights to the engines serving the policy (and tells one recording proxy the new weight version)."""
 
     def __init__(self, engine_url: str, work_dir: str | Path, proxy_url: str | None = None,
                  proxy_admin_token: str | None = None, timeout_s: float = 600.0, *,
-                 model_dir: str | Path | None = None, keep: int = 2) -> None:
+                 model_dir: str | Path | None = None, keep: int = 2, more_engine_urls: tuple[str, ...] = ()) -> None:
         """`work_dir` receives one weights directory per version (`v000042/`), the newest `keep` kept (the
         engine reads from the newest). `model_dir` is the model the engine started from: its config and
         tokenizer files are copied next to the weights; without it, a pushed model's config is saved instead.
-        `timeout_s` bounds each HTTP call (a reload of a large model can take minutes).
+        `timeout_s` bounds each HTTP call (a reload of a large model can take minutes). With `more_engine_urls`,
+        every phase runs on every engine before the next phase starts: all are paused before any reloads, and the
+        proxy hears of the new version only once all serve it.
         """
         if keep < 1:
             raise ValueError(f"keep must be at least 1 (the weights the engine serves), got {keep!r}")
         if (proxy_url is None) != (proxy_admin_token is None):
             raise ValueError("give both proxy_url and proxy_admin_token (the proxy's admin token), or neither")
         self.engine_url = engine_url.rstrip("/").removesuffix("/v1")
+        self.engine_urls = tuple(dict.fromkeys(u.rstrip("/").removesuffix("/v1") for u in (engine_url,
+                                                                                            *more_engine_urls)))
         self.proxy_url = proxy_url.rstrip("/").removesuffix("/v1") if proxy_url else None
         self.proxy_admin_token = proxy_admin_token
         self.timeout_s = timeout_s
@@ -136,48 +140,62 @@ class WeightSync:
             timings[phase] = now - clock
             clock = now
 
-        paused = self._pause()
-        lap("pause_s")
+        paused: list[str] = []
         try:
-            self._engine("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(weights_dir)}},
-                         what="reload weights")
+            for url in self.engine_urls:
+                if self._pause(url):
+                    paused.append(url)
+            lap("pause_s")
+            for url in self.engine_urls:
+                self._engine(url, "/collective_rpc", {"method": "reload_weights",
+                                                      "kwargs": {"weights_path": str(weights_dir)}},
+                             what="reload weights")
             lap("reload_s")
-            answer = self._engine("/reset_prefix_cache?reset_running_requests=true", {}, what="reset the prefix cache")
-            if isinstance(answer, dict) and answer.get("success") is False:
-                raise WeightSyncError(f"POST {self.engine_url}/reset_prefix_cache answered success=false: cached "
-                                      "prefixes of the old weights may still be served; retry the push")
+            for url in self.engine_urls:
+                answer = self._engine(url, "/reset_prefix_cache?reset_running_requests=true", {},
+                                      what="reset the prefix cache")
+                if isinstance(answer, dict) and answer.get("success") is False:
+                    raise WeightSyncError(f"POST {url}/reset_prefix_cache answered success=false: cached prefixes "
+                                          "of the old weights may still be served; retry the push")
             lap("reset_s")
             self._notify_proxy(version)
             lap("notify_s")
         finally:
+            failed = None
+            for url in paused:  # every paused engine is resumed, even when one of them fails to
+                try:
+                    self._engine(url, "/resume", {}, what="resume generation")
+                except WeightSyncError as exc:
+                    failed = failed or exc
             if paused:
-                self._engine("/resume", {}, what="resume generation")
                 lap("resume_s")
+            if failed is not None:
+                raise failed
         return timings
 
     # ------------------------------------------------------------------------------------------------ engine
 
-    def _pause(self) -> bool:
+    def _pause(self, url: str) -> bool:
         """Pause with mode=keep where the engine has /pause (vLLM >= 0.12 in dev mode); whether it paused."""
         if self.can_pause is False:
             return False
         try:
-            self._engine("/pause?mode=keep", {}, what="pause generation")
+            self._engine(url, "/pause?mode=keep", {}, what="pause generation")
         except _NotFound:
             self.can_pause = False  # an older engine: reload without holding requests
             return False
         self.can_pause = True
         return True
 
-    def _engine(self, route: str, body: dict, *, what: str) -> Any:
-        status, answer = _post(self.engine_url + route, body, self.timeout_s, None)
+    def _engine(self, url: str, route: str, body: dict, *, what: str) -> Any:
+        status, answer = _post(url + route, body, self.timeout_s, None)
         if status == 404:
             if route.startswith("/pause"):
                 raise _NotFound(route)
-            raise WeightSyncError(f"POST {self.engine_url}{route} answered HTTP 404: the engine has no route to "
-                                  f"{what}; {_DEV_MODE_HINT}")
+            raise WeightSyncError(f"POST {url}{route} answered HTTP 404: the engine has no route to {what}; "
+                                  f"{_DEV_MODE_HINT}")
         if status != 200:
-            raise WeightSyncError(f"POST {self.engine_url}{route} answered HTTP {status} trying to {what}: "
+            raise WeightSyncError(f"POST {url}{route} answered HTTP {status} trying to {what}: "
                                   f"{_shown(answer)}; see the engine's log")
         return answer
 
