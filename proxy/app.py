@@ -213,9 +213,14 @@ async def _llm_call(request: web.Request, endpoint: str, wire: Wire | None = Non
             engines.in_flight[base] += 1
         try:
             resp = await forward(request, app[SESSION], url, cap, answer, wire)
-        except BaseException:
+        except asyncio.CancelledError:
             if not cap.done_sent:  # cancelled after the whole stream went out (e.g. at shutdown): the answer is whole
                 cap.fail(CANCELLED, 0, "the agent disconnected before the answer was complete")
+            _record(app, cap, prepared, hashes, base)
+            raise
+        except BaseException as exc:  # a bug of ours: the call is recorded as failed, never as ok
+            if not cap.done_sent:
+                cap.fail(ERROR, 500, f"the proxy failed: {exc!r}")
             _record(app, cap, prepared, hashes, base)
             raise
         finally:
