@@ -31,7 +31,7 @@ from proxy.capture import Capture, forward
 from proxy.chat_answer import ChatAnswer
 from proxy.config import ProxyConfig, SamplingOverrides
 from proxy.continuity import Timelines, completions_body, plan, prefix_hashes
-from proxy.engines import Engines
+from proxy.engines import Engines, healthy
 from proxy.episodes import Episodes
 from proxy.errors import ApiError, error_middleware, json_response
 from proxy.request import CHAT, COMPLETIONS, Prepared, prepare
@@ -226,7 +226,8 @@ async def _llm_call(request: web.Request, endpoint: str, wire: Wire | None = Non
         finally:
             if base is not None:
                 engines.in_flight[base] -= 1
-        if cap.unreachable and base is not None and engines.mark_down(base, cap.error):
+        if base is not None and not engines.single and await _engine_failed(app, cap, base) \
+                and engines.mark_down(base, cap.error):
             moved_from.append(base)  # nothing reached the agent yet: the call goes to another engine
             continue
         _record(app, cap, prepared, hashes, base)
@@ -265,6 +266,13 @@ async def _plan_call(app: web.Application, prepared: Prepared, episode_id: str, 
             answer = ChatAnswer(state.tool_parser if parse else None, int(body.get("top_logprobs") or 0),
                                 parallel_tool_calls=body.get("parallel_tool_calls") is not False)
     return cap, url, answer, hashes
+
+
+async def _engine_failed(app: web.Application, cap: Capture, base: str) -> bool:
+    """The call failed because its engine is gone (not because of the request), before the agent got anything."""
+    if cap.unreachable:
+        return True
+    return cap.status == ERROR and cap.http_status in (502, 503, 504) and not await healthy(app[SESSION], base)
 
 
 def _record(app: web.Application, cap: Capture, prepared: Prepared, hashes, base: str | None) -> None:

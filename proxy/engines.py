@@ -3,8 +3,10 @@
 - **Episode affinity.** An episode's calls stay on the engine that served its first call, so each next turn finds
   its prefix in that engine's cache. A new episode goes to the engine with the fewest calls in flight (then the
   fewest episodes).
-- **Failover.** An engine that cannot be reached is marked down for `retry_after_s`; the call is retried on
-  another engine before anything reached the agent, and the episodes that lived there move on their next call.
+- **Failover.** An engine that cannot be reached, or that answers a server error and then fails its health
+  check (a dying vLLM answers 500 "EngineCore encountered an issue" before it stops listening), is marked down
+  for `retry_after_s`; the call is retried on another engine before anything reached the agent, and the
+  episodes that lived there move on their next call. A server error from a healthy engine goes to the agent.
   When every engine is down, the one down longest is tried anyway (the agent then gets the 502 it would have).
 
 With one engine this is a constant: every call goes to it.
@@ -15,6 +17,8 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
+
+import aiohttp
 
 log = logging.getLogger("harness.proxy")
 
@@ -84,3 +88,12 @@ class Engines:
     def status(self) -> list[dict]:
         return [{"url": b, "up": self.is_up(b), "in_flight": self.in_flight[b], "episodes": self.episodes[b]}
                 for b in self.bases]
+
+
+async def healthy(session: aiohttp.ClientSession, base: str, timeout_s: float = 2.0) -> bool:
+    """Whether the engine answers GET /health with 200 within `timeout_s`."""
+    try:
+        async with session.get(f"{base}/health", timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+            return resp.status == 200
+    except (TimeoutError, aiohttp.ClientError):
+        return False

@@ -26,6 +26,7 @@ class Script:
     model: str = "scripted-model"
     break_stream_after: int | None = None  # close the connection after this many chunks
     linger_after_done_s: float = 0.0  # wait this long after [DONE] before ending the stream
+    healthy: bool = True  # False: GET /health answers 503, like an engine that is dying
     token_ids: bool = True  # False: answer like a server that knows nothing of token ids (no such fields)
     tool_arguments: str | None = None  # chat answers a call of tool "lookup" with these arguments instead of text
     content: str | None = None  # fixed reply text (chat and completions) instead of the generated "w1000 w1001 ..."
@@ -58,7 +59,7 @@ class ScriptedEngine:
             await self._runner.cleanup()
 
     async def _health(self, request: web.Request) -> web.Response:
-        return web.Response(text="ok")
+        return web.Response(text="ok") if self.script.healthy else web.Response(status=503, text="dying")
 
     async def _models(self, request: web.Request) -> web.Response:
         data = {"object": "list", "data": [{"id": self.script.model, "object": "model", "owned_by": "scripted"}]}

@@ -59,6 +59,29 @@ def test_episodes_stick_to_an_engine_and_move_when_it_goes_away(tmp_path):
     assert {engine for e, _, engine, *_ in rows if e == "late"} == {b_base}
 
 
+def test_a_server_error_fails_over_only_when_the_engine_is_sick(tmp_path):
+    """A 500 from an engine whose /health fails (a dying vLLM) moves the call; a 500 from a healthy engine is the
+    request's own trouble and reaches the agent."""
+    a, b = ScriptedUpstream(), ScriptedUpstream()
+    proxy = RunningProxy(a.url, tmp_path / "rec.duckdb", more_upstreams=(b.url,))
+    try:
+        client = OpenAI(base_url=f"{proxy.url}/e/ep-a/v1", api_key="sk-x", max_retries=0)
+        ask = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+        client.chat.completions.create(**ask)  # ep-a lives on a
+        a.script.status = 500
+        with pytest.raises(Exception, match="502"):
+            client.chat.completions.create(**ask)  # a is healthy: its error is the answer
+        a.script.healthy = False
+        client.chat.completions.create(**ask)  # a is dying: b answers
+    finally:
+        proxy.close()
+        a.close()
+        b.close()
+    rows = db_rows(proxy.db_path, "SELECT status, extra->>'engine', extra->'engine_failover' FROM calls "
+                   "ORDER BY call_index")
+    assert rows == [("ok", a.url, None), ("error", a.url, None), ("ok", b.url, f'["{a.url}"]')]
+
+
 def test_one_engine_is_a_constant_and_all_down_still_tries():
     one = Engines(("http://e1",))
     assert one.pick("x") == "http://e1" and not one.mark_down("http://e1", "gone")
@@ -68,6 +91,10 @@ def test_one_engine_is_a_constant_and_all_down_still_tries():
     assert two.pick("ep0") == "http://e2" and two.episodes == {"http://e1": 1, "http://e2": 3}
     assert two.mark_down("http://e2", "refused") is False  # nothing left to retry on
     assert two.pick("new") == "http://e1"  # all down: the one down longest is tried anyway
+
+
+def _answered(engine_log: Path) -> int:
+    return engine_log.read_text(errors="replace").count('"POST /v1/chat/completions HTTP/1.1" 200')
 
 
 @pytest.fixture(scope="module")
@@ -107,15 +134,16 @@ def test_two_engines_and_one_dies_mid_run_the_run_completes_on_the_other(engine,
     engine; B is killed mid-run; its episodes and every new one go on on A, and every episode finishes."""
     run_dir = tmp_path / "run"
     agent = ROOT / "examples" / "http_agent"
+    before = _answered(second.log_path)
     run = subprocess.Popen([sys.executable, "-m", "harness.cli", "run", str(agent / "agent.py"), "--data",
                             str(agent / "tasks.jsonl"), "--repeat", "4", "--concurrency", "2", "--run-dir",
                             str(run_dir), "--upstream", engine.base_url, "--upstream", second.base_url],
                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
-        logs = run_dir / "episodes"
-        while run.poll() is None and len(list(logs.glob("*.log")) if logs.is_dir() else []) < 8:
-            time.sleep(0.2)
-        second.stop()  # B dies with episodes in flight
+        # B dies with episodes in flight, once it has answered a few calls (its access log says so).
+        while run.poll() is None and _answered(second.log_path) - before < 4:
+            time.sleep(0.1)
+        second.stop()
         _, err = run.communicate(timeout=600)
     finally:
         second.stop()
@@ -123,7 +151,9 @@ def test_two_engines_and_one_dies_mid_run_the_run_completes_on_the_other(engine,
             run.kill()
     assert run.returncode == 0, err[-3000:]
     db = run_dir / "harness.duckdb"
-    assert db_rows(db, "SELECT status, count(*) FROM episode_outcomes GROUP BY 1") == [("finished", 24)]
+    outcomes = db_rows(db, "SELECT status, count(*) FROM episode_outcomes GROUP BY 1")
+    assert outcomes == [("finished", 24)], (outcomes, db_rows(db, "SELECT episode_id, error FROM episode_outcomes "
+                                                                  "WHERE status <> 'finished'"))
     calls = db_rows(db, "SELECT c.episode_id, c.call_index, c.extra->>'engine', c.status, o.started_at FROM calls c "
                     "JOIN episode_outcomes o USING (episode_id) ORDER BY o.started_at, c.call_index")
     assert {status for *_, status, _ in calls} == {"ok"}
@@ -134,6 +164,6 @@ def test_two_engines_and_one_dies_mid_run_the_run_completes_on_the_other(engine,
     for engines in by_episode.values():  # one engine, or B then A once B was gone
         moved = engines[0] == b and engines[-1] == a and engines == sorted(engines, key=[b, a].index)
         assert len(set(engines)) == 1 or moved, engines
-    assert any(b in engines for engines in by_episode.values())  # B served episodes before it died...
+    assert any(b in engines for engines in by_episode.values()), by_episode  # B served episodes before it died...
     last = list(by_episode.values())[-8:]
-    assert all(set(engines) == {a} for engines in last)  # ...and the episodes started late ran on A
+    assert all(set(engines) == {a} for engines in last), by_episode  # ...and the episodes started late ran on A
