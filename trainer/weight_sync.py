@@ -69,7 +69,6 @@ class WeightSync:
             raise ValueError(f"keep must be at least 1 (the weights the engine serves), got {keep!r}")
         if (proxy_url is None) != (proxy_admin_token is None):
             raise ValueError("give both proxy_url and proxy_admin_token (the proxy's admin token), or neither")
-        self.engine_url = engine_url.rstrip("/").removesuffix("/v1")
         self.engine_urls = tuple(dict.fromkeys(u.rstrip("/").removesuffix("/v1") for u in (engine_url,
                                                                                             *more_engine_urls)))
         self.proxy_url = proxy_url.rstrip("/").removesuffix("/v1") if proxy_url else None
@@ -160,20 +159,27 @@ class WeightSync:
             lap("reset_s")
             self._notify_proxy(version)
             lap("notify_s")
-        finally:
-            failed = None
-            for url in paused:  # every paused engine is resumed, even when one of them fails to
-                try:
-                    self._engine(url, "/resume", {}, what="resume generation")
-                except WeightSyncError as exc:
-                    failed = failed or exc
-            if paused:
-                lap("resume_s")
-            if failed is not None:
-                raise failed
+        except BaseException:
+            self._resume(paused)  # never leave an engine paused; the first failure is the one to report
+            raise
+        failed = self._resume(paused)
+        if paused:
+            lap("resume_s")
+        if failed is not None:
+            raise failed
         return timings
 
     # ------------------------------------------------------------------------------------------------ engine
+
+    def _resume(self, paused: list[str]) -> WeightSyncError | None:
+        """Resume every paused engine, even when one of them fails to; the first failure, if any."""
+        failed = None
+        for url in paused:
+            try:
+                self._engine(url, "/resume", {}, what="resume generation")
+            except WeightSyncError as exc:
+                failed = failed or exc
+        return failed
 
     def _pause(self, url: str) -> bool:
         """Pause with mode=keep where the engine has /pause (vLLM >= 0.12 in dev mode); whether it paused."""
