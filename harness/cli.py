@@ -317,7 +317,8 @@ def _add_sql(verbs) -> None:
     )
     p.add_argument("query", help='e.g. "SELECT episode_id, count(*) FROM calls GROUP BY 1"')
     p.add_argument("--db", type=Path, default=DEFAULT_RUN_DIR / "harness.duckdb",
-                   help="DuckDB file (default: %(default)s)")
+                   help="DuckDB file, or a folder: every .duckdb file under it read as one, e.g. a backbone: verl "
+                   "run's <run>/verl with a file per worker (default: %(default)s)")
     fmt = p.add_mutually_exclusive_group()
     fmt.add_argument("--csv", action="store_true", help="print CSV")
     fmt.add_argument("--json", action="store_true", help="print a JSON list of row objects")
@@ -477,6 +478,10 @@ def _train(args) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if cfg.backbone == "verl":  # verl's trainer on Ray, imported only when chosen
+        from trainer.verl_backbone import main as verl_main
+
+        return verl_main(cfg)
     from trainer.fsdp import launch, under_torchrun
 
     nprocs = cfg.trainer.fsdp.nprocs

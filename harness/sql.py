@@ -10,6 +10,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import re
 import sys
 import urllib.error
 import urllib.request
@@ -35,6 +36,8 @@ def run_sql(db_path: str | Path, query: str, *, max_rows: int | None = None) -> 
         raise SqlError(str(exc)) from None
     except (ValueError, duckdb.Error) as exc:
         raise SqlError(f"SQL error: {exc}") from None
+    if db_path.is_dir():
+        return _over_files(db_path, query, max_rows)
     info = discover(db_path)
     if info is not None:
         return _via_proxy(info, query, max_rows)
@@ -51,6 +54,63 @@ def run_sql(db_path: str | Path, query: str, *, max_rows: int | None = None) -> 
         raise SqlError(f"cannot read {str(db_path)!r}: {exc}") from None
     except duckdb.Error as exc:
         raise SqlError(f"SQL error: {exc}") from None
+
+
+def _over_files(folder: Path, query: str, max_rows: int | None) -> QueryResult:
+    """Every database file under `folder` as one: each table and view is the union (by column name) of its rows in
+    every file. For runs that record into several files, e.g. one per verl agent-loop worker (docs/scale-out.md)."""
+    paths = sorted(folder.rglob("*.duckdb"))
+    if not paths:
+        raise SqlError(f"no .duckdb files under {str(folder)!r}: pass a database file, or a folder that has some")
+    con = duckdb.connect(":memory:")
+    try:
+        for k, path in enumerate(paths):
+            quoted = "'" + str(path).replace("'", "''") + "'"
+            try:
+                con.execute(f"ATTACH {quoted} AS db{k} (READ_ONLY)")
+            except duckdb.Error as exc:
+                held = "lock" in str(exc).lower()
+                raise SqlError(f"cannot read {str(path)!r}: " + (
+                    "a running process holds it (a proxy still recording?): query it alone with --db, or after "
+                    "the run" if held else str(exc))) from None
+        tables = [set(r[0] for r in con.execute(
+            "SELECT table_name FROM duckdb_tables() WHERE database_name = ?", [f"db{k}"]).fetchall())
+            for k in range(len(paths))]
+        for name in sorted(set.intersection(*tables)):
+            union = " UNION ALL BY NAME ".join(f'SELECT * FROM db{k}.main."{name}"' for k in range(len(paths)))
+            con.execute(f'CREATE TEMP VIEW "{name}" AS {union}')
+        # the views are the schema's own, over the unions (a file's own views would read only that file)
+        _create_views(con, [r[0] for r in con.execute(
+            "SELECT sql FROM duckdb_views() WHERE database_name = 'db0' AND NOT internal").fetchall()])
+        con.execute("BEGIN")
+        try:
+            cur = con.execute(query)
+            description = cur.description or []
+            rows = cur.fetchall() if max_rows is None else cur.fetchmany(max_rows + 1)
+        finally:
+            con.execute("ROLLBACK")
+    except duckdb.Error as exc:
+        raise SqlError(f"SQL error: {exc}") from None
+    finally:
+        con.close()
+    truncated = max_rows is not None and len(rows) > max_rows
+    return QueryResult([d[0] for d in description], [str(d[1]) for d in description],
+                       rows[:max_rows] if truncated else rows, truncated)
+
+
+def _create_views(con: duckdb.DuckDBPyConnection, statements: list[str]) -> None:
+    """CREATE VIEW statements as temporary views, each after the views it reads."""
+    pending = [re.sub(r"^\s*CREATE\s+VIEW", "CREATE TEMP VIEW", sql, count=1, flags=re.I) for sql in statements]
+    while pending:
+        failed = []
+        for sql in pending:
+            try:
+                con.execute(sql)
+            except duckdb.CatalogException:
+                failed.append(sql)
+        if len(failed) == len(pending):
+            raise SqlError(f"cannot rebuild the schema's views over several files: {failed[0][:200]}")
+        pending = failed
 
 
 def _via_proxy(info: dict, query: str, max_rows: int | None) -> QueryResult:

@@ -31,7 +31,7 @@ from proxy.capture import Capture, forward
 from proxy.chat_answer import ChatAnswer
 from proxy.config import ProxyConfig, SamplingOverrides
 from proxy.continuity import Timelines, completions_body, plan, prefix_hashes
-from proxy.engines import Engines, healthy
+from proxy.engines import EPISODE_HEADER, Engines, healthy
 from proxy.episodes import Episodes
 from proxy.errors import ApiError, error_middleware, json_response
 from proxy.request import CHAT, COMPLETIONS, Prepared, prepare
@@ -251,6 +251,7 @@ async def _plan_call(app: web.Application, prepared: Prepared, episode_id: str, 
             cap.upstream_headers["Authorization"] = f"Bearer {key}"
         return cap, url, None, None
     url = f"{base}/v1/{route}"
+    cap.upstream_headers[EPISODE_HEADER] = episode_id
     if not app[ENGINES].single:
         cap.notes["engine"] = base
     answer, hashes = None, None

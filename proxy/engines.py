@@ -22,6 +22,10 @@ import aiohttp
 
 log = logging.getLogger("harness.proxy")
 
+# Sent with every call to a policy engine: an engine that routes by episode (adapters/token_engine.py) keeps an
+# episode's calls where its prefix is cached. vLLM ignores it.
+EPISODE_HEADER = "X-Harness-Episode"
+
 
 class Engines:
     def __init__(self, bases: tuple[str, ...], *, retry_after_s: float = 30.0, max_episodes: int = 65536):

@@ -533,3 +533,28 @@ def test_load_calls_gives_back_the_records_that_were_added(store: Store):
         assert got.choices[0].logprobs == pytest.approx(call.choices[0].logprobs, abs=1e-6)
         assert orjson.loads(got.request) == orjson.loads(call.request)
         assert abs(got.started_at - call.started_at) < 1e-6
+
+
+def test_sql_over_a_folder_unions_every_database_file_in_it(tmp_path: Path):
+    """`harness sql --db FOLDER`: runs that record into several files (one per verl agent-loop worker) read as one,
+    tables and views alike; still read-only, and a file another process holds is named."""
+    from harness.sql import SqlError, run_sql
+
+    for k in range(3):
+        with Store.open(tmp_path / "verl" / f"worker-{k}" / "harness.duckdb") as s:
+            s.add_calls([make_call(f"ep-{k}", i, n_choices=1, prompt_tokens=10) for i in range(k + 1)])
+    result = run_sql(tmp_path / "verl", "SELECT episode_id, count(*) FROM calls GROUP BY 1 ORDER BY 1")
+    assert result.rows == [("ep-0", 1), ("ep-1", 2), ("ep-2", 3)]
+    assert run_sql(tmp_path, "SELECT count(*) FROM completions").rows == [(6,)]  # a view of every file
+    with pytest.raises(SqlError, match="read-only|only queries|not allowed"):
+        run_sql(tmp_path, "DELETE FROM calls")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SqlError, match="no .duckdb files"):
+        run_sql(tmp_path / "empty", "SELECT 1")
+    held = Store.open(tmp_path / "verl" / "worker-1" / "harness.duckdb")  # a worker still recording
+    try:
+        with pytest.raises(SqlError, match="worker-1"):
+            run_sql(tmp_path / "verl", "SELECT count(*) FROM calls")
+        assert run_sql(tmp_path / "verl" / "worker-0", "SELECT count(*) FROM calls").rows == [(1,)]
+    finally:
+        held.close()

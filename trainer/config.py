@@ -68,7 +68,7 @@ _AGENTJET_NAMES = {
     "lr_scheduler_type": "trainer.lr_schedule", "total_training_steps": "trainer.total_steps",
     "fsdp_config": "trainer.fsdp", "optim": "trainer (lr, betas, ... sit in trainer itself)",
     "algorithm": "trainer (adv_estimator, ... sit in trainer itself)", "debug_first_n_tasks": "debug.n_tasks",
-    "experiment_dir": "logging.run_dir", "backbone": "debug.enabled (harness has one trainer)",
+    "experiment_dir": "logging.run_dir",
 }
 
 
@@ -370,8 +370,8 @@ def _check(cfg: TrainConfig, where: str) -> None:
          f"rollout.engine.url {r.engine.url!r} must start with http:// or https://"),
         (r.engine.more_urls and r.engine.url is None,
          "rollout.engine.more_urls needs rollout.engine.url (the first engine to attach to)"),
-        (r.engine.url is not None and r.engine.count > 1,
-         "rollout.engine.count starts engines; with rollout.engine.url, list the other running ones in "
+        (r.engine.url is not None and r.engines > 1,
+         "rollout.engines starts engines; with rollout.engine.url, list the other running ones in "
          "rollout.engine.more_urls instead"),
     ]
     for failed, message in problems:

@@ -23,14 +23,15 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 __all__ = ["TrainConfig", "ModelConfig", "DataConfig", "TaskJudgeConfig", "RolloutConfig", "ValidationSampling",
-           "EngineConfig", "RolesConfig", "TrainerConfig", "FsdpConfig", "LoggingConfig", "DebugConfig", "iter_keys",
-           "describe_config", "ADV_ESTIMATORS", "LOSS_AGG_MODES", "KL_TYPES", "GROUP_ESTIMATORS"]
+           "EngineConfig", "RolesConfig", "TrainerConfig", "VerlConfig", "FsdpConfig", "LoggingConfig", "DebugConfig",
+           "iter_keys", "describe_config", "ADV_ESTIMATORS", "LOSS_AGG_MODES", "KL_TYPES", "GROUP_ESTIMATORS"]
 
 ROOT = "harness"
 AdvEstimator = Literal["grpo", "grpo_no_std", "drgrpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"]
 LossAggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm",
                       "episode-mean"]
 KlType = Literal["k1", "k2", "k3", "abs"]
+Backbone = Literal["harness", "verl"]
 ADV_ESTIMATORS = typing.get_args(AdvEstimator)
 LOSS_AGG_MODES = typing.get_args(LossAggMode)
 KL_TYPES = typing.get_args(KlType)
@@ -111,8 +112,6 @@ class EngineConfig:
                            "starting one on model.path; weight sync needs its dev endpoints")
     more_urls: list[str] = _key([], "with engine.url: more running vLLM servers of the same model; the proxy "
                                 "keeps each episode on one and moves calls off one that fails (docs/proxy.md)")
-    count: int = _key(1, "engines started on model.path when engine.url is not set, all behind the one proxy "
-                      "(each its own vLLM process and GPU share)", ge=1)
     max_model_len: int = _key(4096, "context length of the engine, prompt and completion together", ge=16)
     extra_args: list[str] = _key([], "extra vLLM command-line arguments when the engine is started, e.g. "
                                  "[--gpu-memory-utilization, '0.5']")
@@ -148,6 +147,8 @@ class RolloutConfig:
     llm_hosts: list[str] = _key([], "with rollout.transparent: more LLM hosts to intercept, each host[/api-prefix]")
     refuse_other_hosts: bool = _key(False, "with rollout.transparent: refuse agents' traffic to other hosts instead "
                                     "of tunnelling it untouched")
+    engines: int = _key(1, "engines started on model.path when engine.url is not set, all behind the one proxy, "
+                        "which keeps each episode on one and moves calls off one that fails (docs/proxy.md)", ge=1)
     validation: ValidationSampling = _section(ValidationSampling)
     engine: EngineConfig = _section(EngineConfig)
 
@@ -242,12 +243,35 @@ class DebugConfig:
 
 
 @dataclass(frozen=True)
+class VerlConfig:
+    """With backbone: verl: the Ray cluster and verl's trainer and rollout servers (docs/scale-out.md)."""
+
+    nnodes: int = _key(1, "machines in the Ray cluster, the head included", ge=1)
+    n_gpus_per_node: int = _key(8, "GPUs per machine, all used for training and rollout (colocated)", ge=1)
+    ray_address: str | None = _key(None, "the Ray cluster to join (`auto`: the one `ray start` made on this "
+                                   "machine); null: verl starts a local one")
+    tensor_parallel_size: int = _key(1, "GPUs per rollout server (vLLM tensor parallelism)", ge=1)
+    gpu_memory_utilization: float = _key(0.5, "share of each GPU's memory the rollout servers take", gt=0, le=1)
+    prompt_length: int = _key(2048, "tokens before a sample's first generated token; verl pads to it, a longer "
+                              "prompt keeps its last tokens and the cut is counted", ge=1)
+    response_length: int = _key(2048, "tokens from a sample's first generated token on (tool results included); "
+                                "a longer response is cut and the cut counted", ge=1)
+    agent_workers: int = _key(8, "agent-loop worker processes; each runs its own recording proxy and DuckDB file",
+                              ge=1)
+    micro_batch_size_per_gpu: int = _key(4, "sequences per forward/backward pass on each GPU", ge=1)
+    overrides: list[str] = _key([], "any other verl setting as key=value in verl's own names, e.g. "
+                                "actor_rollout_ref.actor.use_dynamic_bsz=true; an unknown key is an error")
+
+
+@dataclass(frozen=True)
 class TrainConfig:
     """The whole training configuration: the root `harness:` of the YAML file."""
 
     project_name: str = _key("harness", "project name for swanlab / wandb")
     experiment_name: str | None = _key(None, "name of this experiment and of its run directory; null: the config "
                                        "file's name without .yaml")
+    backbone: Backbone = _key("harness", "what runs the loop: harness (one machine: our engines, our FSDP trainer) or "
+                              "verl (verl's trainer on Ray, many machines; needs the scale extra, docs/scale-out.md)")
     model: ModelConfig = _section(ModelConfig)
     data: DataConfig = _section(DataConfig)
     task_judge: TaskJudgeConfig = _section(TaskJudgeConfig)
@@ -256,6 +280,7 @@ class TrainConfig:
     trainer: TrainerConfig = _section(TrainerConfig)
     logging: LoggingConfig = _section(LoggingConfig)
     debug: DebugConfig = _section(DebugConfig)
+    verl: VerlConfig = _section(VerlConfig)
 
 
 # ---------------------------------------------------------------------------------------------------------------

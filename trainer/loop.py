@@ -401,13 +401,13 @@ def _run_config(cfg: TrainConfig) -> RunConfig:
 
 
 def _engines(cfg: TrainConfig, out):
-    """The engines serving the policy: attached (engine.url, engine.more_urls) or started (engine.count)."""
+    """The engines serving the policy: attached (engine.url, engine.more_urls) or started (rollout.engines)."""
     e = cfg.rollout.engine
     if e.url:
         return [attach(url) for url in (e.url, *e.more_urls)]
     started = []
     try:
-        for k in range(e.count):
+        for k in range(cfg.rollout.engines):
             started.append(start_vllm(cfg.model.path, out / "logs" / (f"engine{k}" if k else ""),
                                       max_model_len=e.max_model_len, extra_args=e.extra_args))
     except BaseException:

