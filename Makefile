@@ -21,6 +21,9 @@ MITM_STAMP := $(MITM_VENV)/.installed
 # machine installs the real thing: pip install -e '.[scale]'.
 VERL_STAMP := $(VENV)/.verl-installed
 VERL_DEPS := 'ray>=2.41' hydra-core codetiming pylatexenc torchdata 'tensordict>=0.8,<=0.10,!=0.9.0' peft accelerate
+# The viewer's browser tests drive Debian's Chromium through Playwright (pip's playwright; no browser download).
+CHROMIUM := /usr/bin/chromium
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 RUN_DIR ?= runs/demo
 
 .PHONY: install demo test test-fast test-engine lint bench clean
@@ -63,15 +66,18 @@ $(NODE_STAMP): $(NODE_AGENT)/package.json $(NODE_AGENT)/package-lock.json
 		cd $(NODE_AGENT) && npm ci --no-audit --no-fund && touch node_modules/.installed; \
 	fi
 
+$(CHROMIUM):
+	$(SUDO) apt-get install -y -q chromium || ($(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q chromium)
+
 demo: install
 	$(BIN)/python examples/demo.py --run-dir $(RUN_DIR)
 
-test: install lint test-fast test-engine
+test: install $(CHROMIUM) lint test-fast test-engine
 
-test-fast: install
+test-fast: install $(CHROMIUM)
 	$(BIN)/pytest -q -m "not engine"
 
-test-engine: install
+test-engine: install $(CHROMIUM)
 	$(BIN)/pytest -q -m engine
 
 lint: install

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from harness import __version__
 from harness import cli_options as options
+from harness.viewer import add_parser as add_view_parser
 from proxy.tool_parsers import known_parsers
 
 DEFAULT_RUN_DIR = Path("runs")
@@ -32,6 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     _add_tiny_model(verbs)
     _add_doctor(verbs)
     _add_train(verbs)
+    add_view_parser(verbs)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:

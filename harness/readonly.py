@@ -6,6 +6,7 @@ between a user's SQL and the data, so it errs on the side of refusing.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import threading
@@ -42,6 +43,12 @@ def check_read_only(sql: str) -> None:
     """
     if not isinstance(sql, str):
         raise TypeError(f"SQL must be a string, got {type(sql).__name__}")
+    _check_text(sql)
+
+
+@functools.lru_cache(maxsize=1024)
+def _check_text(sql: str) -> None:
+    """check_read_only's work; a text that passed is remembered (a refusal raises, and is never cached)."""
     try:
         statements = duckdb.extract_statements(sql)
     except ValueError as e:  # a statement type the Python client cannot name

@@ -20,7 +20,7 @@ import duckdb
 import orjson
 
 from harness.readonly import ReadOnlyError, check_read_only
-from harness.store import QueryResult, open_read_only_query
+from harness.store import QueryResult, Store
 from proxy.server import discover
 
 
@@ -28,37 +28,75 @@ class SqlError(RuntimeError):
     """A query that could not run; the message says why and what to do."""
 
 
-def run_sql(db_path: str | Path, query: str, *, max_rows: int | None = None) -> QueryResult:
-    db_path = Path(db_path)
-    try:
-        check_read_only(query)
-    except ReadOnlyError as exc:
-        raise SqlError(str(exc)) from None
-    except (ValueError, duckdb.Error) as exc:
-        raise SqlError(f"SQL error: {exc}") from None
-    if db_path.is_dir():
-        return _over_files(db_path, query, max_rows)
-    info = discover(db_path)
-    if info is not None:
-        return _via_proxy(info, query, max_rows)
-    if not db_path.exists():
-        raise SqlError(f"no database at {str(db_path)!r}: record something first, or pass --db PATH")
-    try:
-        return open_read_only_query(db_path, query, max_rows=max_rows)
-    except duckdb.IOException as exc:
-        if "lock" in str(exc).lower():
-            raise SqlError(
-                f"{str(db_path)!r} is held by another process and no running proxy announces it "
-                f"({db_path.name}.proxy.json): stop that process, or query through its proxy"
-            ) from None
-        raise SqlError(f"cannot read {str(db_path)!r}: {exc}") from None
-    except duckdb.Error as exc:
-        raise SqlError(f"SQL error: {exc}") from None
+def run_sql(db_path: str | Path, query: str, params: list | None = None, *,
+            max_rows: int | None = None) -> QueryResult:
+    """Run one read-only query (with `?` parameters) on a database file, a live proxy's file, or a folder of files."""
+    with Reader(db_path) as reader:
+        return reader.query(query, params, max_rows=max_rows)
 
 
-def _over_files(folder: Path, query: str, max_rows: int | None) -> QueryResult:
-    """Every database file under `folder` as one: each table and view is the union (by column name) of its rows in
-    every file. For runs that record into several files, e.g. one per verl agent-loop worker (docs/scale-out.md)."""
+class Reader:
+    """Read-only queries on one opening of a database: a closed file (opened read-only), a file a running proxy
+    holds (queried through the proxy), or a folder of files read as one (each table the union of its rows in every
+    file, by column name; the schema's views over those). Several queries share the opening:
+
+        with Reader(path) as reader:
+            reader.query("SELECT ...", [param])
+    """
+
+    def __init__(self, db_path: str | Path):
+        self.db_path = Path(db_path)
+        self._proxy: dict | None = None
+        self._store: Store | None = None
+        self._con: duckdb.DuckDBPyConnection | None = None
+
+    def __enter__(self) -> Reader:
+        path = self.db_path
+        if path.is_dir():
+            self._con = _open_folder(path)
+            return self
+        self._proxy = discover(path)
+        if self._proxy is not None:
+            return self
+        if not path.exists():
+            raise SqlError(f"no database at {str(path)!r}: record something first, or pass --db PATH")
+        try:
+            self._store = Store.open(path, read_only=True)
+        except duckdb.IOException as exc:
+            if "lock" in str(exc).lower():
+                raise SqlError(f"{str(path)!r} is held by another process and no running proxy announces it "
+                               f"({path.name}.proxy.json): stop that process, or query through its proxy") from None
+            raise SqlError(f"cannot read {str(path)!r}: {exc}") from None
+        except (duckdb.Error, ValueError) as exc:
+            raise SqlError(f"cannot read {str(path)!r}: {exc}") from None
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        if self._store is not None:
+            self._store.close()
+        if self._con is not None:
+            self._con.close()
+
+    def query(self, query: str, params: list | None = None, *, max_rows: int | None = None) -> QueryResult:
+        try:
+            check_read_only(query)
+        except ReadOnlyError as exc:
+            raise SqlError(str(exc)) from None
+        except (ValueError, duckdb.Error) as exc:
+            raise SqlError(f"SQL error: {exc}") from None
+        if self._proxy is not None:
+            return _via_proxy(self._proxy, query, params, max_rows)
+        try:
+            if self._store is not None:
+                return self._store.query(query, params, max_rows=max_rows)
+            return _folder_query(self._con, query, params, max_rows)
+        except duckdb.Error as exc:
+            raise SqlError(f"SQL error: {exc}") from None
+
+
+def _open_folder(folder: Path) -> duckdb.DuckDBPyConnection:
+    """Every database file under `folder` attached read-only, as one: e.g. one file per verl agent-loop worker
+    (docs/scale-out.md)."""
     paths = sorted(folder.rglob("*.duckdb"))
     if not paths:
         raise SqlError(f"no .duckdb files under {str(folder)!r}: pass a database file, or a folder that has some")
@@ -82,17 +120,21 @@ def _over_files(folder: Path, query: str, max_rows: int | None) -> QueryResult:
         # the views are the schema's own, over the unions (a file's own views would read only that file)
         _create_views(con, [r[0] for r in con.execute(
             "SELECT sql FROM duckdb_views() WHERE database_name = 'db0' AND NOT internal").fetchall()])
-        con.execute("BEGIN")
-        try:
-            cur = con.execute(query)
-            description = cur.description or []
-            rows = cur.fetchall() if max_rows is None else cur.fetchmany(max_rows + 1)
-        finally:
-            con.execute("ROLLBACK")
-    except duckdb.Error as exc:
-        raise SqlError(f"SQL error: {exc}") from None
-    finally:
+    except BaseException:
         con.close()
+        raise
+    return con
+
+
+def _folder_query(con: duckdb.DuckDBPyConnection, query: str, params: list | None,
+                  max_rows: int | None) -> QueryResult:
+    con.execute("BEGIN")
+    try:
+        cur = con.execute(query, params)
+        description = cur.description or []
+        rows = cur.fetchall() if max_rows is None else cur.fetchmany(max_rows + 1)
+    finally:
+        con.execute("ROLLBACK")
     truncated = max_rows is not None and len(rows) > max_rows
     return QueryResult([d[0] for d in description], [str(d[1]) for d in description],
                        rows[:max_rows] if truncated else rows, truncated)
@@ -113,8 +155,8 @@ def _create_views(con: duckdb.DuckDBPyConnection, statements: list[str]) -> None
         pending = failed
 
 
-def _via_proxy(info: dict, query: str, max_rows: int | None) -> QueryResult:
-    body = orjson.dumps({"sql": query, "max_rows": max_rows})
+def _via_proxy(info: dict, query: str, params: list | None, max_rows: int | None) -> QueryResult:
+    body = orjson.dumps({"sql": query, "params": params, "max_rows": max_rows}, default=str)
     req = urllib.request.Request(
         info["url"] + "/harness/sql", data=body, method="POST",
         headers={"Content-Type": "application/json", "Authorization": f"Bearer {info['admin_token']}"},

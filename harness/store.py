@@ -372,11 +372,12 @@ class Store:
         return calls
 
 
-def open_read_only_query(path: str | Path, sql: str, max_rows: int | None = None) -> QueryResult:
+def open_read_only_query(path: str | Path, sql: str, params: Sequence | None = None,
+                         max_rows: int | None = None) -> QueryResult:
     """Query a database file no process holds open read-write (e.g. after a run), without changing it."""
     check_read_only(sql)
     with Store.open(path, read_only=True) as store:
-        return store.query(sql, max_rows=max_rows)
+        return store.query(sql, params, max_rows=max_rows)
 
 
 def _rollback(cur: duckdb.DuckDBPyConnection) -> None:

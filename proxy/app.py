@@ -417,9 +417,12 @@ async def sql(request: web.Request) -> web.Response:
     """Read-only SQL over the live store; everything recorded so far is flushed first."""
     _check_admin(request)
     body = await _json_body(request)
-    query, max_rows = body.get("sql"), body.get("max_rows")
+    query, params, max_rows = body.get("sql"), body.get("params"), body.get("max_rows")
     if not isinstance(query, str):
         raise ApiError(400, f"'sql' must be a string, got {type(query).__name__}", param="sql")
+    if params is not None and not isinstance(params, list):
+        raise ApiError(400, f"'params' must be a list of values for the ? placeholders, got {type(params).__name__}",
+                       param="params")
     if max_rows is not None and (not isinstance(max_rows, int) or max_rows < 0):
         raise ApiError(400, f"'max_rows' must be a non-negative integer, got {max_rows!r}", param="max_rows")
     try:
@@ -430,7 +433,7 @@ async def sql(request: web.Request) -> web.Response:
         raise ApiError(400, f"SQL error: {exc}", code="sql_error") from None
     await asyncio.to_thread(request.app[RECORDER].flush)
     try:
-        result = await asyncio.to_thread(request.app[STORE].query, query, max_rows=max_rows)
+        result = await asyncio.to_thread(request.app[STORE].query, query, params, max_rows=max_rows)
     except duckdb.Error as exc:
         raise ApiError(400, f"SQL error: {exc}", code="sql_error") from None
     payload = {"columns": result.columns, "types": result.types, "rows": result.rows, "truncated": result.truncated}

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -90,3 +92,17 @@ def db_rows(db_path: Path, sql: str, params=None) -> list[tuple]:
         return con.execute(sql, params or []).fetchall()
     finally:
         con.close()
+
+
+TERSE = Path(__file__).resolve().parents[1] / "examples" / "terse_agent"
+
+
+def record_terse_run(upstream_url: str, run_dir: Path) -> Path:
+    """A real recorded run through `harness run`: 16 tasks x 2 episodes of the two-turn terse agent, judged and
+    merged; returns its database."""
+    out = subprocess.run([sys.executable, "-m", "harness.cli", "run", str(TERSE / "agent.py"), "--data",
+                          str(TERSE / "tasks.jsonl"), "--judge", f"{TERSE / 'judge.py'}:terse", "--repeat", "2",
+                          "--upstream", upstream_url, "--run-dir", str(run_dir)],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    return run_dir / "harness.duckdb"
