@@ -33,6 +33,7 @@ from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 
 from harness.judges import JudgeError, LoadedJudge, load_judge, normalise_result
+from harness.limits import JUDGE_MEMORY_MB, cap_memory
 from harness.records import Judgement
 
 __all__ = ["InProcessJudge", "JudgePool"]
@@ -257,6 +258,7 @@ def _wake(future: asyncio.Future) -> None:
 def _serve(conn: Connection, spec: str, cwd: str, env: dict, path: list[str]) -> None:
     """A worker's life: load the judge, say "ready" (or why not), then answer jobs until told to stop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    cap_memory(JUDGE_MEMORY_MB)  # a judge that allocates without end fails its judgement, not the machine
     os.dup2(2, 1)
     os.environ.clear()
     os.environ.update(env)

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import os
 import re
@@ -42,6 +43,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from harness.judge_pool import InProcessJudge, JudgePool
+from harness.limits import AGENT_MEMORY_MB, limited
 from harness.records import (
     CRASHED,
     FINISHED,
@@ -60,6 +62,8 @@ _UPSTREAM_TROUBLE = (502, 503, 504)
 _STDERR_TAIL = 800
 _DRAIN_S = 1.0  # debug mode: how long to read an exited agent's pipes, which a child it left running may hold open
 _PDB_PROMPT = re.compile(rb"^(?:\(Pdb\) )+", re.MULTILINE)
+_SAFE_PART = re.compile(r"[A-Za-z0-9._:@+-]{1,64}")
+_UNSAFE = re.compile(r"[^A-Za-z0-9._:@+-]")
 
 
 @dataclass(frozen=True)
@@ -76,6 +80,7 @@ class RunConfig:
     env: dict[str, str] = field(default_factory=dict)  # extra environment for agents
     hidden_env: tuple[str, ...] = ()  # variables agents never see (e.g. a frozen role's upstream key)
     debug: bool = False  # one episode at a time, agent on the terminal, judge in this process, no timeouts
+    memory_mb: int | None = AGENT_MEMORY_MB  # address-space cap of each agent (harness/limits.py); None: none
 
     def __post_init__(self):
         for name in ("repeat", "concurrency"):
@@ -85,6 +90,16 @@ class RunConfig:
             raise ValueError(f"timeout must be positive, got {self.timeout_s}")
         if self.retries < 0:
             raise ValueError(f"retries must be >= 0, got {self.retries}")
+
+
+def episode_part(task_id: str) -> str:
+    """A task id as it goes into episode ids (URLs, log file names): as is when it is made of letters, digits and
+    `._:@+-` and short; else those characters with `_` for the others, and a digest of the original, so two
+    tasks never share an id and no id names a path (`gsm8k/test/12` -> `gsm8k_test_12.3f9a0c21`)."""
+    if _SAFE_PART.fullmatch(task_id) and task_id[0] not in "._":
+        return task_id
+    digest = hashlib.sha256(task_id.encode()).hexdigest()[:8]
+    return f"{_UNSAFE.sub('_', task_id)[:64].lstrip('._')}.{digest}".lstrip(".")
 
 
 def parse_answer(stdout: str) -> str | None:
@@ -134,7 +149,8 @@ class Runner:
         self._running: set[asyncio.subprocess.Process] = set()
 
     def plan(self, tasks: list[Task]) -> list[EpisodeSlot]:
-        return [EpisodeSlot(t, r, f"{self.run_id}-{t.task_id}-{r}") for t in tasks for r in range(self.config.repeat)]
+        return [EpisodeSlot(t, r, f"{self.run_id}-{episode_part(t.task_id)}-{r}") for t in tasks
+                for r in range(self.config.repeat)]
 
     @property
     def stopped(self) -> bool:
@@ -227,8 +243,9 @@ class Runner:
                     proc = await terminal.start(self.config.command, env=env, cwd=self.config.cwd)
                 else:  # a session (and process group) of its own, killed whole when the episode ends
                     proc = await asyncio.create_subprocess_exec(
-                        *self.config.command, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-                        stderr=log, env=env, cwd=self.config.cwd, start_new_session=True,
+                        *limited(self.config.command, self.config.memory_mb), stdin=asyncio.subprocess.PIPE,
+                        stdout=asyncio.subprocess.PIPE, stderr=log, env=env, cwd=self.config.cwd,
+                        start_new_session=True,
                     )
             except OSError as exc:
                 return EpisodeOutcome(episode_id, self.run_id, slot.task.task_id, slot.repeat_index, attempt,

@@ -31,6 +31,8 @@ JUDGES_SOURCE = textwrap.dedent('''
             time.sleep(task["seconds"])
         if do == "exit":
             os._exit(3)
+        if do == "hoard":
+            hoard = bytearray(task["bytes"])  # noqa: F841
         if do == "return":
             return task["value"]
         if do == "where":
@@ -282,6 +284,22 @@ async def test_pool_kills_a_judge_past_its_timeout_and_replaces_the_worker(act_s
         again = await pool.judge("ep", {"answer": "1"}, "1", [])
         assert (again.reward, again.error) == (1.0, None)
         assert again.details["pid"] in pool.worker_pids
+
+
+async def test_pool_workers_run_under_a_memory_cap(act_spec):
+    """A judge that allocates past the cap (harness/limits.py: JUDGE_MEMORY_MB) gets a MemoryError at once: an
+    error row, not a machine out of memory. This process has no such cap: the worker's is what refuses."""
+    import resource
+
+    from harness.limits import JUDGE_MEMORY_MB
+
+    size = (JUDGE_MEMORY_MB + 1024) << 20
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    assert soft == resource.RLIM_INFINITY or soft > size
+    async with JudgePool(act_spec, workers=1, timeout_s=30) as pool:
+        j = await pool.judge("ep", {"do": "hoard", "bytes": size, "answer": "1"}, "1", [])
+        assert j.reward is None and "MemoryError" in j.error
+        assert (await pool.judge("ep", {"answer": "1"}, "1", [])).reward == 1.0
 
 
 async def test_pool_recovers_when_a_judge_kills_its_worker(act_spec):

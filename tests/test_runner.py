@@ -12,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 
@@ -30,6 +31,8 @@ AGENT = textwrap.dedent('''
     for turn in range(task.get("calls", 1)):
         client.chat.completions.create(model="gpt-4o-mini", messages=[{"role": "user", "content": task["q"]}])
     mode = task.get("mode")
+    if mode == "hog":
+        hoard = bytearray(task["bytes"])
     if mode == "crash":
         raise SystemExit("boom: the agent gave up")
     if mode == "hang":
@@ -92,6 +95,35 @@ async def test_failures_are_episodes_with_a_cause(upstream, agent, tmp_path):
                     "SELECT e.meta->>'task_id', count(c.call_id) FROM episodes e LEFT JOIN calls c USING (episode_id) "
                     "WHERE e.run_id = ? GROUP BY 1 ORDER BY 1", [run_id])
     assert dict(calls) == {"t0": 1, "t1": 1, "t2": 1, "t3": 1, "t4": 2}
+
+
+async def test_any_task_id_runs_and_no_episode_file_leaves_the_run_directory(upstream, agent, tmp_path):
+    """Task ids come from datasets: slashes, spaces, `..`, unicode. Episodes still get valid ids (a digest keeps
+    them apart), their logs stay in <run>/episodes/, and the outcomes keep the task ids as written."""
+    ids = ["gsm8k/test/12", "../../../escape", "a b", "a_b", "héllo", ".hidden", "x" * 200]
+    tasks = [Task(task_id, {"q": "add", "a": k, "b": 1, "answer": str(k + 1)}) for k, task_id in enumerate(ids)]
+    config = RunConfig(command=agent, judge="exact_match", concurrency=4, timeout_s=60)
+    run_dir = tmp_path / "nested" / "run"
+    _, report = await run_dataset(tasks, config, attach(upstream.url), run_dir, progress=False)
+    rows = db_rows(run_dir / "harness.duckdb", "SELECT task_id, episode_id, status, log_path FROM episode_outcomes")
+    assert sorted(r[0] for r in rows) == sorted(ids) and {r[2] for r in rows} == {"finished"}
+    assert len({r[1] for r in rows}) == len(ids)  # "a b" and "a_b" stay apart
+    for _, _, _, log_path in rows:
+        assert Path(log_path).resolve().parent == (run_dir / "episodes").resolve()
+    assert not (tmp_path / "escape-0.log").exists() and report["mean_reward"] == 1.0
+
+
+async def test_agents_run_under_a_memory_cap(upstream, agent, tmp_path):
+    """An agent that allocates past its cap (RunConfig.memory_mb, harness/limits.py) fails its episode with the
+    MemoryError in its cause; the same agent without the cap finishes: the cap is what stopped it."""
+    task = _tasks({"mode": "hog", "bytes": 1 << 30})
+    capped = RunConfig(command=agent, judge="exact_match", timeout_s=60, memory_mb=512)
+    await run_dataset(task, capped, attach(upstream.url), tmp_path / "capped", progress=False)
+    [(status, error)] = db_rows(tmp_path / "capped" / "harness.duckdb", "SELECT status, error FROM episode_outcomes")
+    assert status == "crashed" and "MemoryError" in error
+    free = RunConfig(command=agent, judge="exact_match", timeout_s=60, memory_mb=None)
+    await run_dataset(task, free, attach(upstream.url), tmp_path / "free", progress=False)
+    assert db_rows(tmp_path / "free" / "harness.duckdb", "SELECT status FROM episode_outcomes") == [("finished",)]
 
 
 async def test_32_concurrent_episodes_each_get_one_episode_row_and_their_calls(upstream, agent, tmp_path):
