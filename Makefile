@@ -26,7 +26,7 @@ CHROMIUM := /usr/bin/chromium
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 RUN_DIR ?= runs/demo
 
-.PHONY: install demo test test-fast test-engine lint bench clean
+.PHONY: install demo test test-fast test-engine lint bench soak clean
 
 install: $(STAMP) $(VERL_STAMP) $(AGENTS_STAMP) $(MITM_STAMP) $(NODE_STAMP)
 
@@ -82,6 +82,11 @@ test-engine: install $(CHROMIUM)
 
 lint: install
 	$(BIN)/ruff check .
+
+# The fuzz and soak tests at full size (make test runs them small): 20k fuzzed requests, 256 agents for 10 minutes.
+soak: install
+	HARNESS_FUZZ_REQUESTS=20000 HARNESS_FUZZ_REPORT=runs/fuzz.json $(BIN)/pytest -q -s tests/test_fuzz.py
+	$(BIN)/python bench/soak.py --agents 256 --seconds 600 --report runs/soak.json
 
 bench: install
 	$(BIN)/python bench/proxy_overhead.py

@@ -34,12 +34,12 @@ _parser_con: duckdb.DuckDBPyConnection | None = None
 
 
 def check_read_only(sql: str) -> None:
-    """Raise ReadOnlyError unless every statement in `sql` only reads.
+    """Raise ReadOnlyError unless `sql` is one statement that only reads.
 
     Allowed: SELECT (with WITH, VALUES, FROM-first, DESCRIBE, SHOW, SUMMARIZE, PIVOT with an IN list),
     EXPLAIN of those, and the informational PRAGMAs in _READ_ONLY_PRAGMAS. Everything else is refused,
-    including SET, CALL, COPY, ATTACH, INSTALL/LOAD and writes hidden in CTEs. A syntax error propagates as
-    DuckDB's ParserException.
+    including SET, CALL, COPY, ATTACH, INSTALL/LOAD, writes hidden in CTEs, and more than one statement. A syntax
+    error propagates as DuckDB's ParserException.
     """
     if not isinstance(sql, str):
         raise TypeError(f"SQL must be a string, got {type(sql).__name__}")
@@ -57,6 +57,8 @@ def _check_text(sql: str) -> None:
         raise ValueError("empty SQL query: nothing to run (write a SELECT statement)")
     for statement in statements:
         _check_statement(statement.type.name, statement.query)
+    if len(statements) > 1:
+        raise ReadOnlyError(f"harness sql runs one statement at a time: {sql.strip()[:80]!r} has {len(statements)}")
 
 
 def _check_statement(kind: str, query: str) -> None:

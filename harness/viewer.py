@@ -29,6 +29,7 @@ import yaml
 from aiohttp import web
 
 from harness.sql import Reader, SqlError, run_sql
+from proxy.errors import dumps_values
 
 log = logging.getLogger("harness.view")
 STATIC = Path(__file__).with_name("viewer_static")
@@ -268,8 +269,7 @@ async def _errors(request: web.Request, handler):
 
 
 def _json_response(obj) -> web.Response:
-    return web.Response(body=orjson.dumps(obj, default=str, option=orjson.OPT_SERIALIZE_NUMPY),
-                        content_type="application/json")
+    return web.Response(body=dumps_values(obj), content_type="application/json")
 
 
 def _error(message: str) -> str:

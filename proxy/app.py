@@ -33,7 +33,7 @@ from proxy.config import ProxyConfig, SamplingOverrides
 from proxy.continuity import Timelines, completions_body, plan, prefix_hashes
 from proxy.engines import EPISODE_HEADER, Engines, healthy
 from proxy.episodes import Episodes
-from proxy.errors import ApiError, error_middleware, json_response
+from proxy.errors import ApiError, dumps_values, error_middleware, json_response, parse_json_object, read_body
 from proxy.request import CHAT, COMPLETIONS, Prepared, prepare
 from proxy.roles import RoleRule, find_role
 from proxy.tool_parsers import ToolParser, get_parser
@@ -189,7 +189,7 @@ async def _llm_call(request: web.Request, endpoint: str, wire: Wire | None = Non
     api_key = _api_key(request)
     _check_agent_auth(request, api_key)
     episode_id = await episodes.resolve(request.match_info.get("episode"), api_key)
-    raw = await request.read()
+    raw = await read_body(request)
     call_index = episodes.next_index(episode_id)
     seed = _call_seed(state, episode_id, call_index)
     role, frozen = None, False
@@ -359,7 +359,7 @@ async def passthrough(request: web.Request) -> web.Response:
     engine = request.app[ENGINES].any_up()
     url = f"{engine}/v1/{tail}"
     headers = {k: v for k in ("Content-Type", "Accept") if (v := request.headers.get(k))}
-    data = await request.read() if request.method == "POST" else None
+    data = await read_body(request) if request.method == "POST" else None
     served = request.app[STATE].served_model
     if data and served and request.content_type == "application/json":  # any model name serves the policy
         try:
@@ -404,13 +404,7 @@ def _check_admin(request: web.Request) -> None:
 
 
 async def _json_body(request: web.Request) -> dict:
-    try:
-        body = orjson.loads(await request.read())
-    except orjson.JSONDecodeError as exc:
-        raise ApiError(400, f"request body is not valid JSON: {exc}", code="invalid_json") from None
-    if not isinstance(body, dict):
-        raise ApiError(400, f"request body must be a JSON object, got {type(body).__name__}", code="invalid_json")
-    return body
+    return parse_json_object(await read_body(request))
 
 
 async def sql(request: web.Request) -> web.Response:
@@ -423,7 +417,8 @@ async def sql(request: web.Request) -> web.Response:
     if params is not None and not isinstance(params, list):
         raise ApiError(400, f"'params' must be a list of values for the ? placeholders, got {type(params).__name__}",
                        param="params")
-    if max_rows is not None and (not isinstance(max_rows, int) or max_rows < 0):
+    if max_rows is not None and (not isinstance(max_rows, int) or isinstance(max_rows, bool)
+                                 or not 0 <= max_rows <= 10**9):
         raise ApiError(400, f"'max_rows' must be a non-negative integer, got {max_rows!r}", param="max_rows")
     try:
         check_read_only(query)
@@ -437,8 +432,7 @@ async def sql(request: web.Request) -> web.Response:
     except duckdb.Error as exc:
         raise ApiError(400, f"SQL error: {exc}", code="sql_error") from None
     payload = {"columns": result.columns, "types": result.types, "rows": result.rows, "truncated": result.truncated}
-    return web.Response(body=orjson.dumps(payload, default=str, option=orjson.OPT_SERIALIZE_NUMPY),
-                        content_type="application/json")
+    return web.Response(body=dumps_values(payload), content_type="application/json")
 
 
 async def open_episode(request: web.Request) -> web.Response:
@@ -455,8 +449,9 @@ async def open_episode(request: web.Request) -> web.Response:
 async def set_weight_version(request: web.Request) -> web.Response:
     _check_admin(request)
     version = (await _json_body(request)).get("version")
-    if not isinstance(version, int) or isinstance(version, bool) or version < 0:
-        raise ApiError(400, f"'version' must be a non-negative integer, got {version!r}", param="version")
+    if not isinstance(version, int) or isinstance(version, bool) or not 0 <= version < 2**31:
+        raise ApiError(400, f"'version' must be an integer from 0 to 2**31-1 (calls.weight_version is an INTEGER), "
+                       f"got {version!r}", param="version")
     request.app[STATE].weight_version = version
     return json_response({"weight_version": version})
 

@@ -11,6 +11,7 @@ import logging
 
 import orjson
 from aiohttp import web
+from aiohttp.web_protocol import RequestPayloadError
 
 log = logging.getLogger("harness.proxy")
 
@@ -52,6 +53,58 @@ def error_body(status: int, message: str, *, code: str | None = None, param: str
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
+MAX_JSON_DEPTH = 128  # orjson parses 1024 levels but writes 255: deeper bodies could be read, never sent on
+
+
+def parse_json_object(raw: bytes) -> dict:
+    """A request body as a JSON object; ApiError(400) naming what is wrong with it otherwise."""
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise ApiError(400, f"request body is not valid JSON: {exc}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, f"request body must be a JSON object, got {type(body).__name__}", code="invalid_json")
+    level, depth = [body], 1
+    while level:
+        level = [v for x in level for v in (x.values() if isinstance(x, dict) else x) if isinstance(v, (dict, list))]
+        depth += bool(level)
+        if depth > MAX_JSON_DEPTH:
+            raise ApiError(400, f"request body is nested more than {MAX_JSON_DEPTH} levels deep", code="invalid_json")
+    return body
+
+
+async def read_body(request: web.Request) -> bytes:
+    """The request's bytes as sent. A compressed body is refused (415): agents send JSON as is, and the proxy
+    records and forwards exactly what it was given."""
+    encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
+    if encoding not in ("", "identity"):
+        raise ApiError(415, f"Content-Encoding {encoding!r} is not accepted: send the request body uncompressed",
+                       code="unsupported_content_encoding")
+    return await request.read()
+
+
+def dumps_values(obj) -> bytes:
+    """JSON of query results, whatever DuckDB returned: dates and decimals as text, map keys as text, and integers
+    past 64 bits (HUGEINT) as text."""
+    option = orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_NON_STR_KEYS
+    try:
+        return orjson.dumps(obj, default=str, option=option)
+    except TypeError:  # an integer orjson cannot write: the slow way, once
+        return orjson.dumps(_wide_ints_as_text(obj), default=str, option=option)
+
+
+def _wide_ints_as_text(value):
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int):
+        return value if -2**63 <= value < 2**64 else str(value)
+    if isinstance(value, dict):
+        return {k: _wide_ints_as_text(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_wide_ints_as_text(v) for v in value]
+    return value
+
+
 def json_response(obj, status: int = 200) -> web.Response:
     return web.Response(body=orjson.dumps(obj), status=status, content_type="application/json")
 
@@ -63,6 +116,8 @@ async def error_middleware(request: web.Request, handler):
         return await handler(request)
     except ApiError as exc:
         return exc.response()
+    except RequestPayloadError as exc:  # a body that broke off or does not decode
+        return ApiError(400, f"the request body could not be read: {exc}", code="invalid_body").response()
     except web.HTTPException as exc:
         if exc.status < 400:
             raise

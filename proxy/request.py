@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import orjson
 
 from proxy.config import ProxyConfig, SamplingOverrides
-from proxy.errors import ApiError
+from proxy.errors import ApiError, parse_json_object
 
 CHAT = "chat"
 COMPLETIONS = "completions"
@@ -112,12 +112,7 @@ def prepare(endpoint: str, raw: bytes, config: ProxyConfig, served_model: str | 
     """Parse, check and translate one agent request; raises ApiError(400) naming what is wrong. `sampling`
     replaces the config's overrides (a trainer switches to validation sampling and back); `seed` replaces the
     agent's sampling seed (a trainer's reproducible rollouts)."""
-    try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise ApiError(400, f"request body is not valid JSON: {exc}", code="invalid_json") from None
-    if not isinstance(body, dict):
-        raise ApiError(400, f"request body must be a JSON object, got {type(body).__name__}", code="invalid_json")
+    body = parse_json_object(raw)
     _validate(endpoint, body)
 
     secrets_found = [k for k in body if k.lower() in _SECRET_KEYS]

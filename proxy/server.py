@@ -60,7 +60,9 @@ class ProxyServer:
 
     async def start(self) -> str:
         # handler_cancellation: an agent that disconnects cancels its handler, and with it the engine request.
-        self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
+        # auto_decompress off: the proxy refuses compressed bodies itself (proxy/errors.py read_body), where
+        # aiohttp's decoder could answer a corrupt one with a 500 or leave its connection hanging.
+        self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None, auto_decompress=False)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.config.host, self.config.port)
         await site.start()

@@ -23,7 +23,7 @@ from collections import OrderedDict
 import orjson
 from aiohttp import web
 
-from proxy.errors import ApiError, error_body
+from proxy.errors import ApiError, error_body, parse_json_object
 
 # vLLM sampling extensions an agent may send on any format (`extra_body`): passed to the chat request as they are.
 ENGINE_EXTRAS = ("seed", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
@@ -93,13 +93,7 @@ class Wire:
     name = ""
 
     def translate(self, raw: bytes) -> bytes:
-        try:
-            body = orjson.loads(raw)
-        except orjson.JSONDecodeError as exc:
-            raise ApiError(400, f"request body is not valid JSON: {exc}", code="invalid_json") from None
-        if not isinstance(body, dict):
-            raise ApiError(400, f"request body must be a JSON object, got {type(body).__name__}", code="invalid_json")
-        return orjson.dumps(self.to_chat(body))
+        return orjson.dumps(self.to_chat(parse_json_object(raw)))
 
     def to_chat(self, body: dict) -> dict:
         raise NotImplementedError

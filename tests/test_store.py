@@ -324,7 +324,7 @@ ACCEPTED = [
     "SUMMARIZE choices",
     "FROM episodes",
     "VALUES (1, 'a')",
-    "SELECT 1; SELECT 2",
+    "SELECT 1;",
     "PRAGMA table_info('calls')",
     "-- a comment\nSELECT 1 -- trailing",
 ]
@@ -379,6 +379,11 @@ def test_check_read_only_refuses_every_write_class(sql: str, kind: str):
     message = str(error.value)
     assert "harness sql is read-only" in message and kind in message
     assert sql.split("; ")[-1][:40] in message  # quotes the offending statement
+
+
+def test_one_statement_at_a_time():
+    with pytest.raises(ReadOnlyError, match="one statement at a time: 'SELECT 1; SELECT 2' has 2"):
+        check_read_only("SELECT 1; SELECT 2")
 
 
 def test_the_message_quotes_at_most_80_characters_of_the_statement():
