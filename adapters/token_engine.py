@@ -26,6 +26,7 @@ from aiohttp import web
 
 from proxy.chat_answer import ChatAnswer
 from proxy.engines import EPISODE_HEADER
+from proxy.errors import ApiError, error_body, json_response, parse_json_object
 from proxy.tool_parsers import get_parser
 
 
@@ -96,7 +97,7 @@ class TokenEngine:
         return web.Response(text="")
 
     async def _models(self, request: web.Request) -> web.Response:
-        return _json({"object": "list", "data": [{"id": self.model, "object": "model", "owned_by": "harness",
+        return json_response({"object": "list", "data": [{"id": self.model, "object": "model", "owned_by": "harness",
                                                   "max_model_len": self.max_model_len}]})
 
     async def _tokenize(self, request: web.Request) -> web.Response:
@@ -105,7 +106,7 @@ class TokenEngine:
             ids = self.render(body) if "messages" in body else self._encode_prompt(body.get("prompt"), body)
         except RequestError as exc:
             return _error(400, str(exc))
-        return _json({"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids})
+        return json_response({"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids})
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         body = await _body(request)
@@ -194,7 +195,7 @@ class TokenEngine:
 
     async def _send(self, request: web.Request, body: dict, answer: dict, chat: ChatAnswer | None):
         if not body.get("stream"):
-            return _json(chat.response(answer) if chat is not None else answer)
+            return json_response(chat.response(answer) if chat is not None else answer)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
         usage = answer.pop("usage")
@@ -230,20 +231,13 @@ def _template_message(message: dict) -> dict:
 
 
 async def _body(request: web.Request) -> dict:
+    """The request as a JSON object (proxy/errors.py's parse: the same checks the proxy makes), else a 400."""
     try:
-        body = orjson.loads(await request.read())
-    except orjson.JSONDecodeError:
-        body = None
-    if not isinstance(body, dict):
-        raise web.HTTPBadRequest(text='{"error": {"message": "the body must be a JSON object"}}',
-                                 content_type="application/json")
-    return body
-
-
-def _json(obj) -> web.Response:
-    return web.Response(body=orjson.dumps(obj), content_type="application/json")
+        return parse_json_object(await request.read())
+    except ApiError as exc:
+        raise web.HTTPBadRequest(body=orjson.dumps(error_body(400, exc.message)),
+                                 content_type="application/json") from None
 
 
 def _error(status: int, message: str) -> web.Response:
-    return web.Response(status=status, content_type="application/json",
-                        body=orjson.dumps({"error": {"message": message, "type": "BadRequestError", "code": status}}))
+    return json_response(error_body(status, message), status=status)
