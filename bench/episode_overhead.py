@@ -101,7 +101,7 @@ ENGINE = textwrap.dedent('''
 STEPS = {
     "instance_for": "task instance (`instance_for`, in a thread)",
     "open": "open the episode (`Episodes.open`)",
-    "next_call_index": "- of which the `next_call_index` query (in a thread)",
+    "episode_progress": "- of which the `episode_progress` query (in a thread)",
     "run_agent": "run the agent (`Runner._run_agent`)",
     "wiring": "- of which the wiring around it (environment, log file, parsing the answer)",
     "agent_process": "- of which the agent process, spawn to reaped",
@@ -334,8 +334,8 @@ def render(s: dict, warm: Arm, side: dict, args, load: tuple[float, float], mach
         mean, med, cpu = c1["steps"][key]
         cpu_cell = "-" if key in ("wiring", "agent_process") else f"{cpu:.1f}"  # not measured apart
         lines.append(f"| {label} | {mean:.1f} | {med:.1f} | {cpu_cell} | {c32['steps'][key][0]:.1f} |")
-    db1 = sum(c1["steps"][k][2] for k in ("next_call_index", "episode_calls", "add_outcome", "add_judgements"))
-    lock32 = c32["steps"]["open"][0] - c32["steps"]["next_call_index"][0]
+    db1 = sum(c1["steps"][k][2] for k in ("episode_progress", "episode_calls", "add_outcome", "add_judgements"))
+    lock32 = c32["steps"]["open"][0] - c32["steps"]["episode_progress"][0]
     lines += [
         f"| **the episode slot, all of it** | **{c1['slot'][0]:.1f}** | - | **{c1['slot_cpu']:.1f}** "
         f"| **{c32['slot'][0]:.1f}** |",
@@ -344,7 +344,7 @@ def render(s: dict, warm: Arm, side: dict, args, load: tuple[float, float], mach
         f"writes {bg1['recorder'][1]:.0f}, the runner's four DuckDB round trips {db1:.0f}, the proxy "
         f"{bg1['proxy'][1]:.0f}) mostly runs on the other core while the agent runs, so it costs wall time only "
         f"on a busy machine. At c=32 the {cores} cores are saturated by the agents, so waits there are queueing "
-        f"for CPU and threads, not work: `Episodes.open` waits {lock32:.0f} ms beyond its `next_call_index` query "
+        f"for CPU and threads, not work: `Episodes.open` waits {lock32:.0f} ms beyond its `episode_progress` query "
         "(for a thread of asyncio's default executor, shared by every to_thread call, `Recorder.flush` waits "
         "included, and for the event loop), and so do the other to_thread steps. The c=32 "
         "wall times move by a few per cent between runs with the agents' own CPU (below), which is as large as the "

@@ -116,7 +116,7 @@ def install_wrappers() -> None:
     from harness.store import Store
     from proxy.episodes import Episodes
 
-    for owner, name, step in [(harness.runner, "instance_for", "instance_for"), (Store, "next_call_index", None),
+    for owner, name, step in [(harness.runner, "instance_for", "instance_for"), (Store, "episode_progress", None),
                               (Recorder, "flush", None), (Store, "episode_calls", None), (Store, "add_outcome", None),
                               (Store, "add_judgements", None)]:
         _time_sync(owner, name, step or name)

@@ -5,16 +5,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import sys
 from pathlib import Path
 
 from harness import __version__
 from harness import cli_options as options
+from harness.cli_serve import add_parser as add_serve_parser
+from harness.limits import AGENT_MEMORY_MB
 from harness.viewer import add_parser as add_view_parser
-from proxy.tool_parsers import known_parsers
-
-DEFAULT_RUN_DIR = Path("runs")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -24,7 +22,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--version", action="version", version=f"harness {__version__}")
     verbs = parser.add_subparsers(dest="verb", metavar="VERB", required=True)
-    _add_serve(verbs)
+    add_serve_parser(verbs)
     _add_run(verbs)
     _add_judge(verbs)
     _add_merge(verbs)
@@ -43,104 +41,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-
-
-def _add_serve(verbs) -> None:
-    p = verbs.add_parser(
-        "serve", help="start the engine (or attach to one) and the recording proxy",
-        description="Start vLLM on a model (or attach to a running OpenAI-compatible server) and put the recording "
-        "proxy in front of it. Point agents at the printed OPENAI_BASE_URL; every call lands in the DuckDB file.",
-    )
-    _add_engine_args(p)
-    p.add_argument("--run-dir", type=Path, default=DEFAULT_RUN_DIR, help="where logs go (default: %(default)s)")
-    p.add_argument("--db", type=Path, help="DuckDB file to record into (default: RUN_DIR/harness.duckdb)")
-    p.add_argument("--host", default="127.0.0.1", help="bind address (default: %(default)s)")
-    p.add_argument("--port", type=int, default=8400, help="proxy port; 0 picks a free one (default: %(default)s)")
-    p.add_argument("--auth-token", default=os.environ.get("HARNESS_AUTH_TOKEN"),
-                   help="api key agents must send; required when binding beyond loopback (env HARNESS_AUTH_TOKEN)")
-    p.add_argument("--strict-episodes", action="store_true",
-                   help="refuse /e/<episode>/v1 calls for episodes not opened via POST /harness/episodes")
-    p.add_argument("--temperature", type=float, help="training-time override of the agents' temperature")
-    p.add_argument("--top-p", type=float, help="training-time override of the agents' top_p")
-    p.add_argument("--max-tokens-cap", type=int, help="cap on the agents' max_tokens")
-    options.add_role_args(p)
-    options.add_transparent_args(p)
-    p.set_defaults(func=_serve)
-
-
-def _serve(args) -> int:
-    from harness.engine import EngineError, start_or_attach
-    from proxy import ProxyConfig, SamplingOverrides, serve_forever
-
-    args.run_dir.mkdir(parents=True, exist_ok=True)
-    db = args.db or args.run_dir / "harness.duckdb"
-    try:
-        sampling = SamplingOverrides(args.temperature, args.top_p, args.max_tokens_cap)
-        engine = start_or_attach(model=args.model, upstream=(args.upstream or [None])[0], run_dir=args.run_dir,
-                                 max_model_len=args.max_model_len)
-    except (EngineError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2 if "is not a directory" in str(exc) else 1
-    try:
-        if not engine.returns_token_ids:
-            print(f"note: {engine.base_url} returns no token ids: recording text only", file=sys.stderr)
-        config = ProxyConfig(
-            upstream_url=engine.base_url, db_path=db, served_model=engine.served_model,
-            returns_token_ids=engine.returns_token_ids, host=args.host, port=args.port,
-            auth_token=args.auth_token, auto_episodes=not args.strict_episodes, sampling=sampling,
-            token_exact=not args.no_token_exact, tool_parser=args.tool_parser, roles=options.role_rules(args),
-            more_upstreams=tuple((args.upstream or [])[1:]),
-        )
-
-        interceptor = options.interceptor(args, args.run_dir)
-
-        def ready(server):
-            print(f"proxy ready: {server.url}/v1  (recording into {db})", file=sys.stderr)
-            print(f"  export OPENAI_BASE_URL={server.url}/v1", file=sys.stderr)
-            print(f"  per-episode: {server.url}/e/<episode>/v1   SQL: harness sql --db {db} \"SELECT ...\"",
-                  file=sys.stderr)
-            if interceptor is not None:
-                try:
-                    interceptor.start(server.url, auth_token=config.auth_token)
-                except interceptor.Error as exc:
-                    print(f"error: {exc}", file=sys.stderr)
-                    raise SystemExit(1) from None
-                print(f"transparent hop ready on {interceptor.proxy_address}: agents that hard-code an LLM host "
-                      "are recorded with this environment:", file=sys.stderr)
-                for key, value in interceptor.agent_env().items():
-                    if key.isupper():
-                        print(f"  export {key}={value}", file=sys.stderr)
-            sys.stderr.flush()
-
-        try:
-            asyncio.run(serve_forever(config, on_ready=ready))
-        finally:
-            if interceptor is not None:
-                interceptor.close()
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    finally:
-        engine.stop()
-    return 0
-
-
-# ---------------------------------------------------------------------------------------------------------------
-
-
-def _add_engine_args(p) -> None:
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--model", type=Path, help="model directory to serve with vLLM (started as a subprocess)")
-    src.add_argument("--upstream", action="append", metavar="URL",
-                     help="URL of an engine already running, e.g. http://127.0.0.1:8000; repeat it for several "
-                     "engines serving the same model (an episode stays on one; a failed engine's calls move on)")
-    p.add_argument("--max-model-len", type=int, default=2048, help="engine context length (default: %(default)s)")
-    p.add_argument("--no-token-exact", action="store_true",
-                   help="render every chat call with the engine's chat template instead of continuing conversations "
-                   "from the recorded token ids (docs/proxy.md: token-exact continuity)")
-    p.add_argument("--tool-parser", default="hermes", choices=known_parsers(),
-                   help="how generated text becomes tool calls on the token-exact path, as vLLM's --tool-call-parser "
-                   "(default: %(default)s)")
 
 
 def _add_run(verbs) -> None:
@@ -169,12 +69,15 @@ def _add_run(verbs) -> None:
     p.add_argument("--success-threshold", type=float, default=1.0,
                    help="reward that counts as a success for success rate and pass@k (default: %(default)s)")
     p.add_argument("--judge-timeout", type=float, default=60.0, help="seconds per judgement (default: 60)")
-    p.add_argument("--run-dir", type=Path, default=DEFAULT_RUN_DIR, help="where the run goes (default: %(default)s)")
+    p.add_argument("--run-dir", type=Path, default=options.DEFAULT_RUN_DIR,
+                   help="where the run goes (default: %(default)s)")
+    p.add_argument("--agent-memory-mb", type=int, default=AGENT_MEMORY_MB,
+                   help="address-space cap of each agent process in MB; 0: none (default: %(default)s)")
     p.add_argument("--temperature", type=float, help="training-time override of the agents' temperature")
     p.add_argument("--debug", action="store_true",
                    help="one episode at a time, the agent on this terminal (stdin, stdout and stderr; its task only in "
                    "HARNESS_TASK), the judge in this process, no timeouts: breakpoints in agent or judge code work")
-    _add_engine_args(p)
+    options.add_engine_args(p)
     options.add_role_args(p)
     options.add_transparent_args(p)
     p.set_defaults(func=_run)
@@ -204,7 +107,7 @@ def _run(args) -> int:
             raise TaskError(f"{args.data!r} has no tasks in split {args.split!r}")
         config = RunConfig(command=command, judge=args.judge, repeat=args.repeat, concurrency=args.concurrency,
                            timeout_s=args.timeout, retries=args.retries, judge_timeout_s=args.judge_timeout,
-                           debug=args.debug)
+                           debug=args.debug, memory_mb=args.agent_memory_mb or None)
         sampling = SamplingOverrides(temperature=args.temperature)
         if args.judge:
             from harness.judges import load_judge
@@ -245,7 +148,7 @@ def _add_judge(verbs) -> None:
     )
     p.add_argument("--judge", required=True, help="judge spec, as for harness run")
     p.add_argument("--run", dest="run_id", help="run id (default: the latest dataset run in the database)")
-    p.add_argument("--db", type=Path, default=DEFAULT_RUN_DIR / "harness.duckdb",
+    p.add_argument("--db", type=Path, default=options.DEFAULT_RUN_DIR / "harness.duckdb",
                    help="DuckDB file (default: %(default)s)")
     p.add_argument("--success-threshold", type=float, default=1.0, help="reward that counts as a success")
     p.add_argument("--judge-timeout", type=float, default=60.0, help="seconds per judgement (default: 60)")
@@ -284,7 +187,7 @@ def _add_merge(verbs) -> None:
     )
     where = p.add_mutually_exclusive_group()
     where.add_argument("--db", type=Path, help="DuckDB file (default: RUN_DIR/harness.duckdb)")
-    where.add_argument("--run-dir", type=Path, default=DEFAULT_RUN_DIR,
+    where.add_argument("--run-dir", type=Path, default=options.DEFAULT_RUN_DIR,
                        help="run directory holding harness.duckdb (default: %(default)s)")
     p.add_argument("--run", dest="run_id", help="merge only this run's episodes (default: every episode in the file)")
     p.set_defaults(func=_merge)
@@ -318,7 +221,7 @@ def _add_sql(verbs) -> None:
         "See docs/schema.md.",
     )
     p.add_argument("query", help='e.g. "SELECT episode_id, count(*) FROM calls GROUP BY 1"')
-    p.add_argument("--db", type=Path, default=DEFAULT_RUN_DIR / "harness.duckdb",
+    p.add_argument("--db", type=Path, default=options.DEFAULT_RUN_DIR / "harness.duckdb",
                    help="DuckDB file, or a folder: every .duckdb file under it read as one, e.g. a backbone: verl "
                    "run's <run>/verl with a file per worker (default: %(default)s)")
     fmt = p.add_mutually_exclusive_group()
@@ -352,7 +255,7 @@ def _add_roles(verbs) -> None:
         "(model name), its system prompt and its tool set, so the agents of a multi-agent app show apart without "
         "annotations. Each with its counts and an example call. Works on a closed file and live, like harness sql.",
     )
-    p.add_argument("--db", type=Path, default=DEFAULT_RUN_DIR / "harness.duckdb",
+    p.add_argument("--db", type=Path, default=options.DEFAULT_RUN_DIR / "harness.duckdb",
                    help="DuckDB file (default: %(default)s)")
     p.add_argument("--run", dest="run_id", help="only this run's roles (default: every run's)")
     p.add_argument("--json", action="store_true", help="print a JSON list of row objects")

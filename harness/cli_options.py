@@ -1,8 +1,13 @@
-"""Flag groups shared by several `harness` verbs: named roles (run, serve) and transparent mode (run, serve)."""
+"""Flag groups shared by several `harness` verbs: the engine (run, serve), named roles (run, serve) and transparent
+mode (run, serve)."""
 
 from __future__ import annotations
 
 from pathlib import Path
+
+from proxy.tool_parsers import known_parsers
+
+DEFAULT_RUN_DIR = Path("runs")
 
 
 def add_role_args(p) -> None:
@@ -54,3 +59,18 @@ def interceptor(args, run_dir: Path):
 
     options = TransparentOptions(llm_hosts=tuple(args.llm_host), refuse_other=args.refuse_other_hosts)
     return Interceptor(options, log_path=run_dir / "transparent.log")
+
+
+def add_engine_args(p) -> None:
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", type=Path, help="model directory to serve with vLLM (started as a subprocess)")
+    src.add_argument("--upstream", action="append", metavar="URL",
+                     help="URL of an engine already running, e.g. http://127.0.0.1:8000; repeat it for several "
+                     "engines serving the same model (an episode stays on one; a failed engine's calls move on)")
+    p.add_argument("--max-model-len", type=int, default=2048, help="engine context length (default: %(default)s)")
+    p.add_argument("--no-token-exact", action="store_true",
+                   help="render every chat call with the engine's chat template instead of continuing conversations "
+                   "from the recorded token ids (docs/proxy.md: token-exact continuity)")
+    p.add_argument("--tool-parser", default="hermes", choices=known_parsers(),
+                   help="how generated text becomes tool calls on the token-exact path, as vLLM's --tool-call-parser "
+                   "(default: %(default)s)")

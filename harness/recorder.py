@@ -119,11 +119,17 @@ class Recorder:
 
     # --- called from other threads -------------------------------------------------------------------------
 
-    def flush(self, timeout: float = 30) -> None:
-        """Block until everything recorded before this call is in the database (or the spill file)."""
+    def mark(self) -> tuple[int, int]:
+        """A point in the record stream: `flush(upto=mark)` waits for what was recorded before it."""
+        with self._lock:
+            return self._recorded[0], self._recorded[1]
+
+    def flush(self, timeout: float = 30, *, upto: tuple[int, int] | None = None) -> None:
+        """Block until everything recorded before this call (or before `upto`, a `mark()`) is in the database
+        (or the spill file)."""
         deadline = time.monotonic() + timeout
         with self._lock:
-            target = list(self._recorded)
+            target = list(upto or self._recorded)
             if self._done[0] >= target[0] and self._done[1] >= target[1]:
                 return
             self._urgent = True

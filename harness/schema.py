@@ -265,5 +265,56 @@ MIGRATIONS: list[tuple[str, str]] = [
         FROM calls WHERE role_key <> '' GROUP BY run_id, role_key;
         """,
     ),
+    (
+        # A primary-key index lives in memory whole (DuckDB cannot evict it) and grows ~0.15 kB with every call, so
+        # a long-running proxy's memory grew without bound; call ids are unique by construction (uuid4), so the
+        # two per-call tables are rebuilt without one. Views read them by name and need no change.
+        "calls_without_primary_keys",
+        """
+        CREATE TABLE calls_unindexed (
+            call_id VARCHAR NOT NULL,
+            run_id VARCHAR NOT NULL,
+            episode_id VARCHAR NOT NULL,
+            call_index INTEGER NOT NULL,
+            endpoint VARCHAR NOT NULL,
+            stream BOOLEAN NOT NULL,
+            requested_model VARCHAR,
+            served_model VARCHAR,
+            role_key VARCHAR NOT NULL,
+            system_hash VARCHAR,
+            tools_hash VARCHAR,
+            request JSON NOT NULL USING COMPRESSION zstd,
+            response JSON USING COMPRESSION zstd,
+            prompt_ids INTEGER[],
+            token_source VARCHAR NOT NULL,
+            status VARCHAR NOT NULL,
+            http_status INTEGER NOT NULL,
+            error VARCHAR,
+            started_at TIMESTAMP NOT NULL,
+            latency_ms DOUBLE NOT NULL,
+            ttft_ms DOUBLE,
+            weight_version INTEGER NOT NULL,
+            prompt_tokens INTEGER,
+            completion_tokens INTEGER,
+            extra JSON
+        );
+        CREATE TABLE choices_unindexed (
+            call_id VARCHAR NOT NULL,
+            choice_index INTEGER NOT NULL,
+            completion_ids INTEGER[],
+            logprobs FLOAT[],
+            finish_reason VARCHAR,
+            text VARCHAR,
+            tool_calls JSON,
+            reasoning VARCHAR
+        );
+        INSERT INTO calls_unindexed SELECT * FROM calls;
+        INSERT INTO choices_unindexed SELECT * FROM choices;
+        DROP TABLE choices;
+        DROP TABLE calls;
+        ALTER TABLE calls_unindexed RENAME TO calls;
+        ALTER TABLE choices_unindexed RENAME TO choices;
+        """,
+    ),
 ]
 SCHEMA_VERSION = len(MIGRATIONS)

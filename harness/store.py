@@ -76,12 +76,15 @@ class Store:
         self._con = con
 
     @classmethod
-    def open(cls, path: str | Path, *, read_only: bool = False) -> Store:
+    def open(cls, path: str | Path, *, read_only: bool = False, memory_mb: int | None = None) -> Store:
         """Open (creating and migrating when read-write) the harness database at `path`.
 
         Read-only opens never migrate: they raise SchemaVersionError when the file's schema differs from this
-        code's. A read-write open refuses a file written by a newer harness.
+        code's. A read-write open refuses a file written by a newer harness. `memory_mb` caps DuckDB's memory
+        (its cache of table data above all; DuckDB's default is 80% of RAM), so a long-lived writer stays flat.
         """
+        if memory_mb is not None and memory_mb < 16:
+            raise ValueError(f"memory_mb {memory_mb!r} is too small for DuckDB: give at least 16 (MB)")
         path = Path(path)
         if read_only and not path.exists():
             raise FileNotFoundError(f"no harness database at {path}")
@@ -90,6 +93,8 @@ class Store:
         # The file is ATTACHed (an ATTACH option is the only way to set its row group size), so every cursor
         # must `USE harness`: take cursors from Store.cursor().
         con = duckdb.connect(":memory:")
+        if memory_mb is not None:
+            con.execute(f"SET memory_limit = '{int(memory_mb)}MB'")
         options = f"ROW_GROUP_SIZE {ROW_GROUP_SIZE}" + (", READ_ONLY" if read_only else "")
         quoted = "'" + str(path).replace("'", "''") + "'"
         try:
@@ -293,11 +298,13 @@ class Store:
 
     # --- reads --------------------------------------------------------------------------------------------
 
-    def next_call_index(self, episode_id: str) -> int:
-        """The call_index of the episode's next call (calls still in a Recorder's buffer not counted)."""
+    def episode_progress(self, episode_id: str) -> tuple[bool, int]:
+        """(whether the episode is recorded, the call_index of its next call); buffered calls not counted."""
         with self.cursor() as cur:
-            sql = "SELECT coalesce(max(call_index) + 1, 0) FROM calls WHERE episode_id = ?"
-            return cur.execute(sql, [episode_id]).fetchone()[0]
+            sql = ("SELECT EXISTS (SELECT 1 FROM episodes WHERE episode_id = $1), "
+                   "(SELECT coalesce(max(call_index) + 1, 0) FROM calls WHERE episode_id = $1)")
+            known, start = cur.execute(sql, [episode_id]).fetchone()
+            return bool(known), start
 
     def query(
         self, sql: str, params: Sequence | dict | None = None, *, max_rows: int | None = None

@@ -103,7 +103,7 @@ def public_config(config: ProxyConfig) -> dict:
 
 async def _resources(app: web.Application):
     config, state = app[CONFIG], app[STATE]
-    store = Store.open(config.db_path)
+    store = Store.open(config.db_path, memory_mb=config.db_memory_mb)
     store.start_run(state.run_id, public_config(config), __version__)
     recorder = Recorder(store, max_batch=config.record_batch, max_delay_s=config.record_delay_s)
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=config.connect_timeout_s, sock_read=config.read_timeout_s)
@@ -112,14 +112,9 @@ async def _resources(app: web.Application):
         skip_auto_headers=("User-Agent",),
     )
 
-    async def next_index(episode_id: str) -> int:
-        return await asyncio.to_thread(store.next_call_index, episode_id)
-
     app[STORE], app[RECORDER], app[SESSION] = store, recorder, session
-    app[EPISODES] = Episodes(
-        state.run_id, auto_open=config.auto_episodes, next_index_from_store=next_index,
-        on_new=recorder.record_episode,
-    )
+    app[EPISODES] = Episodes(state.run_id, auto_open=config.auto_episodes, store=store, recorder=recorder,
+                             max_states=config.max_episodes)
     if state.served_model is None:
         state.served_model = await _discover_model(session, config)
     try:
@@ -184,13 +179,23 @@ async def messages(request: web.Request) -> web.StreamResponse:
 
 
 async def _llm_call(request: web.Request, endpoint: str, wire: Wire | None = None) -> web.StreamResponse:
-    app = request.app
-    config, state, episodes = app[CONFIG], app[STATE], app[EPISODES]
+    episodes = request.app[EPISODES]
     api_key = _api_key(request)
     _check_agent_auth(request, api_key)
     episode_id = await episodes.resolve(request.match_info.get("episode"), api_key)
     raw = await read_body(request)
-    call_index = episodes.next_index(episode_id)
+    call_index = await episodes.start_call(episode_id)
+    try:
+        return await _numbered_call(request, endpoint, wire, episode_id, call_index, raw)
+    finally:
+        episodes.end_call(episode_id)
+
+
+async def _numbered_call(request: web.Request, endpoint: str, wire: Wire | None, episode_id: str, call_index: int,
+                         raw: bytes) -> web.StreamResponse:
+    """One call with its place in its episode: forwarded (to another engine if its own is down) and recorded."""
+    app = request.app
+    config, state = app[CONFIG], app[STATE]
     seed = _call_seed(state, episode_id, call_index)
     role, frozen = None, False
     try:
@@ -364,10 +369,10 @@ async def passthrough(request: web.Request) -> web.Response:
     if data and served and request.content_type == "application/json":  # any model name serves the policy
         try:
             body = orjson.loads(data)
-        except orjson.JSONDecodeError:
-            body = None
-        if isinstance(body, dict) and isinstance(body.get("model"), str):
-            data = orjson.dumps({**body, "model": served})
+            if isinstance(body, dict) and isinstance(body.get("model"), str):
+                data = orjson.dumps({**body, "model": served})
+        except (orjson.JSONDecodeError, orjson.JSONEncodeError):  # not JSON, or nested too deep to write back
+            pass  # forwarded as it came
     try:
         async with request.app[SESSION].request(request.method, url, params=request.query, data=data,
                                                 headers=headers) as resp:
@@ -458,9 +463,10 @@ async def set_weight_version(request: web.Request) -> web.Response:
 
 async def status(request: web.Request) -> web.Response:
     _check_admin(request)
-    state, recorder = request.app[STATE], request.app[RECORDER]
+    state, recorder, episodes = request.app[STATE], request.app[RECORDER], request.app[EPISODES]
     return json_response({
         "run_id": state.run_id, "served_model": state.served_model, "weight_version": state.weight_version,
         "calls_written": recorder.calls_written, "calls_spilled": recorder.calls_spilled,
         "pending_records": recorder.pending, "last_error": recorder.last_error and str(recorder.last_error),
+        "episodes_in_memory": len(episodes), "episodes_forgotten": episodes.evicted,
     })

@@ -48,10 +48,12 @@ class ProxyConfig:
     connect_timeout_s: float = 10.0  # connecting to the engine
     read_timeout_s: float = 600.0  # longest wait for the next byte from the engine
     sampling: SamplingOverrides = field(default_factory=SamplingOverrides)
+    db_memory_mb: int = 512  # DuckDB's memory cap in the proxy: recorded rows are cached up to it, then evicted
     record_batch: int = 256  # the recorder flushes after this many calls...
     record_delay_s: float = 0.2  # ...or this long after the oldest unflushed call
     token_exact: bool = True  # build continued conversations' prompts from recorded ids (proxy/continuity.py)
     tool_parser: str = "hermes"  # how generated text becomes tool calls on the token-exact path (proxy/tool_parsers.py)
+    max_episodes: int = 65536  # episodes whose call numbering is kept in memory; older ones are looked up again
     continuity_episodes: int = 4096  # episodes whose replies are kept in memory for token-exact continuation...
     continuity_tokens: int = 32_000_000  # ...and the ids they may hold together (4 bytes each)
     roles: tuple[RoleRule, ...] = ()  # named roles; a frozen one's calls go to its own upstream (proxy/roles.py)
@@ -65,9 +67,10 @@ class ProxyConfig:
                 f"binding to {self.host!r} exposes the proxy beyond this machine: set an auth token "
                 "(--auth-token or HARNESS_AUTH_TOKEN), or bind to 127.0.0.1"
             )
-        if self.continuity_episodes < 1 or self.continuity_tokens < 1:
-            raise ValueError(f"continuity_episodes {self.continuity_episodes!r} and continuity_tokens "
-                             f"{self.continuity_tokens!r} must be positive integers")
+        if self.continuity_episodes < 1 or self.continuity_tokens < 1 or self.max_episodes < 1:
+            raise ValueError(f"continuity_episodes {self.continuity_episodes!r}, continuity_tokens "
+                             f"{self.continuity_tokens!r} and max_episodes {self.max_episodes!r} must be positive "
+                             "integers")
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes {self.max_body_bytes!r} is too small: use at least 1024")
 

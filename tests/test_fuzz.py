@@ -632,7 +632,9 @@ EXPLICIT = {
                      {"model": "m", "max_tokens": 4, "messages": _HI,
                       "tools": [{"name": "t", "input_schema": {"a": _DEEP}}]}, route="messages")],
     "passthrough": [Req("passthrough", "POST", "/v1/embeddings", _J, {"model": "m", "input": "hi"},
-                        encoding="deflate-fake", route="passthrough")],
+                        encoding="deflate-fake", route="passthrough"),
+                    Req("passthrough", "POST", "/v1/embeddings", _J, {"model": "m", "input": _DEEP},
+                        route="passthrough")],
     "sql": [Req("sql", "POST", "/harness/sql", _A, body, route="sql", admin="admin") for body in (
         {"sql": "SELECT 170141183460469231731687303715884105727::HUGEINT"}, {"sql": "SELECT MAP {1: 'a'}"},
         {"sql": "SELECT 1", "max_rows": 2**64 - 1}, {"sql": "SELECT ?", "params": [_DEEP]})],

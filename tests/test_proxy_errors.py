@@ -111,6 +111,50 @@ async def test_unknown_episode_is_a_404_when_episodes_are_strict(upstream, tmp_p
         p.close()
 
 
+async def test_the_episode_table_is_bounded_and_numbering_goes_on_after_an_episode_is_forgotten(upstream, tmp_path):
+    """With room for 2 episodes, 5 take turns (by URL and by token, strict episodes): the forgotten ones are looked
+    up again, the one with a stream open is never forgotten, and every episode's calls are numbered 0..n-1."""
+    upstream.script.chunk_delay_s = 0.2
+    p = RunningProxy(upstream.url, tmp_path / "bounded.duckdb", max_episodes=2, auto_episodes=False,
+                     record_delay_s=30)  # nothing is written unless a lookup asks for it
+    try:
+        tokens = {}
+        for episode in ["long", "a", "b", "c", "d"]:
+            status, opened = await _post(p.url + "/harness/episodes", {"episode_id": episode}, p.admin_headers)
+            assert status == 200, opened
+            tokens[episode] = opened["api_key"]
+        async with aiohttp.ClientSession() as s:
+            async with s.post(p.url + "/e/long/v1/chat/completions", json={**CHAT, "stream": True}) as long:
+                assert long.status == 200
+                for turn in range(3):
+                    for episode in "abcd":
+                        if turn == 1:  # by token
+                            headers = {"Authorization": f"Bearer {tokens[episode]}"}
+                            status, body = await _post(p.url + "/v1/chat/completions", CHAT, headers)
+                        else:
+                            status, body = await _post(p.url + f"/e/{episode}/v1/chat/completions", CHAT)
+                        assert status == 200, body
+                    if turn == 0:  # a second call of the streaming episode, while its first is still open
+                        status, body = await _post(p.url + "/e/long/v1/chat/completions", CHAT)
+                        assert status == 200, body
+                assert b"[DONE]" in await long.read()  # the stream was open all along
+        status, body = await _post(p.url + "/e/long/v1/chat/completions", CHAT)
+        assert status == 200, body
+        async with aiohttp.ClientSession() as s, s.get(p.url + "/harness/status", headers=p.admin_headers) as r:
+            counts = await r.json()
+        assert counts["episodes_in_memory"] <= 2 + 1 and counts["episodes_forgotten"] >= 10, counts
+        forged = tokens["a"][:-4] + ("0000" if not tokens["a"].endswith("0000") else "1111")
+        status, body = await _post(p.url + "/v1/chat/completions", CHAT, {"Authorization": f"Bearer {forged}"})
+        assert status == 401 and body["error"]["code"] == "unknown_episode_token"
+    finally:
+        p.close()
+    rows = db_rows(tmp_path / "bounded.duckdb", "SELECT episode_id, list(call_index ORDER BY call_index) "
+                   "FROM calls GROUP BY episode_id ORDER BY episode_id")
+    assert rows == [("a", [0, 1, 2]), ("b", [0, 1, 2]), ("c", [0, 1, 2]), ("d", [0, 1, 2]), ("long", [0, 1, 2])]
+    assert db_rows(tmp_path / "bounded.duckdb", "SELECT count(*), count(DISTINCT episode_id) FROM episodes") == \
+        [(5, 5)]
+
+
 async def test_upstream_down_is_a_502(tmp_path):
     with socket.socket() as sock:  # a port nobody listens on
         sock.bind(("127.0.0.1", 0))

@@ -214,6 +214,18 @@ def test_cli_run_and_judge(upstream, agent, tmp_path):
     assert out.returncode == 2 and "no_such_module" in out.stderr
 
 
+def test_cli_run_caps_agent_memory(upstream, agent, tmp_path):
+    """`harness run --agent-memory-mb` reaches every agent: the hog fails with a MemoryError under 512 MB."""
+    data = tmp_path / "hog.jsonl"
+    data.write_text(json.dumps({"id": "hog", "q": "hi", "mode": "hog", "bytes": 1 << 30, "answer": "x"}) + "\n")
+    out = subprocess.run([sys.executable, "-m", "harness.cli", "run", agent[1], "--data", str(data), "--judge",
+                          "exact_match", "--upstream", upstream.url, "--run-dir", str(tmp_path / "run"),
+                          "--agent-memory-mb", "512"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    [(status, error)] = db_rows(tmp_path / "run" / "harness.duckdb", "SELECT status, error FROM episode_outcomes")
+    assert status == "crashed" and "MemoryError" in error
+
+
 ENV_AGENT = textwrap.dedent('''
     import json, re, sys
     from openai import OpenAI

@@ -149,6 +149,33 @@ def test_an_older_file_is_migrated_read_write_and_refused_read_only(tmp_path: Pa
     Store.open(path, read_only=True).close()
 
 
+def test_calls_recorded_under_primary_keys_are_kept_when_the_keys_go(tmp_path: Path):
+    path = tmp_path / "keyed.duckdb"
+    con = duckdb.connect(str(path))
+    con.execute("CREATE TABLE schema_migrations (version INTEGER, name VARCHAR, applied_at TIMESTAMP)")
+    for version, (name, sql) in enumerate(MIGRATIONS[:-1], start=1):
+        con.execute(sql)
+        con.execute("INSERT INTO schema_migrations VALUES (?, ?, now()::TIMESTAMP)", [version, name])
+    con.close()
+    calls = [make_call("ep-0", i) for i in range(3)]
+    con = duckdb.connect(":memory:")  # the file as the previous harness wrote it
+    con.execute(f"ATTACH '{path}' AS harness")
+    keyed = Store(path, con, read_only=False)
+    keyed.add_calls(calls)
+    with pytest.raises(duckdb.ConstraintException):  # the previous schema had the key...
+        keyed.add_calls([calls[0]])
+    keyed.close()
+    with Store.open(path) as store:
+        got = store.query("SELECT call_id, call_index, len(prompt_ids) FROM calls ORDER BY call_index").rows
+        assert got == [(c.call_id, c.call_index, len(c.prompt_ids)) for c in calls]
+        assert count(store, "choices") == 6 and count(store, "completions") == 6
+        keys = store.query("SELECT count(*) FROM duckdb_constraints() WHERE table_name IN ('calls', 'choices') "
+                           "AND constraint_type = 'PRIMARY KEY'").rows
+        assert keys == [(0,)]  # ...and now none holds memory
+        store.add_calls([make_call("ep-0", 3)])
+        assert store.episode_progress("ep-0") == (False, 4)
+
+
 def test_a_file_from_a_newer_harness_is_refused_naming_both_versions(tmp_path: Path):
     path = tmp_path / "future.duckdb"
     with Store.open(path) as store, store.cursor() as cur:
@@ -247,11 +274,10 @@ def test_a_failed_call_without_ids_or_choices_is_stored_with_nulls(store: Store)
     assert store.query("SELECT choice_index, completion_tokens FROM completions").rows == [(None, None)]
 
 
-def test_a_batch_with_a_duplicate_call_id_is_refused_whole(store: Store):
-    first = make_call()
-    store.add_calls([first])
+def test_a_batch_with_a_refused_row_is_refused_whole(store: Store):
+    store.add_calls([make_call()])
     with pytest.raises(duckdb.ConstraintException):
-        store.add_calls([make_call(call_index=1), make_call(call_id=first.call_id)])
+        store.add_calls([make_call(call_index=1), dataclasses.replace(make_call(call_index=2), role_key=None)])
     assert count(store, "calls") == 1 and count(store, "choices") == 2
 
 
@@ -276,10 +302,11 @@ def test_runs_are_started_once_and_ended(store: Store):
         store.end_run("run-9")
 
 
-def test_next_call_index_continues_an_episode(store: Store):
-    assert store.next_call_index("ep-0") == 0
+def test_episode_progress_continues_an_episode(store: Store):
+    assert store.episode_progress("ep-0") == (False, 0)
+    store.add_episodes([Episode("ep-0", "run-1", 1.0, "url")])
     store.add_calls([make_call("ep-0", 0), make_call("ep-0", 1), make_call("ep-1", 0)])
-    assert [store.next_call_index(e) for e in ("ep-0", "ep-1", "ep-2")] == [2, 1, 0]
+    assert [store.episode_progress(e) for e in ("ep-0", "ep-1", "ep-2")] == [(True, 2), (False, 1), (False, 0)]
 
 
 def test_views_summarise_episodes_and_completions(store: Store):
@@ -477,8 +504,8 @@ def test_close_writes_what_is_buffered_is_idempotent_and_spills_late_records(sto
 def test_a_failing_row_is_spilled_and_the_rest_of_its_batch_lands(store: Store):
     existing = make_call(call_index=0)
     store.add_calls([existing])
-    duplicate = make_call(call_index=9, call_id=existing.call_id)
-    batch = [make_call(call_index=i) for i in (1, 2, 3)] + [duplicate]
+    refused = dataclasses.replace(make_call(call_index=9), role_key=None)  # NOT NULL
+    batch = [make_call(call_index=i) for i in (1, 2, 3)] + [refused]
     batch += [make_call(call_index=i) for i in (4, 5)]
     with Recorder(store, max_batch=1000, max_delay_s=60) as recorder:
         for call in batch:
@@ -489,8 +516,8 @@ def test_a_failing_row_is_spilled_and_the_rest_of_its_batch_lands(store: Store):
     assert count(store, "calls") == 6
     assert store.query("SELECT call_index FROM calls WHERE call_id = ?", [existing.call_id]).rows == [(0,)]
     lines = (store.path.parent / "harness.duckdb.spill.jsonl").read_bytes().splitlines()
-    assert len(lines) == 1 and "Duplicate key" in orjson.loads(lines[0])["error"]
-    assert read_spill(store.path.parent / "harness.duckdb.spill.jsonl") == [duplicate]
+    assert len(lines) == 1 and "NOT NULL constraint failed" in orjson.loads(lines[0])["error"]
+    assert read_spill(store.path.parent / "harness.duckdb.spill.jsonl") == [refused]
 
 
 def test_queries_from_other_threads_run_while_the_recorder_writes(store: Store):
