@@ -8,8 +8,9 @@ sample of a batch, and awaits `run()`. Here `run()`:
 2. runs the unmodified agent on it through the recording proxy (trainer/rollout.py's Rollouts: one per worker
    process, its DuckDB file in <run_dir>/verl/worker-<pid>/), whose engine is a TokenEngine over verl's
    `server_manager.generate`: token in, token out, on verl's own inference servers;
-3. judges it with our judge, merges its calls into samples (harness/merge.py) and returns them in verl's type:
-   prompt ids, response ids, response mask (1 where the engine sampled), the engine's logprobs, the reward.
+3. judges it with our judge (one judge pool per worker process, shared by all its episodes), merges its calls into
+   samples (harness/merge.py) and returns them in verl's type: prompt ids, response ids, response mask (1 where the
+   engine sampled), the engine's logprobs, the reward.
 
     verl AgentLoopWorker -> HarnessAgentLoop.run -> agent subprocess -> proxy (DuckDB) -> TokenEngine
                                                                                         -> server_manager.generate
@@ -34,6 +35,7 @@ from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopOutp
 
 from adapters.token_engine import Generated, TokenEngine
 from harness.engine import Engine
+from harness.judge_pool import JudgePool
 from harness.records import Task
 from harness.runner import RunConfig
 from proxy.config import SamplingOverrides
@@ -155,7 +157,8 @@ def task_of(kwargs: dict) -> Task:
 
 
 class _Bridge:
-    """Per worker process: the TokenEngine over verl's generate, and the recording proxy with its runner."""
+    """Per worker process: the TokenEngine over verl's generate, the recording proxy with its runner, and one judge
+    pool that judges every episode of the worker (so an episode costs no process start)."""
 
     _by_dir: dict[str, _Bridge] = {}
     _lock: asyncio.Lock | None = None
@@ -178,12 +181,18 @@ class _Bridge:
         self.engine = TokenEngine(self._generate, tokenizer, model=settings.served_model,
                                   max_model_len=settings.max_model_len, tool_parser=settings.tool_parser)
         self.rollouts: Rollouts | None = None
+        self.judges: JudgePool | None = None  # used on the proxy's loop only, where every collect runs its episodes
         self.pool = ThreadPoolExecutor(settings.concurrency, thread_name_prefix="harness-episode")
         self._count = 0
 
     async def _start(self) -> None:
-        url = await self.engine.start()
         s = self.settings
+        loop = asyncio.get_running_loop()
+        if s.judge is not None:  # first: a judge spec that cannot be loaded fails the episode before anything starts
+            self.judges = await loop.run_in_executor(
+                self.pool, lambda: JudgePool(s.judge, workers=s.judge_workers, timeout_s=s.judge_timeout_s))
+        atexit.register(self.close)
+        url = await self.engine.start()
         run = RunConfig(command=s.command, judge=s.judge, repeat=1, concurrency=1, timeout_s=s.timeout_s,
                         retries=s.retries, judge_timeout_s=s.judge_timeout_s, judge_workers=s.judge_workers,
                         cwd=Path(s.cwd) if s.cwd else None, env=dict(s.env), memory_mb=s.memory_mb or None)
@@ -191,10 +200,16 @@ class _Bridge:
         run_dir.mkdir(parents=True, exist_ok=True)
         engine = Engine(base_url=url, served_model=s.served_model, returns_token_ids=True)
         # In a thread: the proxy asks the TokenEngine (on this loop) for its model while it starts.
-        self.rollouts = await asyncio.get_running_loop().run_in_executor(
+        self.rollouts = await loop.run_in_executor(
             self.pool, lambda: Rollouts(engine, run_dir, run, sampling=SamplingOverrides(),
                                         token_exact=s.token_exact, tool_parser=s.tool_parser))
-        atexit.register(self.rollouts.close)
+
+    def close(self) -> None:
+        """Stop the proxy, then the judge pool (at process exit, or by whoever made the bridge). Idempotent."""
+        if self.rollouts is not None:
+            self.rollouts.close()
+        if self.judges is not None:
+            self.judges.close()
 
     async def _generate(self, prompt_ids: list[int], sampling: dict, episode_id: str | None) -> Generated:
         out = await self.server_manager.generate(request_id=episode_id or uuid.uuid4().hex, prompt_ids=prompt_ids,
@@ -207,6 +222,6 @@ class _Bridge:
         set per collect: verl runs training and validation batches one after the other, never mixed."""
         self._count += 1
         step = await asyncio.get_running_loop().run_in_executor(
-            self.pool, lambda n=self._count: self.rollouts.collect(n, [task], tag="verl", repeat=1,
-                                                                   sampling=sampling))
+            self.pool, lambda n=self._count: self.rollouts.collect(n, [task], tag="verl", repeat=1, sampling=sampling,
+                                                                   judge_pool=self.judges))
         return step.episodes[0]

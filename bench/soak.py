@@ -46,7 +46,7 @@ if str(ROOT) not in sys.path:  # run as a script
     sys.path.insert(0, str(ROOT))
 
 from bench.loadgen import pct, run_loop  # noqa: E402
-from bench.soak_parts import EPISODE_PREFIX, ProxyProcess, SoakEngine, cpu_s, rss_kb  # noqa: E402
+from bench.soak_parts import DB_MEMORY_MB, EPISODE_PREFIX, ProxyProcess, SoakEngine, cpu_s, rss_kb  # noqa: E402
 from proxy.scripted import Script  # noqa: E402
 
 WARMUP_SHARE = 0.25  # the first quarter of the run fills the proxy's bounded state; RSS must be flat after it
@@ -366,6 +366,9 @@ def problems(r: dict, rss_bound_mb: float = RSS_BOUND_MB,
             f"memory {r['duckdb_mb']})")
     if not r["rss_samples_mb"] or r["rss_growth_mb"] >= rss_bound_mb:
         out.append(f"{grew}: bound {rss_bound_mb} MB")
+    duck_end = sum(r["duckdb_mb"].get("end", {}).values())
+    if duck_end > DB_MEMORY_MB:
+        out.append(f"DuckDB holds {duck_end} MB at the end, above its cap of {DB_MEMORY_MB} MB")
     if r["rss_growth_outside_duckdb_mb"] >= outside_duckdb_bound_mb:
         out.append(f"{grew}, {r['rss_growth_outside_duckdb_mb']} MB of it outside DuckDB's buffer memory: bound "
                    f"{outside_duckdb_bound_mb} MB")

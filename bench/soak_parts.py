@@ -23,6 +23,7 @@ from proxy.engines import EPISODE_HEADER
 from proxy.scripted import Script, ScriptedEngine
 
 ROOT = Path(__file__).resolve().parents[1]
+DB_MEMORY_MB = 64  # the proxy's DuckDB cap in the soak (`harness serve --db-memory-mb`): its memory may not exceed it
 EPISODE_PREFIX = "soak-"  # the soak's own episodes (not the probe call `harness serve` makes when it attaches)
 _READY = re.compile(r"proxy ready: (http://\S+?)/v1\b")
 # ---------------------------------------------------------------------------------------------------------------
@@ -112,7 +113,7 @@ class ProxyProcess:
     @classmethod
     async def start(cls, upstream: str, db: Path, run_dir: Path, timeout_s: float = 60.0) -> ProxyProcess:
         cmd = [sys.executable, "-m", "harness.cli", "serve", "--upstream", upstream, "--db", str(db),
-               "--port", "0", "--run-dir", str(run_dir)]
+               "--port", "0", "--run-dir", str(run_dir), "--db-memory-mb", str(DB_MEMORY_MB)]
         proc = await asyncio.create_subprocess_exec(*cmd, cwd=ROOT, stdin=asyncio.subprocess.DEVNULL,
                                                     stdout=asyncio.subprocess.DEVNULL,
                                                     stderr=asyncio.subprocess.PIPE)

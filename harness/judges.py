@@ -19,6 +19,8 @@ or a class, instantiated once with no arguments, whose instances are such callab
     completion_tokens  int or None
     requested_model    the model name the agent asked for
     role               the call's role name when roles are named (`roles.match`, `--role`), else None
+    engine_fault       "stream_broke_off" or "error_mid_stream" when the engine failed a stream the agent got a
+                       200 for, else None
 - the return value: a number (a bool counts as 1.0 / 0.0) or a dict with a numeric "reward"; the dict's other keys
   are kept as the judgement's details (stored as JSON). A "call_rewards" entry (a list by call_index, None for
   calls not scored, or {call_index: reward}) gives `harness train` per-call rewards on top of the outcome. A

@@ -5,16 +5,19 @@
 waited `max_delay_s`, episodes before calls; under load one write takes everything waiting, up to `max_write`
 calls, because each transaction has a fixed cost.
 
-Nothing recorded is dropped: when a batch fails (a duplicate call_id, a row DuckDB refuses, a disk error), it
-is split in halves and retried until the failing records are isolated; those are appended to the spill file
-`<db path>.spill.jsonl` with the error, and `read_spill` turns them back into records. Only if the spill file
-cannot be written either is a record lost, and then it is counted in `records_lost` and logged.
+Nothing recorded is dropped: when a batch fails (a row DuckDB refuses, a disk error), it is split in halves and
+retried until the failing records are isolated; those are appended to the spill file `<db path>.spill.jsonl`
+with the error, and `read_spill` turns them back into records. A full disk is different: the batch stays in
+memory and is tried again every `retry_s` until it lands, and `disk_full` says why meanwhile (the proxy refuses
+new calls with it: they could not be recorded). Only if a record can be neither written nor spilled (the disk
+still full at close) is it lost, and then it is counted in `records_lost` and logged.
 """
 
 from __future__ import annotations
 
 import base64
 import dataclasses
+import errno
 import logging
 import threading
 import time
@@ -71,6 +74,8 @@ class Recorder:
         self.episodes_spilled = 0
         self.records_lost = 0  # failed to insert AND failed to spill (see the log)
         self.last_error: str | None = None
+        self.disk_full: str | None = None  # why the last write found no space; None once a write lands
+        self.retry_s = 1.0  # how often a write held back by a full disk is tried again
 
         self._thread = threading.Thread(target=self._run, name="harness-recorder", daemon=True)
         self._thread.start()
@@ -169,15 +174,20 @@ class Recorder:
                 calls, self._calls = self._calls[: self.max_write], self._calls[self.max_write :]
                 if not self._calls:
                     self._oldest, self._urgent = None, False
+            held: tuple[list, list] = ([], [])
             try:
-                self._write(episodes, calls)
+                held = self._write(episodes, calls)
             except Exception:  # _write handles failures itself; this only keeps the thread alive
                 log.exception("recorder: unexpected error writing %d calls", len(calls))
                 self.records_lost += len(episodes) + len(calls)
             with self._lock:
-                self._done[0] += len(episodes)
-                self._done[1] += len(calls)
+                self._done[0] += len(episodes) - len(held[0])
+                self._done[1] += len(calls) - len(held[1])
                 self._progress.notify_all()
+                if held[0] or held[1]:  # the disk is full: back in front of the queue, tried again in a while
+                    self._episodes[:0], self._calls[:0] = held
+                    self._oldest = self._oldest or time.monotonic()
+                    self._work.wait(self.retry_s)
 
     def _wait_for_batch(self) -> bool:
         """With the lock held: wait until a write is due. False when closing and nothing is left."""
@@ -194,33 +204,45 @@ class Recorder:
                 return True
             self._work.wait(remaining)
 
-    def _write(self, episodes: list[Episode], calls: list[Call]) -> None:
+    def _write(self, episodes: list[Episode], calls: list[Call]) -> tuple[list[Episode], list[Call]]:
+        """Write a batch; returns what a full disk held back (nothing written yet), to be tried again."""
+        held_episodes: list[Episode] = []
         if episodes:
-            written = self._insert_isolating(self.store.add_episodes, episodes, "episode")
+            written, held_episodes = self._insert_isolating(self.store.add_episodes, episodes, "episode")
             with self._lock:
                 self.episodes_written += written
-                self.episodes_spilled += len(episodes) - written
-        if calls:
-            written = self._insert_isolating(self.store.add_calls, calls, "call")
-            with self._lock:
-                self.calls_written += written
-                self.calls_spilled += len(calls) - written
+                self.episodes_spilled += len(episodes) - written - len(held_episodes)
+        if held_episodes:  # calls wait for their episodes
+            return held_episodes, calls
+        written, held_calls = self._insert_isolating(self.store.add_calls, calls, "call") if calls else (0, [])
+        with self._lock:
+            self.calls_written += written
+            self.calls_spilled += len(calls) - written - len(held_calls)
+        self.disk_full = None if not held_calls else self.disk_full
+        return [], held_calls
 
-    def _insert_isolating(self, insert: Callable[[Sequence], None], records: list, kind: str) -> int:
-        """Insert records; on failure split in halves until each failing record is alone, and spill those."""
+    def _insert_isolating(self, insert: Callable[[Sequence], None], records: list, kind: str) -> tuple[int, list]:
+        """Insert records: (how many were written, those a full disk held back). On any other failure, split in
+        halves until each failing record is alone, and spill those."""
         try:
             insert(records)
-            return len(records)
+            return len(records), []
         except Exception as e:
             self.last_error = f"{type(e).__name__}: {e}"
+            if _is_disk_full(e) and not self._closing:
+                if not self.disk_full:
+                    log.error("recorder: no space left to write to %s (%s); holding %d %ss in memory and trying "
+                              "again every %gs", self.store.path, e, len(records), kind, self.retry_s)  # fmt: skip
+                self.disk_full = self.last_error
+                return 0, records
             if len(records) == 1:
                 self._spill(records[0], kind, e)
-                return 0
+                return 0, []
             log.warning("recorder: writing %d %ss failed (%s); isolating the bad ones", len(records), kind, e)
         middle = len(records) // 2
-        return self._insert_isolating(insert, records[:middle], kind) + self._insert_isolating(
-            insert, records[middle:], kind
-        )
+        w1, h1 = self._insert_isolating(insert, records[:middle], kind)
+        w2, h2 = self._insert_isolating(insert, records[middle:], kind)
+        return w1 + w2, h1 + h2
 
     def _spill(self, record: Call | Episode, kind: str, error: Exception) -> None:
         log.error("recorder: %s %s could not be written (%s); spilling it to %s",
@@ -235,6 +257,12 @@ class Recorder:
             self.records_lost += 1
             log.exception("recorder: LOST %s %s: it could not be spilled to %s",
                           kind, _record_id(record), self.spill_path)  # fmt: skip
+
+
+def _is_disk_full(error: Exception) -> bool:
+    if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    return any(text in str(error) for text in ("No space left on device", "Disk quota exceeded"))
 
 
 def read_spill(path: str | Path) -> list[Call | Episode]:

@@ -132,7 +132,8 @@ class Runner:
     def __init__(self, config: RunConfig, *, run_id: str, proxy_url: str, open_episode, store: Store,
                  flush: Callable[[], None], run_dir: Path, on_episode: Callable[[EpisodeOutcome, Judgement | None],
                                                                                   None] | None = None,
-                 episode_env: Callable[[str, str], dict[str, str]] | None = None):
+                 episode_env: Callable[[str, str], dict[str, str]] | None = None,
+                 judge_pool: JudgePool | InProcessJudge | None = None):
         self.config = config
         self.run_id = run_id
         self.proxy_url = proxy_url
@@ -142,6 +143,7 @@ class Runner:
         self.log_dir = run_dir / "episodes"
         self.on_episode = on_episode
         self.episode_env = episode_env  # (episode_id, api_key) -> more environment (transparent mode's hop)
+        self.shared_judges = judge_pool  # the caller's pool, used and left open; None: one of our own per run()
         self.outcomes: list[EpisodeOutcome] = []
         self.judgements: list[Judgement] = []
         self.judge_s = 0.0  # seconds spent waiting for judges, summed over episodes (they overlap agents' runs)
@@ -167,7 +169,7 @@ class Runner:
         await asyncio.to_thread(self.store.add_tasks, self.run_id, tasks)
         slots = self.plan(tasks)
         gate = asyncio.Semaphore(1 if self.config.debug else self.config.concurrency)
-        pool = self._judge_pool()
+        pool = self.shared_judges or self._judge_pool()
         try:
             async def one(slot: EpisodeSlot) -> None:
                 async with gate:
@@ -176,7 +178,7 @@ class Runner:
 
             await asyncio.gather(*(one(s) for s in slots))
         finally:
-            if pool is not None:
+            if pool is not None and pool is not self.shared_judges:
                 pool.close()
 
     def _judge_pool(self) -> JudgePool | InProcessJudge | None:
@@ -203,7 +205,8 @@ class Runner:
                 outcome = await self._run_agent(slot, episode_id, attempt, agent_task, opened["api_key"])
                 await asyncio.to_thread(self.flush)
                 calls = await asyncio.to_thread(self.store.episode_calls, episode_id)
-            if outcome.status != FINISHED and any(c["http_status"] in _UPSTREAM_TROUBLE for c in calls):
+            if outcome.status != FINISHED and any(c["http_status"] in _UPSTREAM_TROUBLE or c["engine_fault"]
+                                                  for c in calls):
                 outcome = replace(outcome, status=INFRA_ERROR,
                                    error=f"the engine was unreachable during the episode; {outcome.error}")
             await asyncio.to_thread(self.store.add_outcome, outcome)  # every attempt is kept

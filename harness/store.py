@@ -40,8 +40,7 @@ from harness.readonly import check_read_only
 from harness.records import Call, Choice, Episode, EpisodeOutcome, Judgement, Sample, Task
 from harness.schema import MIGRATIONS, SCHEMA_VERSION
 
-__all__ = ["MIGRATIONS", "SCHEMA_VERSION", "ROW_GROUP_SIZE", "QueryResult", "SchemaVersionError", "Store",
-           "open_read_only_query"]  # fmt: skip
+__all__ = ["MIGRATIONS", "SCHEMA_VERSION", "ROW_GROUP_SIZE", "QueryResult", "SchemaVersionError", "Store"]  # fmt: skip
 
 
 # Rows per row group. A transaction that appends a full row group has it compressed and written straight to
@@ -367,24 +366,17 @@ class Store:
     def episode_calls(self, episode_id: str) -> list[dict]:
         """An episode's calls in order, as judges see them (request and response parsed)."""
         sql = ("SELECT call_index, status, http_status, request, response, prompt_tokens, completion_tokens, "
-               "requested_model, extra->>'role' FROM calls WHERE episode_id = ? ORDER BY call_index")
+               "requested_model, extra->>'role', extra->>'engine_fault' FROM calls WHERE episode_id = ? "
+               "ORDER BY call_index")
         with self.cursor() as cur:
             rows = cur.execute(sql, [episode_id]).fetchall()
         keys = ("call_index", "status", "http_status", "request", "response", "prompt_tokens", "completion_tokens",
-                "requested_model", "role")
+                "requested_model", "role", "engine_fault")
         calls = [dict(zip(keys, row, strict=True)) for row in rows]
         for call in calls:
             call["request"] = orjson.loads(call["request"]) if call["request"] else None
             call["response"] = orjson.loads(call["response"]) if call["response"] else None
         return calls
-
-
-def open_read_only_query(path: str | Path, sql: str, params: Sequence | None = None,
-                         max_rows: int | None = None) -> QueryResult:
-    """Query a database file no process holds open read-write (e.g. after a run), without changing it."""
-    check_read_only(sql)
-    with Store.open(path, read_only=True) as store:
-        return store.query(sql, params, max_rows=max_rows)
 
 
 def _rollback(cur: duckdb.DuckDBPyConnection) -> None:

@@ -29,7 +29,7 @@ import yaml
 from aiohttp import web
 
 from harness.sql import Reader, SqlError, run_sql
-from proxy.errors import dumps_values
+from proxy.errors import ApiError, dumps_values, error_body, json_response
 
 log = logging.getLogger("harness.view")
 STATIC = Path(__file__).with_name("viewer_static")
@@ -130,8 +130,8 @@ class Viewer:
                 params.append(_number(args[key], key))
         sort = _SORTS.get(args.get("sort") or "started_at")
         if sort is None:
-            raise web.HTTPBadRequest(text=_error(f"sort {args.get('sort')!r} is not one of {', '.join(_SORTS)}"),
-                                     content_type="application/json")
+            raise ApiError(400, f"sort {args.get('sort')!r} is not one of {', '.join(_SORTS)}",
+                           code="invalid_value", param="sort")
         order = "ASC" if (args.get("order") or "desc").lower() == "asc" else "DESC"
         limit = min(_int(args.get("limit") or PAGE_SIZE, "limit"), 1000)
         offset = _int(args.get("offset") or 0, "offset")
@@ -166,8 +166,7 @@ class Viewer:
             FROM calls c LEFT JOIN choices ch USING (call_id) WHERE c.episode_id = ?
             GROUP BY ALL ORDER BY c.call_index""", [episode_id])
         if not found and not calls:
-            raise web.HTTPNotFound(text=_error(f"no episode {episode_id!r} in {self.db}"),
-                                   content_type="application/json")
+            raise ApiError(404, f"no episode {episode_id!r} in {self.db}", code="episode_not_found")
         for call in calls:
             for key in ("request", "response", "continuity"):
                 call[key] = _json(call[key])
@@ -248,10 +247,9 @@ async def _sql(request: web.Request) -> web.Response:
     except orjson.JSONDecodeError:
         body = None
     if request.content_type != "application/json":  # a cross-site form cannot send this without asking first
-        raise web.HTTPUnsupportedMediaType(text=_error("send the query as application/json"),
-                                           content_type="application/json")
+        raise ApiError(415, "send the query as application/json", code="unsupported_content_type")
     if not isinstance(body, dict) or not isinstance(body.get("sql"), str):
-        raise web.HTTPBadRequest(text=_error('the body must be {"sql": "SELECT ..."}'), content_type="application/json")
+        raise ApiError(400, 'the body must be {"sql": "SELECT ..."}', code="invalid_body", param="sql")
     result = await asyncio.to_thread(run_sql, request.app[VIEWER].db, body["sql"], max_rows=1000)
     return _json_response({"columns": result.columns, "types": result.types, "rows": result.rows,
                            "truncated": result.truncated})
@@ -259,21 +257,25 @@ async def _sql(request: web.Request) -> web.Response:
 
 @web.middleware
 async def _errors(request: web.Request, handler):
+    """Every error as the proxy's OpenAI-style JSON (proxy/errors.py), the same shape the page reads."""
     if request.app[LOCAL_ONLY] and (request.host or "").rsplit(":", 1)[0] not in LOCAL_NAMES:
-        return web.Response(status=403, text=_error(f"this viewer answers requests for 127.0.0.1 or localhost, not "
-                                                    f"{request.host!r}"), content_type="application/json")
+        return ApiError(403, f"this viewer answers requests for 127.0.0.1 or localhost, not {request.host!r}",
+                        code="host_not_allowed").response()
     try:
         return await handler(request)
+    except ApiError as exc:
+        return exc.response()
     except SqlError as exc:
-        return web.Response(status=400, text=_error(str(exc)), content_type="application/json")
+        return json_response(error_body(400, str(exc), code="invalid_sql", param="sql"), status=400)
+    except web.HTTPException as exc:  # no such route or static file, wrong method
+        if exc.status < 400:
+            raise
+        return json_response(error_body(exc.status, exc.reason, code=exc.reason.lower().replace(" ", "_")),
+                             status=exc.status)
 
 
 def _json_response(obj) -> web.Response:
     return web.Response(body=dumps_values(obj), content_type="application/json")
-
-
-def _error(message: str) -> str:
-    return orjson.dumps({"error": {"message": message}}).decode()
 
 
 def _json(value):
@@ -295,8 +297,7 @@ def _int(value, name: str) -> int:
     except (TypeError, ValueError):
         out = -1
     if out < 0:
-        raise web.HTTPBadRequest(text=_error(f"{name} must be a non-negative integer, got {value!r}"),
-                                 content_type="application/json")
+        raise ApiError(400, f"{name} must be a non-negative integer, got {value!r}", code="invalid_value", param=name)
     return out
 
 
@@ -304,8 +305,7 @@ def _number(value, name: str) -> float:
     try:
         return float(value)
     except (TypeError, ValueError):
-        raise web.HTTPBadRequest(text=_error(f"{name} must be a number, got {value!r}"),
-                                 content_type="application/json") from None
+        raise ApiError(400, f"{name} must be a number, got {value!r}", code="invalid_value", param=name) from None
 
 
 def _load_tokenizer(model_dir: Path):

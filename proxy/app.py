@@ -182,6 +182,10 @@ async def _llm_call(request: web.Request, endpoint: str, wire: Wire | None = Non
     episodes = request.app[EPISODES]
     api_key = _api_key(request)
     _check_agent_auth(request, api_key)
+    if full := request.app[RECORDER].disk_full:
+        raise ApiError(503, f"the proxy cannot record calls: no space left for {request.app[CONFIG].db_path} "
+                       f"({full}). Free space there: calls are taken again once the calls waiting are written",
+                       code="storage_full")
     episode_id = await episodes.resolve(request.match_info.get("episode"), api_key)
     raw = await read_body(request)
     call_index = await episodes.start_call(episode_id)
@@ -431,7 +435,8 @@ async def sql(request: web.Request) -> web.Response:
         raise ApiError(403, str(exc), code="read_only") from None
     except (ValueError, duckdb.Error) as exc:
         raise ApiError(400, f"SQL error: {exc}", code="sql_error") from None
-    await asyncio.to_thread(request.app[RECORDER].flush)
+    if not request.app[RECORDER].disk_full:  # a full disk holds the newest calls back: what is written is read
+        await asyncio.to_thread(request.app[RECORDER].flush)
     try:
         result = await asyncio.to_thread(request.app[STORE].query, query, params, max_rows=max_rows)
     except duckdb.Error as exc:
@@ -468,5 +473,5 @@ async def status(request: web.Request) -> web.Response:
         "run_id": state.run_id, "served_model": state.served_model, "weight_version": state.weight_version,
         "calls_written": recorder.calls_written, "calls_spilled": recorder.calls_spilled,
         "pending_records": recorder.pending, "last_error": recorder.last_error and str(recorder.last_error),
-        "episodes_in_memory": len(episodes), "episodes_forgotten": episodes.evicted,
+        "episodes_in_memory": len(episodes), "episodes_forgotten": episodes.evicted, "disk_full": recorder.disk_full,
     })

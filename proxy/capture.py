@@ -385,6 +385,7 @@ async def _forward_stream(request: web.Request, upstream: aiohttp.ClientResponse
         except (TimeoutError, aiohttp.ClientError) as exc:
             err = _upstream_error(exc, str(upstream.url))
             cap.fail(ERROR, 200, f"stream broke off: {err.message}")
+            cap.notes["engine_fault"] = "stream_broke_off"  # the agent saw a 200: this says whose fault it was
             await resp.write(b"data: " + orjson.dumps(err.body()) + b"\n\n" if wire is None
                              else wire.error_event(cap.error))
         await resp.write_eof()
@@ -413,6 +414,7 @@ def _translate_event(event: bytes, cap: Capture, answer: ChatAnswer | None, wire
     if "error" in chunk:
         err = chunk["error"]
         cap.fail(ERROR, 200, f"engine error mid-stream: {err.get('message') if isinstance(err, dict) else err}")
+        cap.notes["engine_fault"] = "error_mid_stream"
         return event + b"\n\n" if wire is None else wire.error_event(cap.error)
     out = []
     for piece in answer.chunk(chunk) if answer is not None else (chunk,):

@@ -23,13 +23,13 @@ import pytest
 from harness.readonly import ReadOnlyError, check_read_only
 from harness.recorder import Recorder, read_spill
 from harness.records import CANCELLED, ENGINE, ERROR, NONE, OK, Call, Choice, Episode
+from harness.sql import SqlError, run_sql
 from harness.store import (
     MIGRATIONS,
     ROW_GROUP_SIZE,
     SCHEMA_VERSION,
     SchemaVersionError,
     Store,
-    open_read_only_query,
 )
 
 SCHEMA_DOC = Path(__file__).resolve().parents[1] / "docs" / "schema.md"
@@ -438,23 +438,25 @@ def test_store_query_refuses_a_write_hidden_in_a_cte_and_changes_nothing(store: 
     assert count(store, "calls") == 1 and not leak.exists()
 
 
-def test_open_read_only_query_reads_a_closed_file_and_cannot_write_even_past_the_check(tmp_path: Path):
+def test_a_closed_file_is_read_read_only_and_cannot_be_written_even_past_the_check(tmp_path: Path):
     path = tmp_path / "harness.duckdb"
     with Store.open(path) as store:
         store.add_calls([make_call(call_index=i, n_choices=1) for i in range(3)])
-    result = open_read_only_query(path, "SELECT call_index FROM calls ORDER BY 1", max_rows=2)
+    result = run_sql(path, "SELECT call_index FROM calls ORDER BY 1", max_rows=2)
     assert result.rows == [(0,), (1,)] and result.truncated
-    with pytest.raises(ReadOnlyError):
-        open_read_only_query(path, "DELETE FROM calls")
+    with pytest.raises(SqlError, match="read-only"):
+        run_sql(path, "DELETE FROM calls")
     with Store.open(path, read_only=True) as store, store.cursor() as cur:
         with pytest.raises(duckdb.Error, match="read-only"):
             cur.execute("DELETE FROM calls")  # DuckDB itself refuses: the file is attached READ_ONLY
-    assert open_read_only_query(path, "SELECT count(*) FROM calls").rows == [(3,)]
+    assert run_sql(path, "SELECT count(*) FROM calls").rows == [(3,)]
 
 
 def test_opening_a_missing_file_read_only_names_it(tmp_path: Path):
     with pytest.raises(FileNotFoundError, match="no harness database at .*missing.duckdb"):
-        open_read_only_query(tmp_path / "missing.duckdb", "SELECT 1")
+        Store.open(tmp_path / "missing.duckdb", read_only=True)
+    with pytest.raises(SqlError, match="no database at .*missing.duckdb"):
+        run_sql(tmp_path / "missing.duckdb", "SELECT 1")
 
 
 # --- the recorder -----------------------------------------------------------------------------------------

@@ -10,13 +10,16 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
+from harness.sql import run_sql
 from proxy.scripted import Script
 from tests.support import ScriptedUpstream, db_rows
 from trainer.weight_sync import WeightSync
@@ -91,25 +94,56 @@ def test_the_tiny_model_learns_the_terse_task_through_the_real_pipeline(engine, 
     assert sorted(p.name for p in (run / "checkpoints").glob("step_*")) == ["step_12", "step_13", "step_6"]
 
 
-def test_a_killed_and_resumed_run_makes_the_same_next_step_as_an_uninterrupted_one(engine, tiny_model_dir, tmp_path):
-    """Seeded sampling, one episode at a time (so the engine's batches and numerics repeat): the run resumed from
-    step 2's checkpoint makes exactly the step 3 of the run that never stopped."""
+def test_a_run_sigkilled_mid_step_resumes_and_makes_the_same_next_step_as_an_uninterrupted_one(
+        engine, tiny_model_dir, tmp_path):
+    """`harness train` is SIGKILLed while step 3's episodes run (step 2's checkpoint written). Restarted, it resumes
+    from step 2 and makes exactly the step 3 of the run that never stopped (seeded sampling, one episode at a time,
+    so the engine's batches and numerics repeat); every call recorded before the kill is still in the database,
+    and no step is logged twice."""
     common = [f"model.path={tiny_model_dir}", f"rollout.engine.url={engine.base_url}", "rollout.concurrency=1",
               "rollout.seed=7", "rollout.batch_size=2", "trainer.mini_batch_size=1", "trainer.save_freq=1",
               "logging.curve_png=false", "logging.console=false"]
 
+    def command(run_dir: Path, steps: int) -> list[str]:
+        return [sys.executable, "-m", "harness.cli", "train", str(ROOT / "examples/train/terse.yaml"),
+                f"--set=logging.run_dir={run_dir}", f"--set=trainer.total_steps={steps}",
+                *(f"--set={o}" for o in common)]
+
     def train(run_dir: Path, steps: int) -> None:
         try:
-            out = subprocess.run([sys.executable, "-m", "harness.cli", "train",
-                                  str(ROOT / "examples/train/terse.yaml"), f"--set=logging.run_dir={run_dir}",
-                                  f"--set=trainer.total_steps={steps}", *(f"--set={o}" for o in common)],
-                                 capture_output=True, text=True, timeout=900)
+            out = subprocess.run(command(run_dir, steps), capture_output=True, text=True, timeout=900)
         finally:
             WeightSync(engine.base_url, tmp_path / "restore").load(tiny_model_dir, 0)
         assert out.returncode == 0, out.stderr[-4000:]
 
+    def kill_during_step_3(run_dir: Path) -> set[str]:
+        """Start a 3-step run, SIGKILL it once step 3 has recorded a call; the call ids recorded by then."""
+        db, latest = run_dir / "terse" / "harness.duckdb", run_dir / "terse" / "checkpoints" / "latest"
+        log = (tmp_path / "killed.log").open("w")
+        proc = subprocess.Popen(command(run_dir, 3), stdout=log, stderr=subprocess.STDOUT)
+        try:
+            deadline, before, seen = time.monotonic() + 900, None, set()
+            while time.monotonic() < deadline and proc.poll() is None:
+                time.sleep(0.2)
+                if before is None:
+                    if latest.exists() and latest.read_text().strip() == "step_2":
+                        before = {r[0] for r in run_sql(db, "SELECT call_id FROM calls").rows}
+                    continue
+                seen = {r[0] for r in run_sql(db, "SELECT call_id FROM calls").rows}  # through the live proxy
+                if seen - before:  # step 3 is under way
+                    proc.send_signal(signal.SIGKILL)
+                    proc.wait()
+                    return seen
+            raise AssertionError(f"step 3 never started (exit {proc.poll()}): "
+                                 f"{(tmp_path / 'killed.log').read_text()[-3000:]}")
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+            WeightSync(engine.base_url, tmp_path / "restore").load(tiny_model_dir, 0)
+
     train(tmp_path / "straight", 3)
-    train(tmp_path / "killed", 2)  # stands for a run killed after step 2's checkpoint
+    recorded_before_kill = kill_during_step_3(tmp_path / "killed")
     train(tmp_path / "killed", 3)
 
     def step3(run_dir: Path) -> dict:
@@ -120,6 +154,14 @@ def test_a_killed_and_resumed_run_makes_the_same_next_step_as_an_uninterrupted_o
     assert straight.keys() == resumed.keys()
     for name in ("reward/mean", "actor/pg_loss", "actor/grad_norm", "actor/entropy", "samples/tokens"):
         assert resumed[name] == pytest.approx(straight[name], rel=1e-6, abs=1e-9), name
+    db = tmp_path / "killed" / "terse" / "harness.duckdb"
+    after = {r[0] for r in db_rows(db, "SELECT call_id FROM calls")}
+    assert recorded_before_kill <= after, f"{len(recorded_before_kill - after)} recorded calls lost in the kill"
+    steps = db_rows(db, "SELECT step, count(DISTINCT run_id), count(*) FROM metrics WHERE name = 'reward/mean' "
+                    "GROUP BY step ORDER BY step")
+    assert steps == [(1, 1, 1), (2, 1, 1), (3, 1, 1)], steps  # steps 1-2 by the killed run, 3 by the resumed one
+    runs = db_rows(db, "SELECT count(*), count(ended_at) FROM runs")
+    assert runs == [(2, 1)]  # the killed run never ended; the resumed one did
 
 
 def test_training_one_role_of_a_multi_agent_app_leaves_the_frozen_role_to_its_fixed_model(engine, tiny_model_dir,

@@ -127,13 +127,14 @@ def _client_class():
 
 @needs_verl
 @pytest.mark.engine
-async def test_agent_loop_contract_with_verl(tmp_path, engine, tiny_model_dir):
+async def test_agent_loop_contract_with_verl(tmp_path, engine, tiny_model_dir, monkeypatch):
     from verl import DataProto
     from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
     from verl.trainer.ppo import core_algos
     from verl.utils.dataset.rl_dataset import RLHFDataset, collate_fn
 
     import adapters.verl_loop as verl_loop
+    import harness.runner
     from trainer.verl_backbone import VerlFiles, verl_config, write_agent_loop, write_dataset
 
     cfg = _config(tmp_path, tiny_model_dir)
@@ -144,6 +145,15 @@ async def test_agent_loop_contract_with_verl(tmp_path, engine, tiny_model_dir):
     config = verl_config(cfg, files)
     client = _client_class()(config, engine.base_url, engine.served_model)
     worker = AgentLoopWorker(config, llm_client=client)  # what AgentLoopManager runs as a Ray actor
+    pools = []  # every judge pool made, by the bridge or by a runner: one per worker, shared by its episodes
+
+    class CountedPool(verl_loop.JudgePool):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            pools.append(self)
+
+    monkeypatch.setattr(verl_loop, "JudgePool", CountedPool)
+    monkeypatch.setattr(harness.runner, "JudgePool", CountedPool)
 
     # a training batch as verl's trainer makes one: its dataset, its collate_fn, a uid per prompt, repeated n times
     dataset = RLHFDataset(data_files=[str(files.train)], tokenizer=worker.tokenizer, config=config.data)
@@ -152,10 +162,12 @@ async def test_agent_loop_contract_with_verl(tmp_path, engine, tiny_model_dir):
     batch = batch.repeat(repeat_times=config.actor_rollout_ref.rollout.n, interleave=True)
     try:
         out = await worker.generate_sequences(batch)
+        assert len(pools) == 1 and pools[0].worker_pids, "one judge pool for the worker, open for its next batch"
     finally:
         for bridge in verl_loop._Bridge._by_dir.values():
-            bridge.rollouts.close()
+            bridge.close()
         verl_loop._Bridge._by_dir.clear()
+    assert pools[0].worker_pids == []  # closed with its bridge
 
     n, p_len, r_len = 4, 128, 160
     assert out.batch["prompts"].shape == (n, p_len) and out.batch["responses"].shape == (n, r_len)

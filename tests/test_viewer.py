@@ -80,6 +80,8 @@ def test_episodes_filter_sort_and_page(view):
     assert status == 400 and "sort" in body["error"]["message"]
     status, body = get(f"{url}/api/runs/{run_id}/episodes", limit="-3")
     assert status == 400 and "limit must be a non-negative integer" in body["error"]["message"]
+    assert body == {"error": {"message": body["error"]["message"], "type": "invalid_request_error",  # the proxy's shape
+                              "param": "limit", "code": "invalid_value"}}
 
 
 def test_an_episode_whole(view):
@@ -118,6 +120,8 @@ def test_sql_box_is_read_only(view):
     assert resp.status_code == 415
     resp = requests.get(f"{url}/api/runs", headers={"Host": "attacker.example:8500"}, timeout=30)
     assert resp.status_code == 403 and "127.0.0.1 or localhost" in resp.json()["error"]["message"]
+    resp = requests.get(f"{url}/api/no-such-route", timeout=30)
+    assert resp.status_code == 404 and resp.json()["error"]["type"] == "not_found_error"
 
 
 def test_a_live_run_shows_new_calls(tmp_path):

@@ -89,15 +89,17 @@ class Rollouts:
         return self.server.app[STORE]
 
     def collect(self, step: int, tasks: list[Task], *, tag: str = "train", repeat: int | None = None,
-                sampling: SamplingOverrides | None = None) -> StepRollout:
-        """Run every task `repeat` times (the GRPO group), judge, merge; blocks until all episodes ended."""
+                sampling: SamplingOverrides | None = None, judge_pool=None) -> StepRollout:
+        """Run every task `repeat` times (the GRPO group), judge, merge; blocks until all episodes ended.
+        judge_pool: a JudgePool the caller keeps open across collects (else the Runner makes one per collect)."""
         app = self.server.app
         state = app[STATE]
         state.sampling = sampling or self.sampling
         runner = Runner(replace(self.run, repeat=repeat or self.run.repeat), run_id=f"{self.run_id}-{tag}{step:05d}",
                         proxy_url=self.url, store=app[STORE], flush=app[RECORDER].flush, run_dir=self.run_dir,
                         open_episode=lambda eid, meta: app[EPISODES].open(eid, source="runner", meta=meta, new=True),
-                        episode_env=self.interceptor.agent_env if self.interceptor is not None else None)
+                        episode_env=self.interceptor.agent_env if self.interceptor is not None else None,
+                        judge_pool=judge_pool)
         started = time.perf_counter()
         try:
             self.server.call(runner.run(tasks))
