@@ -64,6 +64,7 @@ class LoopSettings:
     tool_parser: str = "hermes"
     max_tokens: int | None = None  # cap on the agent's max_tokens per call
     memory_mb: int = 8192  # address-space cap of each agent process (harness/limits.py); 0: none
+    max_procs: int = 512  # processes and threads of each agent with its children (harness/limits.py); 0: none
 
     @classmethod
     def from_mapping(cls, raw) -> LoopSettings:
@@ -195,7 +196,8 @@ class _Bridge:
         url = await self.engine.start()
         run = RunConfig(command=s.command, judge=s.judge, repeat=1, concurrency=1, timeout_s=s.timeout_s,
                         retries=s.retries, judge_timeout_s=s.judge_timeout_s, judge_workers=s.judge_workers,
-                        cwd=Path(s.cwd) if s.cwd else None, env=dict(s.env), memory_mb=s.memory_mb or None)
+                        cwd=Path(s.cwd) if s.cwd else None, env=dict(s.env), memory_mb=s.memory_mb or None,
+                        max_procs=s.max_procs or None)
         run_dir = Path(s.run_dir) / "verl" / f"worker-{os.getpid()}"
         run_dir.mkdir(parents=True, exist_ok=True)
         engine = Engine(base_url=url, served_model=s.served_model, returns_token_ids=True)

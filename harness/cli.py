@@ -11,7 +11,7 @@ from pathlib import Path
 from harness import __version__
 from harness import cli_options as options
 from harness.cli_serve import add_parser as add_serve_parser
-from harness.limits import AGENT_MEMORY_MB
+from harness.limits import AGENT_MAX_PROCS, AGENT_MEMORY_MB
 from harness.viewer import add_parser as add_view_parser
 
 
@@ -73,6 +73,8 @@ def _add_run(verbs) -> None:
                    help="where the run goes (default: %(default)s)")
     p.add_argument("--agent-memory-mb", type=int, default=AGENT_MEMORY_MB,
                    help="address-space cap of each agent process in MB; 0: none (default: %(default)s)")
+    p.add_argument("--agent-max-procs", type=int, default=AGENT_MAX_PROCS,
+                   help="processes and threads of each agent with all it starts; 0: none (default: %(default)s)")
     p.add_argument("--temperature", type=float, help="training-time override of the agents' temperature")
     p.add_argument("--debug", action="store_true",
                    help="one episode at a time, the agent on this terminal (stdin, stdout and stderr; its task only in "
@@ -107,7 +109,8 @@ def _run(args) -> int:
             raise TaskError(f"{args.data!r} has no tasks in split {args.split!r}")
         config = RunConfig(command=command, judge=args.judge, repeat=args.repeat, concurrency=args.concurrency,
                            timeout_s=args.timeout, retries=args.retries, judge_timeout_s=args.judge_timeout,
-                           debug=args.debug, memory_mb=args.agent_memory_mb or None)
+                           debug=args.debug, memory_mb=args.agent_memory_mb or None,
+                           max_procs=args.agent_max_procs or None)
         sampling = SamplingOverrides(temperature=args.temperature)
         if args.judge:
             from harness.judges import load_judge

@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from harness.judge_pool import InProcessJudge, JudgePool
-from harness.limits import AGENT_MEMORY_MB, limited
+from harness.limits import AGENT_MAX_PROCS, AGENT_MEMORY_MB, limited, release
 from harness.records import (
     CRASHED,
     FINISHED,
@@ -81,6 +81,7 @@ class RunConfig:
     hidden_env: tuple[str, ...] = ()  # variables agents never see (e.g. a frozen role's upstream key)
     debug: bool = False  # one episode at a time, agent on the terminal, judge in this process, no timeouts
     memory_mb: int | None = AGENT_MEMORY_MB  # address-space cap of each agent (harness/limits.py); None: none
+    max_procs: int | None = AGENT_MAX_PROCS  # processes and threads of each agent with its children; None: none
 
     def __post_init__(self):
         for name in ("repeat", "concurrency"):
@@ -246,7 +247,8 @@ class Runner:
                     proc = await terminal.start(self.config.command, env=env, cwd=self.config.cwd)
                 else:  # a session (and process group) of its own, killed whole when the episode ends
                     proc = await asyncio.create_subprocess_exec(
-                        *limited(self.config.command, self.config.memory_mb), stdin=asyncio.subprocess.PIPE,
+                        *limited(self.config.command, self.config.memory_mb, self.config.max_procs),
+                        stdin=asyncio.subprocess.PIPE,
                         stdout=asyncio.subprocess.PIPE, stderr=log, env=env, cwd=self.config.cwd,
                         start_new_session=True,
                     )
@@ -266,6 +268,8 @@ class Runner:
             finally:
                 self._kill(proc)  # a finished agent may still have children running
                 await proc.wait()
+                if self.config.max_procs and terminal is None:  # and some may have left its process group
+                    await asyncio.to_thread(release, proc.pid)
                 self._running.discard(proc)
         duration_ms = (time.perf_counter() - t0) * 1000.0
         answer = parse_answer(stdout.decode("utf-8", "replace"))

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from harness.engine import attach
+from harness.limits import pids_root
 from harness.records import Task
 from harness.run import rejudge, run_dataset
 from harness.runner import RunConfig, parse_answer
@@ -33,6 +34,25 @@ AGENT = textwrap.dedent('''
     mode = task.get("mode")
     if mode == "hog":
         hoard = bytearray(task["bytes"])
+    if mode == "bomb":  # children that leave the process group, each writing its pid, until fork fails
+        forked = 0
+        for _ in range(task["children"]):
+            try:
+                pid = os.fork()
+            except OSError:
+                break
+            if pid == 0:
+                os.setsid()
+                devnull = os.open(os.devnull, os.O_WRONLY)
+                os.dup2(devnull, 1), os.dup2(devnull, 2)
+                with open(task["pidfile"], "a") as f:
+                    f.write(f"{os.getpid()}\\n")
+                import time
+                time.sleep(120)
+                os._exit(0)
+            forked += 1
+        print(json.dumps({"answer": str(forked)}))
+        sys.exit(0)
     if mode == "crash":
         raise SystemExit("boom: the agent gave up")
     if mode == "hang":
@@ -124,6 +144,32 @@ async def test_agents_run_under_a_memory_cap(upstream, agent, tmp_path):
     free = RunConfig(command=agent, judge="exact_match", timeout_s=60, memory_mb=None)
     await run_dataset(task, free, attach(upstream.url), tmp_path / "free", progress=False)
     assert db_rows(tmp_path / "free" / "harness.duckdb", "SELECT status FROM episode_outcomes") == [("finished",)]
+
+
+async def test_a_fork_bomb_is_held_to_its_process_cap_and_nothing_outlives_the_episode(upstream, agent, tmp_path):
+    """An agent forks children that leave its process group (setsid) until fork fails. Its pids cgroup
+    (harness/limits.py, RunConfig.max_procs) stops it near the cap, root or not; when the episode ends every child is
+    killed, escaped ones included, and the cgroup is removed."""
+    root = pids_root()
+    if root is None:
+        pytest.skip("this machine offers no writable pids cgroup (the process cap then falls back to RLIMIT_NPROC)")
+    pidfile = tmp_path / "children.txt"
+    task = _tasks({"mode": "bomb", "children": 400, "pidfile": str(pidfile)})
+    config = RunConfig(command=agent, judge="exact_match", timeout_s=60, max_procs=40)
+    await run_dataset(task, config, attach(upstream.url), tmp_path / "run", progress=False)
+    [(status, answer)] = db_rows(tmp_path / "run" / "harness.duckdb", "SELECT status, answer FROM episode_outcomes")
+    assert status == "finished" and 0 < int(answer) < 40, (status, answer)  # the agent's threads count too
+    children = [int(p) for p in pidfile.read_text().split()]
+    assert len(children) == int(answer)
+
+    def alive(pid: int) -> bool:
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        except OSError:
+            return False
+
+    assert not [p for p in children if alive(p)]
+    assert not list(root.glob("harness-*"))
 
 
 async def test_32_concurrent_episodes_each_get_one_episode_row_and_their_calls(upstream, agent, tmp_path):

@@ -133,6 +133,8 @@ class RolloutConfig:
     timeout_s: float = _key(300.0, "seconds per episode; past it the agent's process group is killed", gt=0)
     retries: int = _key(2, "extra attempts when the engine was unreachable, never for a wrong answer", ge=0)
     memory_mb: int = _key(8192, "address-space cap of each agent process, MB (harness/limits.py); 0: none", ge=0)
+    max_procs: int = _key(512, "processes and threads of each agent with all it starts (a pids cgroup where the "
+                          "machine offers one, harness/limits.py); 0: none", ge=0)
     temperature: float = _key(1.0, "training sampling temperature, replacing the agent's own", gt=0, le=10)
     top_p: float = _key(1.0, "training nucleus sampling threshold, replacing the agent's own", gt=0, le=1)
     max_tokens: int | None = _key(None, "cap on the agent's max_tokens per call; null: the agent's own", ge=1)

@@ -91,7 +91,8 @@ def loop_settings(cfg: TrainConfig, run_dir: Path) -> dict:
             "served_model": "policy", "max_model_len": r.engine.max_model_len, "cwd": r.cwd, "env": dict(r.env),
             "timeout_s": r.timeout_s, "retries": r.retries, "judge_timeout_s": cfg.task_judge.timeout_s,
             "judge_workers": cfg.task_judge.workers, "token_exact": r.token_exact, "tool_parser": r.tool_parser,
-            "max_tokens": r.max_tokens, "concurrency": r.concurrency, "memory_mb": r.memory_mb}
+            "max_tokens": r.max_tokens, "concurrency": r.concurrency, "memory_mb": r.memory_mb,
+            "max_procs": r.max_procs}
 
 
 def write_agent_loop(cfg: TrainConfig, run_dir: Path, path: Path) -> Path:
