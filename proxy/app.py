@@ -34,6 +34,7 @@ from proxy.continuity import Timelines, completions_body, plan, prefix_hashes
 from proxy.engines import EPISODE_HEADER, Engines, healthy
 from proxy.episodes import Episodes
 from proxy.errors import ApiError, dumps_values, error_middleware, json_response, parse_json_object, read_body
+from proxy.openapi import openapi
 from proxy.request import CHAT, COMPLETIONS, Prepared, prepare
 from proxy.roles import RoleRule, find_role
 from proxy.tool_parsers import ToolParser, get_parser
@@ -86,6 +87,7 @@ def create_app(config: ProxyConfig) -> web.Application:
         app.router.add_get(prefix + "/{tail:.+}", passthrough)
         app.router.add_post(prefix + "/{tail:.+}", passthrough)
     app.router.add_get("/health", health)
+    app.router.add_get("/openapi.json", openapi_description)
     app.router.add_post("/harness/sql", sql)
     app.router.add_post("/harness/episodes", open_episode)
     app.router.add_post("/harness/weights", set_weight_version)
@@ -399,6 +401,13 @@ async def health(request: web.Request) -> web.Response:
     state, recorder = request.app[STATE], request.app[RECORDER]
     return json_response({"status": "ok", "run_id": state.run_id, "served_model": state.served_model,
                           "pending_records": recorder.pending})
+
+
+async def openapi_description(request: web.Request) -> web.Response:
+    return web.Response(body=_OPENAPI, content_type="application/json")
+
+
+_OPENAPI = orjson.dumps(openapi())
 
 
 # ---------------------------------------------------------------------------------------------------------------
