@@ -67,6 +67,8 @@ class ProxyConfig:
                 f"binding to {self.host!r} exposes the proxy beyond this machine: set an auth token "
                 "(--auth-token or HARNESS_AUTH_TOKEN), or bind to 127.0.0.1"
             )
+        if self.db_memory_mb < 16:
+            raise ValueError(f"db_memory_mb {self.db_memory_mb!r} is too small for DuckDB: give at least 16 (MB)")
         if self.continuity_episodes < 1 or self.continuity_tokens < 1 or self.max_episodes < 1:
             raise ValueError(f"continuity_episodes {self.continuity_episodes!r}, continuity_tokens "
                              f"{self.continuity_tokens!r} and max_episodes {self.max_episodes!r} must be positive "

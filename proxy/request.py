@@ -76,6 +76,14 @@ def _validate(endpoint: str, body: dict) -> None:
                     400, f"messages[{i}] must be an object with a string 'role', got {_short(message)}",
                     param=f"messages[{i}]",
                 )
+            calls = message.get("tool_calls")
+            if calls is not None and not (isinstance(calls, list) and all(
+                    isinstance(c, dict) and isinstance(c.get("function", {}), dict) for c in calls)):
+                raise ApiError(400, f"messages[{i}].tool_calls must be a list of tool call objects (each with a "
+                               f"'function' object), got {_short(calls)}", param=f"messages[{i}].tool_calls")
+            if not isinstance(message.get("content"), (str, list, type(None))):
+                raise ApiError(400, f"messages[{i}].content must be a string, a list of parts or null, got "
+                               f"{_short(message['content'])}", param=f"messages[{i}].content")
         _check_type(body, "tools", (list,), "a list of tool objects")
         _check_type(body, "logprobs", (bool,), "a boolean")
     else:

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import orjson
 from aiohttp import web
 
+MAX_N = 128  # larger `n` is a 400, as from a server with a bound on sequences
+
 
 @dataclass
 class Script:
@@ -82,6 +84,10 @@ class ScriptedEngine:
             err = {"error": {"message": f"scripted failure {s.status}", "type": "server_error", "code": s.status}}
             return web.Response(body=orjson.dumps(err), status=s.status, content_type="application/json")
         n = body.get("n") or 1
+        if not isinstance(n, int) or not 1 <= n <= MAX_N:  # as an engine refuses what it cannot hold
+            err = {"error": {"message": f"n must be an integer from 1 to {MAX_N}, got {n!r}",
+                             "type": "BadRequestError", "param": "n", "code": 400}}
+            return web.Response(body=orjson.dumps(err), status=400, content_type="application/json")
         prompt_ids = list(range(100, 100 + s.prompt_tokens))
         ids = [1000 + i for i in range(s.completion_tokens)]
         try:

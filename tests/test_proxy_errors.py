@@ -57,6 +57,11 @@ async def _healthy(proxy) -> None:
         ({**CHAT, "max_tokens": 1.5}, "max_tokens"),
         ({**CHAT, "tools": {"name": "x"}}, "tools"),
         ({**CHAT, "model": 7}, "model"),
+        # found by schemathesis: a 500 before (the continuity hash walked the tool calls)
+        ({"model": "m", "messages": [{"role": "assistant", "tool_calls": 0}]}, "messages[0].tool_calls"),
+        ({"model": "m", "messages": [{"role": "assistant", "tool_calls": [{"function": 1}]}]},
+         "messages[0].tool_calls"),
+        ({"model": "m", "messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
     ],
 )
 async def test_malformed_chat_request_is_a_400_naming_the_field(proxy, payload, param):
@@ -287,6 +292,10 @@ async def test_non_loopback_bind_needs_an_auth_token(tmp_path):
         ProxyConfig(upstream_url="http://127.0.0.1:1", host="0.0.0.0")
     with pytest.raises(ValueError, match="upstream_url"):
         ProxyConfig(upstream_url="127.0.0.1:8000")
+    with pytest.raises(ValueError, match="db_memory_mb 4 is too small"):
+        ProxyConfig(upstream_url="http://127.0.0.1:1", db_memory_mb=4)
+    with pytest.raises(ValueError, match="max_episodes 0"):
+        ProxyConfig(upstream_url="http://127.0.0.1:1", max_episodes=0)
 
 
 async def test_auth_token_is_required_when_set(upstream, tmp_path):

@@ -4,6 +4,7 @@ proxy holds it. The page itself is driven in a real browser in tests/test_viewer
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 
@@ -122,6 +123,14 @@ def test_sql_box_is_read_only(view):
     assert resp.status_code == 403 and "127.0.0.1 or localhost" in resp.json()["error"]["message"]
     resp = requests.get(f"{url}/api/no-such-route", timeout=30)
     assert resp.status_code == 404 and resp.json()["error"]["type"] == "not_found_error"
+    host, port = url.removeprefix("http://").split(":")
+    for target in ("/static/../viewer.py", "/static/%2e%2e/viewer.py", "/static/..%2fviewer.py",
+                   "/static/%2e%2e%2f%2e%2e%2fpyproject.toml"):  # raw request lines: nothing normalises them first
+        with socket.create_connection((host, int(port)), timeout=10) as sock:
+            sock.sendall(f"GET {target} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n".encode())
+            answer = b"".join(iter(lambda: sock.recv(65536), b""))
+        assert answer.split(b" ", 2)[1] in (b"403", b"404"), (target, answer[:200])
+        assert b"def " not in answer and b"[project]" not in answer, target  # no file outside viewer_static/
 
 
 def test_a_live_run_shows_new_calls(tmp_path):
