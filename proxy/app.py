@@ -467,12 +467,20 @@ async def open_episode(request: web.Request) -> web.Response:
 
 async def set_weight_version(request: web.Request) -> web.Response:
     _check_admin(request)
-    version = (await _json_body(request)).get("version")
+    body = await _json_body(request)
+    version = body.get("version")
     if not isinstance(version, int) or isinstance(version, bool) or not 0 <= version < 2**31:
         raise ApiError(400, f"'version' must be an integer from 0 to 2**31-1 (calls.weight_version is an INTEGER), "
                        f"got {version!r}", param="version")
-    request.app[STATE].weight_version = version
-    return json_response({"weight_version": version})
+    model = body.get("model")
+    if model is not None and not (isinstance(model, str) and 0 < len(model) <= 256):
+        raise ApiError(400, f"'model' must be the engine's name for the new policy (1-256 characters), got "
+                       f"{model!r}", param="model")
+    state = request.app[STATE]
+    state.weight_version = version
+    if model is not None:  # LoRA: each version is served under a name of its own (trainer/weight_sync.py)
+        state.served_model = model
+    return json_response({"weight_version": version, "served_model": state.served_model})
 
 
 async def status(request: web.Request) -> web.Response:

@@ -156,8 +156,9 @@ def openapi() -> dict:
     }, {"type": "object", "required": ["episode_id", "api_key", "base_path"]})
     paths["/harness/weights"] = _admin("post", "the policy weight version stamped on calls from now on", {
         "type": "object", "required": ["version"],
-        "properties": {"version": {"type": "integer", "minimum": 0, "maximum": 2**31 - 1}},
-    }, {"type": "object", "required": ["weight_version"]})
+        "properties": {"version": {"type": "integer", "minimum": 0, "maximum": 2**31 - 1},
+                       "model": {"type": "string", "minLength": 1, "maxLength": 256}},
+    }, {"type": "object", "required": ["weight_version", "served_model"]})
     paths["/harness/status"] = _admin("get", "run id, weight version, recorder and episode counters", None,
                                       {"type": "object", "required": ["run_id", "weight_version"]})
     return {

@@ -16,6 +16,16 @@ weights older than v (a call that was in flight during the swap keeps the versio
 have sampled its last tokens with the new weights). Resume runs whatever failed before it: a failed push never
 leaves the engine paused.
 
+With LoRA (`adapter=NAME`, trainer/lora.py) a push writes only the adapter, and the swap is:
+
+    load    POST /v1/load_lora_adapter        {"lora_name": "NAME-v000042", "lora_path": DIR}: a new name per version
+    notify  POST <proxy>/harness/weights      {"version": v, "model": "NAME-v000042"}: calls go to it from now on
+    unload  POST /v1/unload_lora_adapter      the name of two versions ago
+
+No pause and no cache reset: a call keeps the adapter it started with (the one its version names), and cached
+prefixes are keyed by adapter. The previous version's name stays loaded until the next push, so a call the proxy
+sent just before the notify still finds it.
+
 The reload routes exist when the server runs with VLLM_SERVER_DEV_MODE=1 (harness.engine.start_vllm sets it).
 Models must have untied input and output embeddings: with tied ones vLLM's reload_weights silently keeps the
 old output layer.
@@ -38,6 +48,7 @@ from typing import Any
 import torch
 
 from trainer.checkpoint import fsync_path
+from trainer.lora import save_adapter
 
 __all__ = ["WeightSync", "WeightSyncError"]
 
@@ -57,7 +68,8 @@ class WeightSync:
 
     def __init__(self, engine_url: str, work_dir: str | Path, proxy_url: str | None = None,
                  proxy_admin_token: str | None = None, timeout_s: float = 600.0, *,
-                 model_dir: str | Path | None = None, keep: int = 2, more_engine_urls: tuple[str, ...] = ()) -> None:
+                 model_dir: str | Path | None = None, keep: int = 2, more_engine_urls: tuple[str, ...] = (),
+                 adapter: str | None = None) -> None:
         """`work_dir` receives one weights directory per version (`v000042/`), the newest `keep` kept (the
         engine reads from the newest). `model_dir` is the model the engine started from: its config and
         tokenizer files are copied next to the weights; without it, a pushed model's config is saved instead.
@@ -81,6 +93,8 @@ class WeightSync:
         for stale in self.work_dir.glob(".tmp-*"):  # left by a writer that crashed: never read by an engine
             shutil.rmtree(stale, ignore_errors=True)
         self.can_pause: bool | None = None  # None until the engine was asked: False if it has no /pause
+        self.adapter = adapter  # LoRA: the adapter's base name; None: full weights
+        self._adapter_names: list[str] = []  # the version names this sync loaded, oldest first
 
     # ------------------------------------------------------------------------------------------------ public
 
@@ -105,17 +119,21 @@ class WeightSync:
 
         if not isinstance(version, int) or isinstance(version, bool) or version < 0:
             raise ValueError(f"version must be a non-negative integer, got {version!r}")
-        state = weights.state_dict() if isinstance(weights, torch.nn.Module) else weights
-        config = getattr(weights, "config", None)
         target = self.work_dir / f"v{version:06d}"
         tmp = self.work_dir / f".tmp-{target.name}-{uuid.uuid4().hex[:8]}"
         tmp.mkdir()
         try:
-            self._write_configs(tmp, config)
-            tensors = {name: t.detach().to("cpu").contiguous() for name, t in state.items()}
-            _check_not_shared(tensors)
-            save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
-            fsync_path(tmp / "model.safetensors")
+            if self.adapter is not None:
+                save_adapter(weights, tmp)
+                written = tmp / "adapter_model.safetensors"
+            else:
+                state = weights.state_dict() if isinstance(weights, torch.nn.Module) else weights
+                self._write_configs(tmp, getattr(weights, "config", None))
+                tensors = {name: t.detach().to("cpu").contiguous() for name, t in state.items()}
+                _check_not_shared(tensors)
+                written = tmp / "model.safetensors"
+                save_file(tensors, written, metadata={"format": "pt"})
+            fsync_path(written)
             if target.exists():  # the same version again (a resumed run, a restore): swap the old one out
                 old = self.work_dir / f".tmp-old-{target.name}-{uuid.uuid4().hex[:8]}"
                 target.rename(old)
@@ -124,12 +142,18 @@ class WeightSync:
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        return target, (target / "model.safetensors").stat().st_size
+        return target, (target / written.name).stat().st_size
+
+    def served_name(self, version: int) -> str:
+        """With LoRA: the model name the engine serves `version`'s adapter under."""
+        return f"{self.adapter}-v{version:06d}"
 
     def load(self, weights_dir: str | Path, version: int) -> dict[str, float]:
         """Swap the engine onto the weights in `weights_dir` (any complete model directory) and record
         `version` in the proxy; return the seconds per phase. The engine is resumed whatever fails."""
         weights_dir = Path(weights_dir).resolve()
+        if self.adapter is not None:
+            return self._load_adapter(weights_dir, version)
         timings = {"pause_s": 0.0, "reload_s": 0.0, "reset_s": 0.0, "notify_s": 0.0, "resume_s": 0.0}
         clock = time.perf_counter()
 
@@ -169,6 +193,32 @@ class WeightSync:
             raise failed
         return timings
 
+    def _load_adapter(self, adapter_dir: Path, version: int) -> dict[str, float]:
+        started = time.perf_counter()
+        name = self.served_name(version)
+        for url in self.engine_urls:
+            if name in self._adapter_names:  # the same version again (a restore): load it afresh
+                self._unload(url, name)
+            self._engine(url, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(adapter_dir)},
+                         what=f"load the LoRA adapter {name!r} (is the engine started with --enable-lora and "
+                         "VLLM_ALLOW_RUNTIME_LORA_UPDATING=1? trainer/lora.py engine_args)")
+        self._adapter_names = [n for n in self._adapter_names if n != name] + [name]
+        reload_s = time.perf_counter() - started
+        self._notify_proxy(version, model=name)
+        notify_s = time.perf_counter() - started - reload_s
+        while len(self._adapter_names) > 2:  # the previous one stays for calls already on their way
+            old = self._adapter_names.pop(0)
+            for url in self.engine_urls:
+                self._unload(url, old)
+        return {"pause_s": 0.0, "reload_s": reload_s, "reset_s": 0.0, "notify_s": notify_s,
+                "resume_s": time.perf_counter() - started - reload_s - notify_s}
+
+    def _unload(self, url: str, name: str) -> None:
+        status, answer = _post(url + "/v1/unload_lora_adapter", {"lora_name": name}, self.timeout_s, None)
+        if status not in (200, 404) and not (status == 400 and "not found" in _shown(answer).lower()):
+            raise WeightSyncError(f"POST {url}/v1/unload_lora_adapter answered HTTP {status} for {name!r}: "
+                                  f"{_shown(answer)}")
+
     # ------------------------------------------------------------------------------------------------ engine
 
     def _resume(self, paused: list[str]) -> WeightSyncError | None:
@@ -205,11 +255,12 @@ class WeightSync:
                                   f"{_shown(answer)}; see the engine's log")
         return answer
 
-    def _notify_proxy(self, version: int) -> None:
+    def _notify_proxy(self, version: int, model: str | None = None) -> None:
         if self.proxy_url is None:
             return
         url = f"{self.proxy_url}/harness/weights"
-        status, answer = _post(url, {"version": version}, self.timeout_s, self.proxy_admin_token)
+        body = {"version": version} if model is None else {"version": version, "model": model}
+        status, answer = _post(url, body, self.timeout_s, self.proxy_admin_token)
         if status == 401:
             raise WeightSyncError(f"POST {url} answered HTTP 401: the admin token is wrong (it is in the run's "
                                   "proxy.json); the engine serves the new weights but calls are recorded with the "

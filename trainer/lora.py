@@ -1,0 +1,77 @@
+"""LoRA: the policy trains low-rank adapters (peft) over frozen base weights, and the engine serves base + adapter.
+
+The engine is started with LoRA on (`engine_args`, `ENGINE_ENV`: runtime adapter loading) and serves the adapted
+policy under `ADAPTER_NAME`; the recording proxy sends every call there. A push writes only the adapter
+(`adapter_config.json` + `adapter_model.safetensors`, peft's format, which vLLM reads) into a new directory per
+version and swaps the engine onto it (trainer/weight_sync.py, adapter mode): unload the name, load it from the new
+directory. A request in flight keeps the adapter it started with, so every call is sampled by exactly the weight
+version it is recorded with. Unlike `load_inplace`, nothing is re-read from disk while generating.
+
+What vLLM takes (vllm/lora, 0.32): target modules among the attention and MLP projections (it packs q/k/v and
+gate/up itself), no embeddings or output layer, no DoRA, bias "none"; the engine's `--max-lora-rank` must be one
+of VLLM_RANKS, at least the adapter's rank.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+__all__ = ["ADAPTER_NAME", "ENGINE_ENV", "LoraSpec", "engine_args", "merged", "with_adapter"]
+
+ADAPTER_NAME = "policy-lora"  # the model name the engine serves base + adapter under
+ENGINE_ENV = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}  # /v1/load_lora_adapter and /v1/unload_lora_adapter
+VLLM_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    rank: int = 8
+    alpha: float = 16.0
+    target_modules: tuple[str, ...] = TARGETS
+    dropout: float = 0.0
+
+    def __post_init__(self):
+        if not 1 <= self.rank <= VLLM_RANKS[-1]:
+            raise ValueError(f"LoRA rank {self.rank!r} must be from 1 to {VLLM_RANKS[-1]} (vLLM's largest)")
+        if self.alpha <= 0 or not 0 <= self.dropout < 1:
+            raise ValueError(f"LoRA alpha {self.alpha!r} must be positive and dropout {self.dropout!r} in [0, 1)")
+        unknown = sorted(set(self.target_modules) - set(TARGETS))
+        if unknown or not self.target_modules:
+            raise ValueError(f"LoRA target_modules {list(self.target_modules)!r}: vLLM serves adapters on "
+                             f"{', '.join(TARGETS)} only; {unknown or 'none given'} cannot be served")
+
+
+def engine_args(spec: LoraSpec) -> list[str]:
+    """vLLM flags for serving adapters of `spec`'s rank; two loaded at once, so calls that started on the old
+    version finish on it while new ones use the new."""
+    max_rank = next(r for r in VLLM_RANKS if r >= spec.rank)
+    return ["--enable-lora", "--max-lora-rank", str(max_rank), "--max-loras", "2", "--max-cpu-loras", "2"]
+
+
+def with_adapter(model: torch.nn.Module, spec: LoraSpec) -> torch.nn.Module:
+    """`model` with a fresh adapter (its B matrices zero: at first it computes exactly what `model` does); only
+    the adapter's parameters require gradients."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=spec.rank, lora_alpha=spec.alpha, target_modules=list(spec.target_modules),
+                        lora_dropout=spec.dropout, bias="none", task_type="CAUSAL_LM")
+    return get_peft_model(model, config)
+
+
+def save_adapter(model: torch.nn.Module, out: Path) -> int:
+    """Write the adapter of a peft model into `out` (vLLM's format); the bytes of its weights."""
+    if not hasattr(model, "peft_config"):
+        raise ValueError(f"pushing an adapter needs a peft model (trainer/lora.py with_adapter), got "
+                         f"{type(model).__name__}")
+    model.save_pretrained(out, save_embedding_layers=False)
+    return (out / "adapter_model.safetensors").stat().st_size
+
+
+def merged(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of a peft model with its adapter merged into the base weights (a plain transformers model)."""
+    return copy.deepcopy(model).merge_and_unload()
