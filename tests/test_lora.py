@@ -5,6 +5,8 @@ sends agents' calls to the version it was told of and records that version; old 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -129,6 +131,35 @@ def test_after_a_training_step_the_engine_serves_the_adapter_as_transformers_mer
     rows = db_rows(tmp_path / "rec.duckdb", "SELECT weight_version, served_model FROM calls WHERE episode_id = 'lora' "
                    "ORDER BY call_index")
     assert rows == [(v, sync.served_name(v)) for v in (0, 1, 2)]
+
+
+def test_harness_train_with_lora_trains_the_adapter_and_samples_each_step_from_the_version_before(
+        lora_engine, tiny_model_dir, tmp_path):
+    """`trainer.lora.rank: 8`: only the adapter trains, each step's episodes are sampled by the adapter the step
+    before pushed (recorded as calls.served_model and weight_version), and the adapters land in <run>/adapters."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    run_dir = tmp_path / "runs"
+    out = subprocess.run([sys.executable, "-m", "harness.cli", "train", str(root / "examples/train/terse.yaml"),
+                          f"--set=model.path={tiny_model_dir}", f"--set=rollout.engine.url={lora_engine.base_url}",
+                          f"--set=logging.run_dir={run_dir}", "--set=trainer.total_steps=2",
+                          "--set=trainer.lora.rank=8", "--set=trainer.lr=1e-3", "--set=rollout.batch_size=2",
+                          "--set=logging.curve_png=false", "--set=logging.console=false"],
+                         capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-4000:]
+    db = run_dir / "terse" / "harness.duckdb"
+    served = db_rows(db, "SELECT DISTINCT weight_version, served_model FROM calls WHERE status = 'ok' ORDER BY 1")
+    assert served == [(0, "policy-lora-v000000"), (1, "policy-lora-v000001")], served
+    norms = db_rows(db, "SELECT step, value FROM metrics WHERE name = 'actor/grad_norm' ORDER BY step")
+    assert [s for s, _ in norms] == [1, 2] and all(v > 0 for _, v in norms), norms
+    adapters = sorted(p.name for p in (run_dir / "terse" / "adapters").iterdir())
+    assert adapters == ["v000001", "v000002"], adapters
+    with pytest.raises(Exception, match="trainer.lora trains on one trainer process"):
+        from trainer.config import load_config
+
+        load_config(root / "examples/train/terse.yaml", ["trainer.lora.rank=8", "trainer.fsdp.nprocs=2"])
 
 
 def test_a_spec_vllm_cannot_serve_is_refused_by_name():

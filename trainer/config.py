@@ -377,6 +377,15 @@ def _check(cfg: TrainConfig, where: str) -> None:
     for failed, message in problems:
         if failed:
             raise ConfigError(message)
+    if t.lora.rank > 0:
+        from trainer.lora import LoraSpec
+
+        if t.fsdp.nprocs > 1:
+            raise ConfigError("trainer.lora trains on one trainer process for now: set trainer.fsdp.nprocs 1")
+        try:
+            LoraSpec(t.lora.rank, t.lora.alpha, tuple(t.lora.target_modules), t.lora.dropout)
+        except ValueError as exc:
+            raise ConfigError(f"trainer.lora: {exc}") from None
     from proxy.tool_parsers import known_parsers
 
     if r.tool_parser not in known_parsers():

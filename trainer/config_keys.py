@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 __all__ = ["TrainConfig", "ModelConfig", "DataConfig", "TaskJudgeConfig", "RolloutConfig", "ValidationSampling",
-           "EngineConfig", "RolesConfig", "TrainerConfig", "VerlConfig", "FsdpConfig", "LoggingConfig", "DebugConfig",
+           "EngineConfig", "RolesConfig", "TrainerConfig", "VerlConfig", "FsdpConfig", "LoraConfig", "LoggingConfig",
+           "DebugConfig",
            "iter_keys", "describe_config", "ADV_ESTIMATORS", "LOSS_AGG_MODES", "KL_TYPES", "GROUP_ESTIMATORS"]
 
 ROOT = "harness"
@@ -183,6 +184,17 @@ class FsdpConfig:
 
 
 @dataclass(frozen=True)
+class LoraConfig:
+    """LoRA: train low-rank adapters over frozen base weights; the engine serves base + adapter (trainer/lora.py)."""
+
+    rank: int = _key(0, "adapter rank; 0: LoRA off, the whole model trains", ge=0, le=512)
+    alpha: float = _key(16.0, "adapter scale numerator (the update is alpha / rank x B A)", gt=0)
+    target_modules: list[str] = _key(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+                                     "the projections that get adapters (those vLLM serves adapters on)")
+    dropout: float = _key(0.0, "dropout on the adapter's input while training", ge=0, lt=1)
+
+
+@dataclass(frozen=True)
 class TrainerConfig:
     """The policy update: advantage, loss, optimiser, schedule, checkpoints."""
 
@@ -221,6 +233,7 @@ class TrainerConfig:
         "drop", "episodes that crashed, timed out or printed nothing: drop them (their group's advantages come from "
         "the rest), or train on them with reward 0")
     fsdp: FsdpConfig = _section(FsdpConfig)
+    lora: LoraConfig = _section(LoraConfig)
 
 
 @dataclass(frozen=True)

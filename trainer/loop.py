@@ -42,6 +42,7 @@ from trainer.checkpoint import find_resume, load, save
 from trainer.config import TrainConfig, config_to_dict, role_rules, run_dir, save_resolved
 from trainer.experience import Experience, experience_of, mean
 from trainer.fsdp import Dist, full_state_dict, init_distributed, shard, shutdown
+from trainer.lora import ADAPTER_NAME, ENGINE_ENV, LoraSpec, engine_args, with_adapter
 from trainer.policy import collate, load_policy, micro_batches, token_logprobs
 from trainer.rollout import Rollouts, interceptor_for
 from trainer.schedule import lr_factor, next_tasks
@@ -74,13 +75,17 @@ def train(cfg: TrainConfig) -> dict[str, float]:
                                                                                                   torch.float32)
     offload = t.fsdp.param_offload or t.fsdp.optimizer_offload  # FSDP2 offloads parameters and optimizer state together
     remote = cfg.model.trust_remote_code
-    model = shard(load_policy(cfg.model.path, dtype, cfg.model.gradient_checkpointing, trust_remote_code=remote), dist,
-                  mixed_precision=t.fsdp.mixed_precision, param_offload=offload)
+    policy = load_policy(cfg.model.path, dtype, cfg.model.gradient_checkpointing, trust_remote_code=remote)
+    lora = _lora_spec(cfg)
+    if lora is not None:  # adapters train, the base stays frozen; the engine serves base + adapter
+        policy = with_adapter(policy, lora)
+    model = shard(policy, dist, mixed_precision=t.fsdp.mixed_precision, param_offload=offload)
     reference = None
     if t.kl_coef > 0:  # the initial policy, frozen
         reference = shard(load_policy(cfg.model.path, dtype, trust_remote_code=remote), dist,
                           param_offload=offload).eval()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(t.warmup_steps, t.lr_schedule, total_steps))
     pad_id = _pad_id(cfg.model.path, remote)
 
@@ -98,16 +103,16 @@ def train(cfg: TrainConfig) -> dict[str, float]:
             temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, max_tokens_cap=cfg.rollout.max_tokens,
             seed=_sampling_seed(cfg)), token_exact=cfg.rollout.token_exact, tool_parser=cfg.rollout.tool_parser,
             roles=role_rules(cfg), interceptor=interceptor_for(cfg.rollout, out), more_engines=tuple(more))
-        sync = WeightSync(engine.base_url, out / "weights", proxy_url=rollouts.url,
+        sync = WeightSync(engine.base_url, out / ("adapters" if lora else "weights"), proxy_url=rollouts.url,
                           proxy_admin_token=rollouts.admin_token, model_dir=cfg.model.path,
-                          more_engine_urls=tuple(e.base_url for e in more))
+                          more_engine_urls=tuple(e.base_url for e in more), adapter=ADAPTER_NAME if lora else None)
         tracker = Tracker(rollouts.store, rollouts.run_id, out, project=cfg.project_name,
                           experiment=cfg.experiment_name, config=config_to_dict(cfg), console=cfg.logging.console,
                           curve_png=cfg.logging.curve_png, swanlab=cfg.logging.swanlab, wandb=cfg.logging.wandb)
         log.info("run %s: %d tasks, %d steps, curve at %s", rollouts.run_id, len(tasks), total_steps,
                  out / "curve.png")
-    if start > 0:
-        _push(model, sync, dist, version=start)  # the engine serves the checkpoint's weights, not the model dir's
+    if start > 0 or lora is not None:  # the engine serves the checkpoint's weights (with LoRA: the adapter)
+        _push(model, sync, dist, version=start)
     if t.val_before_train and val_tasks and start == 0:
         _log(tracker, 0, _validate(rollouts, 0, val_tasks, cfg) if dist.is_main else {})
 
@@ -364,7 +369,8 @@ def _push(model, sync: WeightSync | None, dist: Dist, version: int) -> dict[str,
     state = full_state_dict(model, dist)
     if not dist.is_main:
         return {}
-    timings = sync.push(state, version)
+    lora = sync.adapter is not None  # the adapter alone, written from the gathered state by peft
+    timings = sync.push(model, version, state=state) if lora else sync.push(state, version)
     return {"time/sync_s": time.perf_counter() - t0, "time/sync_reload_s": timings.get("reload_s", 0.0)}
 
 
@@ -401,16 +407,24 @@ def _run_config(cfg: TrainConfig) -> RunConfig:
                      memory_mb=r.memory_mb or None, max_procs=r.max_procs or None)
 
 
+def _lora_spec(cfg: TrainConfig) -> LoraSpec | None:
+    lo = cfg.trainer.lora
+    return LoraSpec(lo.rank, lo.alpha, tuple(lo.target_modules), lo.dropout) if lo.rank > 0 else None
+
+
 def _engines(cfg: TrainConfig, out):
-    """The engines serving the policy: attached (engine.url, engine.more_urls) or started (rollout.engines)."""
+    """The engines serving the policy: attached (engine.url, engine.more_urls; with LoRA, started with
+    trainer/lora.py's engine_args and ENGINE_ENV) or started (rollout.engines)."""
     e = cfg.rollout.engine
     if e.url:
         return [attach(url) for url in (e.url, *e.more_urls)]
+    lora = _lora_spec(cfg)
+    extra, env = [*(engine_args(lora) if lora else []), *e.extra_args], ENGINE_ENV if lora else None
     started = []
     try:
         for k in range(cfg.rollout.engines):
             started.append(start_vllm(cfg.model.path, out / "logs" / (f"engine{k}" if k else ""),
-                                      max_model_len=e.max_model_len, extra_args=e.extra_args))
+                                      max_model_len=e.max_model_len, extra_args=extra, env=env))
     except BaseException:
         for engine in started:
             engine.stop()

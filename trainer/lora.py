@@ -17,8 +17,10 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["ADAPTER_NAME", "ENGINE_ENV", "LoraSpec", "engine_args", "merged", "with_adapter"]
 
@@ -63,12 +65,13 @@ def with_adapter(model: torch.nn.Module, spec: LoraSpec) -> torch.nn.Module:
     return get_peft_model(model, config)
 
 
-def save_adapter(model: torch.nn.Module, out: Path) -> int:
-    """Write the adapter of a peft model into `out` (vLLM's format); the bytes of its weights."""
+def save_adapter(model: torch.nn.Module, out: Path, state_dict: dict | None = None) -> int:
+    """Write the adapter of a peft model into `out` (vLLM's format); the bytes of its weights. `state_dict`: the
+    model's full state (e.g. gathered from FSDP shards), when its own parameters are not whole tensors."""
     if not hasattr(model, "peft_config"):
         raise ValueError(f"pushing an adapter needs a peft model (trainer/lora.py with_adapter), got "
                          f"{type(model).__name__}")
-    model.save_pretrained(out, save_embedding_layers=False)
+    model.save_pretrained(out, state_dict=state_dict, save_embedding_layers=False)
     return (out / "adapter_model.safetensors").stat().st_size
 
 

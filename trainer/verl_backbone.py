@@ -241,6 +241,8 @@ def _refuse_untranslatable(cfg: TrainConfig) -> None:
                                                 "trains; use backbone: harness for selective training"),
         (cfg.rollout.transparent, "rollout.transparent is not supported with backbone: verl yet"),
         (cfg.debug.enabled, "debug.enabled runs our own loop in one process: use backbone: harness"),
+        (t.lora.rank > 0, "trainer.lora is not mapped to verl's LoRA options yet: use backbone: harness, or set "
+                          "verl.overrides (actor_rollout_ref.model.lora_rank, ...) with trainer.lora.rank 0"),
         (cfg.rollout.agent is None and cfg.rollout.command is None, "rollout.agent or rollout.command is required"),
     ]
     for failed, message in problems:

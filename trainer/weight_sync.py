@@ -98,18 +98,20 @@ class WeightSync:
 
     # ------------------------------------------------------------------------------------------------ public
 
-    def push(self, weights: torch.nn.Module | Mapping[str, torch.Tensor], version: int) -> dict[str, float]:
-        """Write `weights` (a model or a full state dict), load them into the engine as `version`, and return
-        the seconds each phase took (write_s, pause_s, reload_s, reset_s, notify_s, resume_s, total_s) and the
-        bytes written."""
+    def push(self, weights: torch.nn.Module | Mapping[str, torch.Tensor], version: int, *,
+             state: Mapping[str, torch.Tensor] | None = None) -> dict[str, float]:
+        """Write `weights` (a model or a full state dict; with LoRA the peft model, and `state` its full state
+        when its parameters are shards), load them into the engine as `version`, and return the seconds each
+        phase took (write_s, pause_s, reload_s, reset_s, notify_s, resume_s, total_s) and the bytes written."""
         started = time.perf_counter()
-        weights_dir, written = self.write(weights, version)
+        weights_dir, written = self.write(weights, version, state=state)
         write_s = time.perf_counter() - started
         timings = self.load(weights_dir, version)
         self._prune(keep_also=weights_dir)
         return {"write_s": write_s, **timings, "total_s": time.perf_counter() - started, "bytes": float(written)}
 
-    def write(self, weights: torch.nn.Module | Mapping[str, torch.Tensor], version: int) -> tuple[Path, int]:
+    def write(self, weights: torch.nn.Module | Mapping[str, torch.Tensor], version: int, *,
+              state: Mapping[str, torch.Tensor] | None = None) -> tuple[Path, int]:
         """Write a complete weights directory for `version` atomically; return it and the bytes of weights.
 
         Everything goes into a temp dir first, renamed into place once complete: a crash leaves either no
@@ -124,7 +126,7 @@ class WeightSync:
         tmp.mkdir()
         try:
             if self.adapter is not None:
-                save_adapter(weights, tmp)
+                save_adapter(weights, tmp, dict(state) if state is not None else None)
                 written = tmp / "adapter_model.safetensors"
             else:
                 state = weights.state_dict() if isinstance(weights, torch.nn.Module) else weights
@@ -197,8 +199,7 @@ class WeightSync:
         started = time.perf_counter()
         name = self.served_name(version)
         for url in self.engine_urls:
-            if name in self._adapter_names:  # the same version again (a restore): load it afresh
-                self._unload(url, name)
+            self._unload(url, name)  # the same version again (a resumed run, a restore): load it afresh
             self._engine(url, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(adapter_dir)},
                          what=f"load the LoRA adapter {name!r} (is the engine started with --enable-lora and "
                          "VLLM_ALLOW_RUNTIME_LORA_UPDATING=1? trainer/lora.py engine_args)")
