@@ -52,6 +52,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--run-dir", type=Path, default=Path("runs/demo"))
     parser.add_argument("--tasks", type=Path, default=HERE / "tasks.jsonl")
+    parser.add_argument("--lora", type=int, default=0, metavar="RANK",
+                        help="train LoRA adapters of this rank instead of the whole model (the engine serves them)")
     args = parser.parse_args()
     run_dir = args.run_dir.resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -66,7 +68,12 @@ def main() -> int:
 
     print(f"[2/6] starting vLLM (log: {run_dir / 'engine.log'}); about a minute on CPU")
     t0 = time.time()
-    with start_vllm(model_dir, run_dir) as engine:
+    lora = {}
+    if args.lora:
+        from trainer.lora import ENGINE_ENV, LoraSpec, engine_args
+
+        lora = {"extra_args": engine_args(LoraSpec(rank=args.lora)), "env": ENGINE_ENV}
+    with start_vllm(model_dir, run_dir, **lora) as engine:
         print(f"      engine ready in {time.time() - t0:.0f} s at {engine.base_url}")
         proxy = ProxyServer(ProxyConfig(upstream_url=engine.base_url, served_model=engine.served_model,
                                         db_path=db, port=0))
@@ -103,7 +110,8 @@ def main() -> int:
         train_db = run_dir / "terse" / "harness.duckdb"
         subprocess.run([sys.executable, "-m", "harness.cli", "train", str(HERE / "train" / "terse.yaml"),
                         f"--set=model.path={model_dir}", f"--set=rollout.engine.url={engine.base_url}",
-                        f"--set=logging.run_dir={run_dir}", "--set=trainer.resume=disable"], check=True)
+                        f"--set=logging.run_dir={run_dir}", "--set=trainer.resume=disable",
+                        f"--set=trainer.lora.rank={args.lora}"], check=True)
         print("      the reward per step (judge: examples/terse_agent/judge.py):")
         harness_sql(train_db, CURVE)
     print(f"done. Query it yourself: .venv/bin/harness sql --db {db} \"SELECT * FROM completions LIMIT 5\"")

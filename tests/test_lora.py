@@ -18,7 +18,6 @@ from tests.test_weight_sync import _prompt_ids  # noqa: E402
 from trainer.lora import ADAPTER_NAME, ENGINE_ENV, LoraSpec, engine_args, merged, with_adapter  # noqa: E402
 from trainer.weight_sync import WeightSync  # noqa: E402
 
-pytestmark = pytest.mark.engine
 SPEC = LoraSpec(rank=8, alpha=16.0)
 NEW_TOKENS = 12
 
@@ -78,6 +77,7 @@ def _train_step(peft_model, prompts: list[list[int]]) -> None:
     peft_model.eval()
 
 
+@pytest.mark.engine
 def test_after_a_training_step_the_engine_serves_the_adapter_as_transformers_merges_it(lora_engine, tiny_model_dir,
                                                                                      tmp_path):
     from transformers import AutoTokenizer
@@ -133,29 +133,51 @@ def test_after_a_training_step_the_engine_serves_the_adapter_as_transformers_mer
     assert rows == [(v, sync.served_name(v)) for v in (0, 1, 2)]
 
 
+@pytest.mark.engine
 def test_harness_train_with_lora_trains_the_adapter_and_samples_each_step_from_the_version_before(
         lora_engine, tiny_model_dir, tmp_path):
     """`trainer.lora.rank: 8`: only the adapter trains, each step's episodes are sampled by the adapter the step
-    before pushed (recorded as calls.served_model and weight_version), and the adapters land in <run>/adapters."""
+    before pushed (recorded as calls.served_model and weight_version), the adapters land in <run>/adapters, the
+    checkpoint holds only what trains, and a resumed run serves exactly the checkpoint's adapter."""
     import subprocess
     import sys
 
+    from safetensors.torch import load_file
+
     root = Path(__file__).resolve().parents[1]
     run_dir = tmp_path / "runs"
-    out = subprocess.run([sys.executable, "-m", "harness.cli", "train", str(root / "examples/train/terse.yaml"),
-                          f"--set=model.path={tiny_model_dir}", f"--set=rollout.engine.url={lora_engine.base_url}",
-                          f"--set=logging.run_dir={run_dir}", "--set=trainer.total_steps=2",
-                          "--set=trainer.lora.rank=8", "--set=trainer.lr=1e-3", "--set=rollout.batch_size=2",
-                          "--set=logging.curve_png=false", "--set=logging.console=false"],
-                         capture_output=True, text=True, timeout=900)
-    assert out.returncode == 0, out.stderr[-4000:]
-    db = run_dir / "terse" / "harness.duckdb"
+
+    def train(steps: int) -> None:
+        out = subprocess.run([sys.executable, "-m", "harness.cli", "train", str(root / "examples/train/terse.yaml"),
+                              f"--set=model.path={tiny_model_dir}", f"--set=rollout.engine.url={lora_engine.base_url}",
+                              f"--set=logging.run_dir={run_dir}", f"--set=trainer.total_steps={steps}",
+                              "--set=trainer.lora.rank=8", "--set=trainer.lr=1e-3", "--set=rollout.batch_size=2",
+                              "--set=logging.curve_png=false", "--set=logging.console=false"],
+                             capture_output=True, text=True, timeout=900)
+        assert out.returncode == 0, out.stderr[-4000:]
+
+    train(2)
+    run = run_dir / "terse"
+    db = run / "harness.duckdb"
     served = db_rows(db, "SELECT DISTINCT weight_version, served_model FROM calls WHERE status = 'ok' ORDER BY 1")
     assert served == [(0, "policy-lora-v000000"), (1, "policy-lora-v000001")], served
     norms = db_rows(db, "SELECT step, value FROM metrics WHERE name = 'actor/grad_norm' ORDER BY step")
     assert [s for s, _ in norms] == [1, 2] and all(v > 0 for _, v in norms), norms
-    adapters = sorted(p.name for p in (run_dir / "terse" / "adapters").iterdir())
+    adapters = sorted(p.name for p in (run / "adapters").iterdir())
     assert adapters == ["v000001", "v000002"], adapters
+    # The checkpoint holds what trains (the adapter and its optimizer state), not the frozen base.
+    state_bytes = sum(f.stat().st_size for f in (run / "checkpoints" / "step_2" / "state").iterdir())
+    model_bytes = sum(f.stat().st_size for f in tiny_model_dir.glob("*.safetensors"))
+    assert state_bytes < model_bytes / 2, (state_bytes, model_bytes)
+    pushed = load_file(run / "adapters" / "v000002" / "adapter_model.safetensors")
+
+    train(3)  # resumes from step 2: the checkpoint's adapter is pushed again, then step 3 samples from it
+    again = load_file(run / "adapters" / "v000002" / "adapter_model.safetensors")
+    assert pushed.keys() == again.keys() and all(torch.equal(pushed[k], again[k]) for k in pushed)
+    served = db_rows(db, "SELECT DISTINCT weight_version, served_model FROM calls WHERE status = 'ok' ORDER BY 1")
+    assert served[-1] == (2, "policy-lora-v000002"), served
+    steps = db_rows(db, "SELECT step FROM metrics WHERE name = 'actor/grad_norm' ORDER BY step")
+    assert steps == [(1,), (2,), (3,)]
     with pytest.raises(Exception, match="trainer.lora trains on one trainer process"):
         from trainer.config import load_config
 
@@ -168,3 +190,38 @@ def test_a_spec_vllm_cannot_serve_is_refused_by_name():
     with pytest.raises(ValueError, match="rank 0"):
         LoraSpec(rank=0)
     assert engine_args(LoraSpec(rank=12))[:3] == ["--enable-lora", "--max-lora-rank", "16"]
+
+
+def test_export_merge_writes_a_plain_model_that_computes_what_base_plus_adapter_computes(tiny_model_dir, tmp_path):
+    import subprocess
+    import sys
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from trainer.policy import load_policy
+
+    peft_model = with_adapter(load_policy(tiny_model_dir), SPEC)
+    generator = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name:  # a trained adapter stand-in: B is no longer zero
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.05)
+    peft_model.save_pretrained(tmp_path / "adapter", save_embedding_layers=False)
+    cli = [sys.executable, "-m", "harness.cli", "export"]
+    out = subprocess.run(cli + ["--merge", str(tmp_path / "adapter"), "--out", str(tmp_path / "merged")],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    merged_model = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    assert not hasattr(merged_model, "peft_config")
+    ids = torch.tensor([AutoTokenizer.from_pretrained(tmp_path / "merged").encode("Hello there, how are you?")])
+    with torch.no_grad():
+        want = peft_model.eval()(input_ids=ids).logits
+        got = merged_model(input_ids=ids).logits
+        base = load_policy(tiny_model_dir).eval()(input_ids=ids).logits
+    assert torch.allclose(got, want, atol=1e-4) and not torch.allclose(got, base, atol=1e-3)
+    again = subprocess.run(cli + ["--merge", str(tmp_path / "adapter"), "--out", str(tmp_path / "merged")],
+                           capture_output=True, text=True, timeout=300)
+    assert again.returncode == 2 and "exists" in again.stderr
+    missing = subprocess.run(cli + ["--merge", str(tmp_path), "--out", str(tmp_path / "m2")], capture_output=True,
+                             text=True, timeout=300)
+    assert missing.returncode == 2 and "adapter_config.json" in missing.stderr

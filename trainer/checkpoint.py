@@ -79,7 +79,7 @@ def save(
         (tmp / "rng").mkdir(parents=True)
     _barrier()
 
-    model_state, optim_state = get_state_dict(model, optimizer)
+    model_state, optim_state = get_state_dict(model, optimizer, options=_options(model))
     dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=tmp / "state")
     _write(tmp / "rng" / f"rank_{dist.rank}.pt", lambda f: torch.save(_rng_state(dist), f))
     if dist.is_main:
@@ -152,10 +152,12 @@ def load(path: str | Path, model, optimizer, scheduler, dist: Dist) -> dict[str,
         raise FileNotFoundError(f"load: {str(path)!r} is not a complete checkpoint (no {_META})")
     meta = json.loads(meta_path.read_text())
 
-    model_state, optim_state = get_state_dict(model, optimizer)
+    options = _options(model)
+    model_state, optim_state = get_state_dict(model, optimizer, options=options)
     state = {"model": model_state, "optim": optim_state}
     dcp.load(state, checkpoint_id=path / "state")
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                   options=options)
     if scheduler is not None:
         if not (path / "scheduler.pt").is_file():
             raise FileNotFoundError(f"load: {str(path)!r} was saved without a scheduler; pass scheduler=None")
@@ -172,6 +174,15 @@ def load(path: str | Path, model, optimizer, scheduler, dist: Dist) -> dict[str,
     else:
         _set_rng_state(torch.load(rng_path, weights_only=True), dist)
     return {**meta["extra_state"], "step": meta["step"]}
+
+
+def _options(model):
+    """A checkpoint holds what trains: with frozen parameters (LoRA's base weights, which come from model.path
+    again on resume) only the trainable ones are written and read."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    frozen = any(not p.requires_grad for p in model.parameters())
+    return StateDictOptions(ignore_frozen_params=frozen, strict=not frozen)
 
 
 # ---------------------------------------------------------------------------------------------------- HF format
