@@ -36,6 +36,7 @@ from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopOutp
 from adapters.token_engine import Generated, TokenEngine
 from harness.engine import Engine
 from harness.judge_pool import JudgePool
+from harness.limits import AGENT_MAX_PROCS, AGENT_MEMORY_MB
 from harness.records import Task
 from harness.runner import RunConfig
 from proxy.config import SamplingOverrides
@@ -63,8 +64,8 @@ class LoopSettings:
     token_exact: bool = True
     tool_parser: str = "hermes"
     max_tokens: int | None = None  # cap on the agent's max_tokens per call
-    memory_mb: int = 8192  # address-space cap of each agent process (harness/limits.py); 0: none
-    max_procs: int = 512  # processes and threads of each agent with its children (harness/limits.py); 0: none
+    memory_mb: int = AGENT_MEMORY_MB  # address-space cap of each agent process (harness/limits.py); 0: none
+    max_procs: int = AGENT_MAX_PROCS  # processes and threads of each agent with its children (limits.py); 0: none
 
     @classmethod
     def from_mapping(cls, raw) -> LoopSettings:

@@ -54,6 +54,8 @@ def main() -> int:
     parser.add_argument("--tasks", type=Path, default=HERE / "tasks.jsonl")
     parser.add_argument("--lora", type=int, default=0, metavar="RANK",
                         help="train LoRA adapters of this rank instead of the whole model (the engine serves them)")
+    parser.add_argument("--max-staleness", type=int, default=0, metavar="K",
+                        help="asynchronous rollouts: the next K steps' episodes run while a step trains")
     args = parser.parse_args()
     run_dir = args.run_dir.resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -111,7 +113,9 @@ def main() -> int:
         subprocess.run([sys.executable, "-m", "harness.cli", "train", str(HERE / "train" / "terse.yaml"),
                         f"--set=model.path={model_dir}", f"--set=rollout.engine.url={engine.base_url}",
                         f"--set=logging.run_dir={run_dir}", "--set=trainer.resume=disable",
-                        f"--set=trainer.lora.rank={args.lora}"], check=True)
+                        f"--set=trainer.lora.rank={args.lora}",
+                        f"--set=rollout.async.max_staleness={args.max_staleness}",
+                        *(["--set=trainer.tis_cap=2.0"] if args.max_staleness else [])], check=True)
         print("      the reward per step (judge: examples/terse_agent/judge.py):")
         harness_sql(train_db, CURVE)
     print(f"done. Query it yourself: .venv/bin/harness sql --db {db} \"SELECT * FROM completions LIMIT 5\"")

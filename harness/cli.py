@@ -303,6 +303,9 @@ def _add_tiny_model(verbs) -> None:
     )
     p.add_argument("out", type=Path, help="output directory")
     p.add_argument("--seed", type=int, default=0, help="random seed (default: %(default)s)")
+    p.add_argument("--output-scale", type=float, default=1.0,
+                   help="multiply the output layer's random weights (LoRA, which leaves it frozen, needs one that "
+                   "separates tokens, e.g. 8; default: %(default)s)")
     p.set_defaults(func=_tiny_model)
 
 
@@ -313,7 +316,11 @@ def _tiny_model(args) -> int:
         print(f"error: tiny-model needs torch and transformers ({exc}); pip install 'harness[train]'",
               file=sys.stderr)
         return 1
-    path = build_tiny_model(args.out, seed=args.seed)
+    try:
+        path = build_tiny_model(args.out, seed=args.seed, output_scale=args.output_scale)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     print(path)
     return 0
 

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from harness import cli_options as options
+from proxy.config import ProxyConfig
 
 
 def add_parser(verbs) -> None:
@@ -23,7 +24,7 @@ def add_parser(verbs) -> None:
     p.add_argument("--port", type=int, default=8400, help="proxy port; 0 picks a free one (default: %(default)s)")
     p.add_argument("--auth-token", default=os.environ.get("HARNESS_AUTH_TOKEN"),
                    help="api key agents must send; required when binding beyond loopback (env HARNESS_AUTH_TOKEN)")
-    p.add_argument("--db-memory-mb", type=int, default=512,
+    p.add_argument("--db-memory-mb", type=int, default=ProxyConfig.db_memory_mb,
                    help="DuckDB's memory cap in the proxy: recorded rows stay cached up to it (default: %(default)s)")
     p.add_argument("--strict-episodes", action="store_true",
                    help="refuse /e/<episode>/v1 calls for episodes not opened via POST /harness/episodes")
@@ -37,7 +38,7 @@ def add_parser(verbs) -> None:
 
 def _serve(args) -> int:
     from harness.engine import EngineError, start_or_attach
-    from proxy import ProxyConfig, SamplingOverrides, serve_forever
+    from proxy import SamplingOverrides, serve_forever
 
     args.run_dir.mkdir(parents=True, exist_ok=True)
     db = args.db or args.run_dir / "harness.duckdb"

@@ -218,7 +218,8 @@ class Recorder:
         with self._lock:
             self.calls_written += written
             self.calls_spilled += len(calls) - written - len(held_calls)
-        self.disk_full = None if not held_calls else self.disk_full
+        if not held_calls:
+            self.disk_full = None
         return [], held_calls
 
     def _insert_isolating(self, insert: Callable[[Sequence], None], records: list, kind: str) -> tuple[int, list]:

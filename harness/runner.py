@@ -380,9 +380,16 @@ def _kill_group(proc: asyncio.subprocess.Process) -> None:
 
 
 def _tail(path: Path) -> str:
+    """The end of an agent's stderr: whole lines up to _STDERR_TAIL characters, and the last line (a traceback's
+    exception, which names its type) whole even when it is longer."""
     try:
-        text = path.read_bytes()[-_STDERR_TAIL:].decode("utf-8", "replace").strip()
+        text = path.read_bytes()[-4 * _STDERR_TAIL:].decode("utf-8", "replace").strip()
     except OSError:
         return "(no log)"
-    return text.replace("\n", " | ") if text else "(stderr was empty)"
+    kept: list[str] = []
+    for line in reversed(text.splitlines()):
+        if kept and sum(map(len, kept)) + len(line) > _STDERR_TAIL:
+            break
+        kept.append(line)
+    return " | ".join(reversed(kept)) if kept else "(stderr was empty)"
 

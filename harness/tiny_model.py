@@ -238,11 +238,16 @@ def _save_tokenizer(tokenizer, out: Path) -> int:
     return len(fast)
 
 
-def build_tiny_model(out_dir: str | Path, seed: int = 0) -> Path:
+def build_tiny_model(out_dir: str | Path, seed: int = 0, output_scale: float = 1.0) -> Path:
     """Build the tiny chat model into `out_dir` (created if needed) and return its path.
 
-    Same seed, same bytes: weights, tokenizer and configs are identical across builds.
+    Same seed, same bytes: weights, tokenizer and configs are identical across builds. `output_scale` multiplies
+    the output layer's random weights: at 1 the logits are nearly flat (every token ~1/vocab), and only training
+    the output layer itself can make one token likely. LoRA leaves it frozen (as on a pretrained model, whose
+    output layer already separates tokens), so the LoRA demo uses a model built with a larger scale.
     """
+    if not output_scale > 0:
+        raise ValueError(f"output_scale {output_scale!r} must be positive")
     import torch
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
@@ -270,6 +275,9 @@ def build_tiny_model(out_dir: str | Path, seed: int = 0) -> Path:
     )
     torch.manual_seed(seed)
     model = Qwen2ForCausalLM(config).to(torch.float32)
+    if output_scale != 1.0:
+        with torch.no_grad():
+            model.lm_head.weight.mul_(output_scale)
     model.save_pretrained(out, safe_serialization=True)
     GenerationConfig(
         eos_token_id=[ids["<|im_end|>"], ids["<|endoftext|>"]],

@@ -290,6 +290,9 @@ async def _engine_failed(app: web.Application, cap: Capture, base: str) -> bool:
 def _record(app: web.Application, cap: Capture, prepared: Prepared, hashes, base: str | None) -> None:
     config, state = app[CONFIG], app[STATE]
     call = cap.to_call()
+    if (base is not None and call.weight_version != state.weight_version
+            and prepared.body.get("model") in (state.served_model, None)):  # new weights under the same name
+        call.extra["weights_changed_to"] = state.weight_version  # its later tokens may come from them
     app[RECORDER].record_call(call)
     if hashes is not None and call.status == OK:
         state.timelines.remember(call, prepared.body, hashes)

@@ -169,7 +169,7 @@ def test_named_roles_get_their_own_rewards_groups_and_frozen_roles_are_left_out(
     def episode(eid: str, status: str, reward: float, role_rewards: dict) -> EpisodeResult:
         samples = [_sample(eid, 6, 1), _sample(eid, 7, 2), _sample(eid, 5, 3)]
         return EpisodeResult(eid, "task", status, reward, samples, None, 0, [[], [], []],
-                             ["solver", "critic", None], role_rewards)
+                             ["solver", "critic", None], role_rewards, [0, 0, 0])
 
     rollout = StepRollout([episode("e1", FINISHED, 0.5, {"solver": 1.0, "critic": 0.0}),
                            episode("e2", FINISHED, 0.2, {"solver": 0.0}),
@@ -188,3 +188,79 @@ def test_named_roles_get_their_own_rewards_groups_and_frozen_roles_are_left_out(
     exp = experience_of(rollout, _cfg("roles.match={solver: 'model:a', critic: 'model:b'}", "roles.train=[solver]",
                                       "trainer.failed_episodes=zero_reward"))
     assert [exp.unit(i) for i in range(len(exp.samples))] == ["e1\0solver", "e2\0solver", "e3\0solver"]
+
+
+# ---------------------------------------------------------------------------------------------- asynchronous rollouts
+
+
+def test_stale_groups_are_dropped_whole_and_counted():
+    """keep_fresh: a group whose oldest sample lags more than max_staleness versions goes, all of it (a GRPO group
+    is never split); what stays reports its staleness."""
+    from trainer.ahead import keep_fresh
+
+    exp = _experience()
+    exp.versions = [3, 2, 3, 3, 3]  # a2's first sample was sampled with version 2
+    fresh, metrics = keep_fresh(exp, 3, max_staleness=1)
+    assert fresh is exp and metrics["async/staleness_max"] == 1 and metrics["async/groups_dropped_stale"] == 0
+    fresh, metrics = keep_fresh(exp, 4, max_staleness=1)  # group A lags 2 versions now
+    assert [s.episode_id for s in fresh.samples] == ["b1", "b2"] and fresh.versions == [3, 3]
+    assert set(fresh.rewards) == {"b1", "b2"} and set(fresh.groups) == {"b1", "b2"}
+    assert (metrics["async/groups_dropped_stale"], metrics["async/samples_dropped_stale"],
+            metrics["async/staleness_max"]) == (1, 3, 1)
+    keep, _, _ = _advantages(fresh, [torch.zeros(len(s.token_ids)) for s in fresh.samples], [None] * 2, _cfg())
+    assert keep == []  # what is left (group B, rewards equal) carries no signal: nothing of group A trains
+
+
+def test_rollouts_ahead_run_at_most_max_staleness_versions_ahead_in_order():
+    import threading
+    import time
+
+    from trainer.ahead import RolloutsAhead
+
+    started: list[tuple[int, int]] = []  # (step, the version served when its collect started)
+    served = [0]
+    release = threading.Event()
+
+    def collect(step, tasks):
+        started.append((step, served[0]))
+        if step == 3:
+            release.wait(5)
+        return f"rollout {step} of {tasks}"
+
+    ahead = RolloutsAhead(collect, [(s, [f"t{s}"]) for s in (1, 2, 3, 4)], max_staleness=1, served_version=0)
+    try:
+        assert ahead.take(1) == "rollout 1 of ['t1']"
+        assert ahead.take(2) == "rollout 2 of ['t2']"  # collected while step 1 "trains"
+        time.sleep(0.2)
+        assert [s for s, _ in started] == [1, 2]  # step 3 waits for version 1
+        served[0] = 1
+        ahead.served(1)
+        deadline = time.monotonic() + 5
+        while len(started) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert started == [(1, 0), (2, 0), (3, 1)]
+        assert not ahead._alone.acquire(timeout=0.1)  # validation (ahead.alone) waits for the collect under way
+    finally:
+        release.set()
+    assert ahead.take(3) == "rollout 3 of ['t3']"
+    served[0] = 2
+    ahead.served(2)
+    assert ahead.take(4) == "rollout 4 of ['t4']" and started[-1] == (4, 2)
+    ahead.close()
+
+
+def test_a_failed_collect_is_raised_at_take_and_close_stops_waiting():
+    from trainer.ahead import RolloutsAhead
+
+    def collect(step, tasks):
+        raise RuntimeError(f"the engine died during step {step}")
+
+    ahead = RolloutsAhead(collect, [(1, []), (2, [])], max_staleness=2, served_version=0)
+    with pytest.raises(RuntimeError, match="during step 1"):
+        ahead.take(1)
+    with pytest.raises(RuntimeError, match="ended before step 2"):
+        ahead.take(2)
+    waiting = RolloutsAhead(lambda s, t: s, [(1, []), (5, [])], max_staleness=1, served_version=0)
+    assert waiting.take(1) == 1
+    waiting.close(timeout_s=5)  # step 5 waits for version 3, which never comes: close ends the wait
+    assert not waiting._thread.is_alive()

@@ -5,6 +5,7 @@ sends agents' calls to the version it was told of and records that version; old 
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,7 @@ pytest.importorskip("peft")
 from harness.engine import start_vllm  # noqa: E402
 from tests.support import RunningProxy, db_rows  # noqa: E402
 from tests.test_weight_sync import _prompt_ids  # noqa: E402
-from trainer.lora import ADAPTER_NAME, ENGINE_ENV, LoraSpec, engine_args, merged, with_adapter  # noqa: E402
+from trainer.lora import ADAPTER_NAME, ENGINE_ENV, LoraSpec, engine_args, with_adapter  # noqa: E402
 from trainer.weight_sync import WeightSync  # noqa: E402
 
 SPEC = LoraSpec(rank=8, alpha=16.0)
@@ -111,7 +112,7 @@ def test_after_a_training_step_the_engine_serves_the_adapter_as_transformers_mer
         print("adapter push (tiny model):", {k: round(v * 1000, 1) for k, v in timings.items() if k.endswith("_s")},
               "ms,", int(timings["bytes"]), "bytes")
         after = _engine_greedy(lora_engine, sync.served_name(1), prompts)
-        _same(after, _transformers_greedy(merged(peft_model).eval(), prompts))
+        _same(after, _transformers_greedy(copy.deepcopy(peft_model).merge_and_unload().eval(), prompts))
         assert [t for t, _ in after] != [t for t, _ in reference_base]  # the step changed the policy
         _same(_engine_greedy(lora_engine, lora_engine.served_model, prompts), reference_base)  # the base is intact
         agent_call()

@@ -21,6 +21,7 @@ import schemathesis
 from hypothesis import HealthCheck, given, settings
 from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
+from schemathesis.config import SchemathesisConfig
 from schemathesis.specs.openapi.checks import (
     content_type_conformance,
     response_schema_conformance,
@@ -34,6 +35,7 @@ EXAMPLES = int(os.environ.get("HARNESS_SCHEMATHESIS_EXAMPLES", "40"))
 REPORT = os.environ.get("HARNESS_SCHEMATHESIS_REPORT")
 CHECKS = [status_code_conformance, content_type_conformance, response_schema_conformance]
 RECORDED = ("/chat/completions", "/completions", "/responses", "/messages")
+WIRED = ("/responses", "/messages")  # translated APIs: a 501 names a feature of theirs the proxy does not offer
 
 
 def test_the_description_names_exactly_the_routes_the_proxy_serves(upstream, tmp_path):
@@ -61,12 +63,14 @@ def _fuzz(op, mode: GenerationMode, url: str, session: requests.Session, headers
         response = case.call(base_url=url, session=session, headers=headers, timeout=15)
         status = response.status_code
         tally[status] += 1
-        ours = status >= 500 and not (status == 501 and op.path == "/v1/embeddings")
+        not_offered = status == 501 and (op.path == "/v1/embeddings" or op.path.endswith(WIRED))  # documented
+        ours = status >= 500 and not not_offered
         assert not ours, f"{op.label} ({mode.value}): {status} {response.text[:500]}"
         case.validate_response(response, checks=CHECKS, headers=headers)
         if status == 200 and op.path.endswith(RECORDED):  # a 200 stream may still end with an error event
-            broken = response.headers.get("Content-Type", "").startswith("text/event-stream") and any(
-                line.startswith(b"data: {\"error\"") for line in response.content.splitlines())
+            stream = response.headers.get("content-type", [""])[0].startswith("text/event-stream")
+            broken = stream and any(line.startswith((b"data: {\"error\"", b"event: error"))
+                                    for line in response.content.splitlines())
             tally["recorded_error_200" if broken else "recorded_ok"] += 1
 
     try:
@@ -83,7 +87,9 @@ def test_schemathesis_finds_every_answer_documented(upstream, tmp_path):
     tally: Counter = Counter()
     started = time.monotonic()
     try:
-        schema = schemathesis.openapi.from_dict(requests.get(proxy.url + "/openapi.json", timeout=10).json())
+        # every stream read to its end (by default schemathesis hangs up after 20 events: the call is cancelled)
+        schema = schemathesis.openapi.from_dict(requests.get(proxy.url + "/openapi.json", timeout=10).json(),
+                                                config=SchemathesisConfig.from_dict({"max-stream-events": 100_000}))
         admin = {"Authorization": f"Bearer {proxy.config.admin_token}"}
         session = requests.Session()
         operations = [result.ok() for result in schema.get_all_operations()]
@@ -109,5 +115,5 @@ def test_schemathesis_finds_every_answer_documented(upstream, tmp_path):
     rows = db_rows(db, "SELECT count(*) FILTER (WHERE status = 'ok'), count(DISTINCT call_id) FILTER (WHERE status = "
                    "'ok'), count(*) FILTER (WHERE status = 'error' AND http_status = 200) FROM calls")
     not_ok = db_rows(db, "SELECT status, http_status, endpoint, stream, left(error, 300) FROM calls "
-                     "WHERE status <> 'ok' AND http_status = 200")
+                     "WHERE status <> 'ok' AND (http_status = 200 OR status = 'cancelled')")
     assert rows == [(recorded_ok, recorded_ok, recorded_error)], (rows, recorded_ok, recorded_error, not_ok)

@@ -137,6 +137,23 @@ async def test_weight_version_is_stamped_on_calls(proxy):
     assert db_rows(proxy.db_path, "SELECT weight_version FROM calls ORDER BY call_index") == [(0,), (3,)]
 
 
+async def test_a_call_generating_while_new_weights_arrive_records_both_versions(proxy, upstream):
+    """Asynchronous rollouts push weights while calls run: a call keeps the version it started with, and says
+    which version arrived before it ended (its later tokens may come from those weights)."""
+    upstream.script.chunk_delay_s = 0.05
+    call = asyncio.create_task(_post(proxy.url + "/e/w/v1/chat/completions", _chat(stream=True)))
+    await asyncio.sleep(0.15)
+    async with aiohttp.ClientSession() as s, s.post(proxy.url + "/harness/weights", json={"version": 4},
+                                                    headers=proxy.admin_headers) as r:
+        assert r.status == 200
+    await call
+    upstream.script.chunk_delay_s = 0.0
+    await _post(proxy.url + "/e/w/v1/chat/completions", _chat(stream=True))
+    proxy.close()
+    assert db_rows(proxy.db_path, "SELECT weight_version, extra->>'weights_changed_to' FROM calls "
+                   "ORDER BY call_index") == [(0, "4"), (4, None)]
+
+
 async def test_stream_n2_is_assembled_for_the_record(proxy, upstream):
     events = await _post(proxy.url + "/e/s/v1/chat/completions", _chat(stream=True, n=2,
                                                                         stream_options={"include_usage": True}))

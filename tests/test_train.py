@@ -227,3 +227,49 @@ def test_transparent_training_of_an_agent_that_hard_codes_api_openai_com(engine,
     trained = db_rows(db, "SELECT step, value FROM metrics WHERE name = 'samples/tokens' ORDER BY step")
     assert [s for s, _ in trained] == [1, 2] and all(v > 0 for _, v in trained)
     assert (tmp_path / "blackbox" / "transparent.log").exists()
+
+
+def test_asynchronous_rollouts_learn_and_train_nothing_staler_than_the_bound(engine, tiny_model_dir, tmp_path):
+    """`rollout.async.max_staleness: 1`: the next step's episodes run while a step trains. The tiny model still
+    learns; every call of step s was sampled with weights s-2 or s-1 (read back from DuckDB), some with s-2 (the
+    rollouts did run ahead); no group was too stale to train; validation ran alone at its own sampling."""
+    overrides = [f"model.path={tiny_model_dir}", f"rollout.engine.url={engine.base_url}",
+                 f"logging.run_dir={tmp_path}", "trainer.save_freq=0", "logging.curve_png=false",
+                 "rollout.async.max_staleness=1", "trainer.tis_cap=2.0", f"trainer.total_steps={STEPS}",
+                 f"data.validation={ROOT / 'examples/terse_agent/tasks.jsonl'}", "data.validation_split=train",
+                 "data.validation_limit=2", "trainer.test_freq=6"]
+    try:
+        out = subprocess.run([sys.executable, "-m", "harness.cli", "train", str(ROOT / "examples/train/terse.yaml"),
+                              *(f"--set={o}" for o in overrides)], capture_output=True, text=True, timeout=900)
+    finally:
+        WeightSync(engine.base_url, tmp_path / "restore").load(tiny_model_dir, 0)
+    assert out.returncode == 0, out.stderr[-4000:]
+    db = tmp_path / "terse" / "harness.duckdb"
+
+    lags = db_rows(db, "SELECT CAST(split_part(o.run_id, '-train', 2) AS INTEGER) - 1 - c.weight_version AS lag, "
+                   "count(*) FROM calls c JOIN episode_outcomes o USING (episode_id) WHERE o.run_id LIKE '%-train%' "
+                   "AND c.status = 'ok' GROUP BY lag ORDER BY lag")
+    assert [lag for lag, _ in lags] == [0, 1], lags  # within the bound, and ahead for real
+    trained = db_rows(db, "SELECT step, name, value FROM metrics WHERE name IN ('async/staleness_max', "
+                      "'async/groups_dropped_stale', 'samples/trained') ORDER BY step, name")
+    by_step: dict[int, dict[str, float]] = {}
+    for step, name, value in trained:
+        by_step.setdefault(step, {})[name] = value
+    assert sorted(by_step) == list(range(1, STEPS + 1))
+    assert all(m["async/staleness_max"] <= 1 and m["async/groups_dropped_stale"] == 0 for m in by_step.values())
+    assert sum(m["samples/trained"] for m in by_step.values()) > 0
+
+    rows = db_rows(db, "SELECT CAST(split_part(run_id, '-train', 2) AS INTEGER) AS step, reward FROM rewards "
+                   "WHERE run_id LIKE '%-train%' AND reward IS NOT NULL ORDER BY step")
+    first = [r for s, r in rows if s <= WINDOW]
+    last = [r for s, r in rows if STEPS - WINDOW < s <= STEPS]
+    t = _welch_t(first, last)
+    assert t > 3.0, f"mean reward {statistics.mean(first):.3f} -> {statistics.mean(last):.3f}, Welch t = {t:.2f}"
+    val = db_rows(db, "SELECT step FROM metrics WHERE name = 'val/pass@n' ORDER BY step")
+    assert val == [(6,), (12,)]
+    overlapping = db_rows(db, """
+        WITH spans AS (SELECT o.run_id LIKE '%-val%' AS val, c.started_at AS s,
+                              c.started_at + to_milliseconds(c.latency_ms) AS e
+                       FROM calls c JOIN episode_outcomes o USING (episode_id))
+        SELECT count(*) FROM spans v JOIN spans t ON v.val AND NOT t.val AND v.s < t.e AND t.s < v.e""")
+    assert overlapping == [(0,)]  # no training call ran during validation (which samples otherwise)

@@ -313,9 +313,10 @@ def test_bad_overrides_are_named_with_what_to_do(tmp_path, monkeypatch, override
 def _fields(cls: type, prefix: str = ""):
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
-        yield prefix + f.name, f
+        name = f.name.removesuffix("_") if f.name == "async_" else f.name  # a keyword as a key
+        yield prefix + name, f
         if dataclasses.is_dataclass(hints[f.name]):
-            yield from _fields(hints[f.name], f"{prefix}{f.name}.")
+            yield from _fields(hints[f.name], f"{prefix}{name}.")
 
 
 def test_every_key_has_help_and_a_default():

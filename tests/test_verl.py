@@ -73,6 +73,23 @@ def test_translation_is_a_config_verl_accepts(tmp_path, tiny_model_dir):
     assert (rollout.response_length, c.algorithm.rollout_correction.rollout_is_threshold) == (160, 2.0)
     assert actor.use_dynamic_bsz is True
 
+    # LoRA and asynchronous rollouts, as verl's own options
+    dynamic = _VERL + ", overrides: [actor_rollout_ref.actor.use_dynamic_bsz=true]"
+    c = verl_config(_config(tmp_path, tiny_model_dir, "  trainer: {lora: {rank: 16, alpha: 32, target_modules: "
+                            "[q_proj, v_proj]}, tis_cap: 2.0}", verl=dynamic), files)
+    # (validate_config would check the rank against verl's vLLM rollout, which wants a distribution named "vllm")
+    model = c.actor_rollout_ref.model
+    assert (model.lora_rank, model.lora_alpha, list(model.target_modules)) == (16, 32, ["q_proj", "v_proj"])
+    assert c.trainer.v1.trainer_mode == "sync"
+    _config(tmp_path, tiny_model_dir, "  trainer: {tis_cap: 2.0}", verl=dynamic)  # written to verl.yaml
+    c = verl_config(load_config(tmp_path / "verl.yaml", ["rollout.async.max_staleness=2"]), files)
+    validate_config(config=c, use_reference_policy=need_reference_policy(c), use_critic=need_critic(c))
+    v1 = c.trainer.v1
+    assert (v1.trainer_mode, v1.colocate_async.num_warmup_batches, v1.sampler.max_off_policy_threshold,
+            v1.sampler.max_off_policy_strategy) == ("colocate_async", 2, 3, "drop")
+    with pytest.raises(ConfigError, match="trainer.lora.dropout has no counterpart"):
+        verl_config(_config(tmp_path, tiny_model_dir, "  trainer: {lora: {rank: 8, dropout: 0.1}}"), files)
+
     with pytest.raises(ConfigError, match="verl has no setting 'actor_rollout_ref.actor.no_such_key'"):
         verl_config(_config(tmp_path, tiny_model_dir, verl="overrides: [actor_rollout_ref.actor.no_such_key=1]"),
                     files)

@@ -14,6 +14,7 @@ directory for `--set` overrides and for defaults. The resolved config holds abso
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import os
@@ -47,6 +48,7 @@ from trainer.config_keys import (
     describe_config,
     in_range,
     iter_keys,
+    key_name,
     optional_inner,
     range_text,
     type_text,
@@ -103,7 +105,11 @@ def run_dir(cfg: TrainConfig) -> Path:
 
 def config_to_dict(cfg: TrainConfig) -> dict:
     """Every key of `cfg` as plain YAML/JSON values, sections nested, without the root."""
-    return dataclasses.asdict(cfg)
+    out = {}
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        out[key_name(f)] = config_to_dict(value) if dataclasses.is_dataclass(value) else copy.deepcopy(value)
+    return out
 
 
 def save_resolved(cfg: TrainConfig, directory: str | Path | None = None) -> Path:
@@ -149,7 +155,7 @@ def _read_yaml(path: Path) -> Any:
 
 
 def _root(raw: Any, where: str) -> Any:
-    sections = {f.name for f in dataclasses.fields(TrainConfig)}
+    sections = set(_fields(TrainConfig))
     if raw is None:
         raise ConfigError(f"{where} is empty: it needs a root 'harness:' holding the sections (see "
                           "examples/train/math.yaml)")
@@ -174,15 +180,21 @@ def _walk(cls: type, mapping: Any, prefix: str, base: Path, where: str) -> dict:
         return {}
     if not isinstance(mapping, dict):
         raise ConfigError(f"{prefix.rstrip('.') or ROOT} in {where} must be a section of keys, got {mapping!r}")
-    fields, hints, out = {f.name: f for f in dataclasses.fields(cls)}, typing.get_type_hints(cls), {}
+    fields, hints, out = _fields(cls), typing.get_type_hints(cls), {}
     for name, value in mapping.items():
         if name not in fields:
             raise ConfigError(f"unknown key {prefix + str(name)!r} in {where}: {_suggest(str(name), prefix, fields)}")
-        if dataclasses.is_dataclass(hints[name]):
-            out[name] = _walk(hints[name], value, f"{prefix}{name}.", base, where)
+        f = fields[name]
+        if dataclasses.is_dataclass(hints[f.name]):
+            out[name] = _walk(hints[f.name], value, f"{prefix}{name}.", base, where)
         else:
-            out[name] = _value(fields[name], hints[name], value, prefix + name, base)
+            out[name] = _value(f, hints[f.name], value, prefix + name, base)
     return out
+
+
+def _fields(cls: type) -> dict[str, dataclasses.Field]:
+    """A section's fields by their keys in the YAML (config_keys.key_name)."""
+    return {key_name(f): f for f in dataclasses.fields(cls)}
 
 
 def _override(values: dict, item: str) -> None:
@@ -193,21 +205,20 @@ def _override(values: dict, item: str) -> None:
         raise ConfigError(f"override {item!r} must look like section.key=value, e.g. trainer.lr=1e-5")
     cls, node, prefix, parts = TrainConfig, values, "", dotted.split(".")
     for i, part in enumerate(parts):
-        fields, hints = {f.name: f for f in dataclasses.fields(cls)}, typing.get_type_hints(cls)
+        fields, hints = _fields(cls), typing.get_type_hints(cls)
         if part not in fields:
             raise ConfigError(f"unknown key {prefix + part!r} in --set {item}: {_suggest(part, prefix, fields)}")
-        last = i == len(parts) - 1
-        if dataclasses.is_dataclass(hints[part]):
+        last, tp = i == len(parts) - 1, hints[fields[part].name]
+        if dataclasses.is_dataclass(tp):
             if last:
-                first = dataclasses.fields(hints[part])[0].name
+                first = key_name(dataclasses.fields(tp)[0])
                 raise ConfigError(f"--set {item}: {dotted!r} is a section; set one of its keys, e.g. "
                                   f"{dotted}.{first}=...")
-            cls, node, prefix = hints[part], node.setdefault(part, {}), f"{prefix}{part}."
+            cls, node, prefix = tp, node.setdefault(part, {}), f"{prefix}{part}."
         elif not last:
             raise ConfigError(f"--set {item}: {prefix + part!r} is a key, not a section")
         else:
-            node[part] = _value(fields[part], hints[part], _parse_raw(raw.strip(), hints[part], dotted), dotted,
-                                Path.cwd())
+            node[part] = _value(fields[part], tp, _parse_raw(raw.strip(), tp, dotted), dotted, Path.cwd())
 
 
 def _parse_raw(raw: str, tp: Any, key: str) -> Any:
@@ -321,9 +332,9 @@ def _build(cls: type, values: dict) -> Any:
     kwargs, hints = {}, typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         if dataclasses.is_dataclass(hints[f.name]):
-            kwargs[f.name] = _build(hints[f.name], values.get(f.name, {}))
-        elif f.name in values:
-            kwargs[f.name] = values[f.name]
+            kwargs[f.name] = _build(hints[f.name], values.get(key_name(f), {}))
+        elif key_name(f) in values:
+            kwargs[f.name] = values[key_name(f)]
         elif f.metadata.get("path") and isinstance(f.default, str):  # a default path: relative to the cwd
             kwargs[f.name] = _resolve(f.metadata["path"], f.default, Path.cwd())
     return cls(**kwargs)
@@ -377,6 +388,10 @@ def _check(cfg: TrainConfig, where: str) -> None:
     for failed, message in problems:
         if failed:
             raise ConfigError(message)
+    if r.async_.max_staleness > 0 and t.tis_cap is None:
+        raise ConfigError(f"rollout.async.max_staleness {r.async_.max_staleness} trains on episodes sampled with older "
+                          "weights: set trainer.tis_cap (e.g. 2.0), so their tokens are weighted by how likely the "
+                          "trained weights find them against the engine's logprobs when they were sampled")
     if t.lora.rank > 0:
         from trainer.lora import LoraSpec
 
@@ -446,9 +461,9 @@ def _leaves(cfg: Any, prefix: str = "") -> Iterator[tuple[str, dataclasses.Field
     for f in dataclasses.fields(cfg):
         value = getattr(cfg, f.name)
         if dataclasses.is_dataclass(value):
-            yield from _leaves(value, f"{prefix}{f.name}.")
+            yield from _leaves(value, f"{prefix}{key_name(f)}.")
         else:
-            yield prefix + f.name, f, hints[f.name], value
+            yield prefix + key_name(f), f, hints[f.name], value
 
 
 if __name__ == "__main__":  # python -m trainer.config [--markdown]: the key reference, as docs/training.md holds it

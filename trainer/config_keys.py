@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import keyword
 import types
 import typing
 from collections.abc import Iterator
@@ -24,8 +25,8 @@ from typing import Any, Literal
 
 __all__ = ["TrainConfig", "ModelConfig", "DataConfig", "TaskJudgeConfig", "RolloutConfig", "ValidationSampling",
            "EngineConfig", "RolesConfig", "TrainerConfig", "VerlConfig", "FsdpConfig", "LoraConfig", "LoggingConfig",
-           "DebugConfig",
-           "iter_keys", "describe_config", "ADV_ESTIMATORS", "LOSS_AGG_MODES", "KL_TYPES", "GROUP_ESTIMATORS"]
+           "DebugConfig", "AsyncConfig", "iter_keys", "key_name", "describe_config", "ADV_ESTIMATORS",
+           "LOSS_AGG_MODES", "KL_TYPES", "GROUP_ESTIMATORS"]
 
 ROOT = "harness"
 AdvEstimator = Literal["grpo", "grpo_no_std", "drgrpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"]
@@ -119,6 +120,15 @@ class EngineConfig:
 
 
 @dataclass(frozen=True)
+class AsyncConfig:
+    """Asynchronous rollouts: the next steps' episodes run while this step trains (trainer/ahead.py)."""
+
+    max_staleness: int = _key(0, "how many weight versions a trained sample may lag behind the weights it trains: "
+                              "rollouts for steps t+1..t+K run while step t trains, older samples are dropped and "
+                              "counted; 0: synchronous (each step samples with the weights it trains)", ge=0, le=64)
+
+
+@dataclass(frozen=True)
 class RolloutConfig:
     """How episodes are produced: the agent, the group size, sampling, the engine."""
 
@@ -155,6 +165,7 @@ class RolloutConfig:
                         "which keeps each episode on one and moves calls off one that fails (docs/proxy.md)", ge=1)
     validation: ValidationSampling = _section(ValidationSampling)
     engine: EngineConfig = _section(EngineConfig)
+    async_: AsyncConfig = _section(AsyncConfig)  # the key is `async` (key_name)
 
 
 @dataclass(frozen=True)
@@ -307,12 +318,18 @@ def iter_keys(cls: type = TrainConfig, prefix: str = "") -> Iterator[tuple[str, 
     """(dotted key, field, type, section class or None) for every section and key, in declaration order."""
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
-        tp = hints[f.name]
+        tp, name = hints[f.name], key_name(f)
         if dataclasses.is_dataclass(tp):
-            yield prefix + f.name, f, tp, tp
-            yield from iter_keys(tp, f"{prefix}{f.name}.")
+            yield prefix + name, f, tp, tp
+            yield from iter_keys(tp, f"{prefix}{name}.")
         else:
-            yield prefix + f.name, f, tp, None
+            yield prefix + name, f, tp, None
+
+
+def key_name(f: dataclasses.Field) -> str:
+    """A field's key in the YAML: its name, without the underscore that lets a Python keyword be one (`async_`)."""
+    stem = f.name[:-1]
+    return stem if f.name.endswith("_") and keyword.iskeyword(stem) else f.name
 
 
 def type_text(tp: Any) -> str:

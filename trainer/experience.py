@@ -26,6 +26,7 @@ class Experience:
     call_spans: list[list[tuple[int, int, float]]] | None = None  # per sample, when the judge scored calls
     units: list[str] | None = None  # per sample, what its reward belongs to: its episode (and role); None: episode
     tasks: dict[str, str] | None = None  # unit -> task (mini-batches keep a task's samples together); None: groups
+    versions: list[int] | None = None  # per sample, the oldest weight version its calls were sampled with
 
     def unit(self, i: int) -> str:
         return self.units[i] if self.units is not None else self.samples[i].episode_id
@@ -37,7 +38,7 @@ class Experience:
 def experience_of(rollout: StepRollout, cfg: TrainConfig) -> Experience:
     """Which episodes count (the failed-episode policy), which of their samples learn (the trained roles), their
     rewards (the episode's, or the judge's per-role ones) and the rollout's metrics."""
-    samples, units, rewards, groups, tasks, spans = [], [], {}, {}, {}, []
+    samples, units, rewards, groups, tasks, spans, versions = [], [], {}, {}, {}, [], []
     failed = unjudged = frozen = 0
     per_role: dict[str, int] = {}
     for e in rollout.episodes:
@@ -63,6 +64,7 @@ def experience_of(rollout: StepRollout, cfg: TrainConfig) -> Experience:
             if role is not None:
                 per_role[role] = per_role.get(role, 0) + 1
             spans.append(e.call_spans[k])
+            versions.append(e.sample_versions[k])
     all_rewards = [e.reward for e in rollout.episodes if e.reward is not None]
     metrics = {
         "reward/mean": mean(all_rewards), "reward/max": max(all_rewards, default=None),
@@ -76,7 +78,7 @@ def experience_of(rollout: StepRollout, cfg: TrainConfig) -> Experience:
     if frozen:
         metrics["samples/frozen_roles"] = frozen
     metrics.update({f"samples/role/{name}": n for name, n in per_role.items()})
-    return Experience(samples, rewards, groups, metrics, spans if any(spans) else None, units, tasks)
+    return Experience(samples, rewards, groups, metrics, spans if any(spans) else None, units, tasks, versions)
 
 
 def trains(cfg: TrainConfig, role: str | None) -> bool:

@@ -24,6 +24,7 @@ Departures from textbook GRPO, all on purpose:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import random
@@ -31,20 +32,19 @@ import time
 
 import torch
 
-from harness.engine import attach, start_vllm
 from harness.records import Sample
 from harness.report import pass_at_k
-from harness.runner import RunConfig
 from harness.tasks import read_tasks
 from proxy.config import SamplingOverrides
 from trainer import algorithms as algo
+from trainer.ahead import RolloutsAhead, keep_fresh, plan_steps
 from trainer.checkpoint import find_resume, load, save
-from trainer.config import TrainConfig, config_to_dict, role_rules, run_dir, save_resolved
+from trainer.config import TrainConfig, config_to_dict, run_dir, save_resolved
 from trainer.experience import Experience, experience_of, mean
 from trainer.fsdp import Dist, full_state_dict, init_distributed, shard, shutdown
-from trainer.lora import ADAPTER_NAME, ENGINE_ENV, LoraSpec, engine_args, with_adapter
+from trainer.lora import ADAPTER_NAME, spec_of, with_adapter
 from trainer.policy import collate, load_policy, micro_batches, token_logprobs
-from trainer.rollout import Rollouts, interceptor_for
+from trainer.rollout import Rollouts, sampling_seed, start_rollouts
 from trainer.schedule import lr_factor, next_tasks
 from trainer.tracking import Tracker
 from trainer.weight_sync import WeightSync
@@ -76,7 +76,7 @@ def train(cfg: TrainConfig) -> dict[str, float]:
     offload = t.fsdp.param_offload or t.fsdp.optimizer_offload  # FSDP2 offloads parameters and optimizer state together
     remote = cfg.model.trust_remote_code
     policy = load_policy(cfg.model.path, dtype, cfg.model.gradient_checkpointing, trust_remote_code=remote)
-    lora = _lora_spec(cfg)
+    lora = spec_of(t.lora)
     if lora is not None:  # adapters train, the base stays frozen; the engine serves base + adapter
         policy = with_adapter(policy, lora)
     model = shard(policy, dist, mixed_precision=t.fsdp.mixed_precision, param_offload=offload)
@@ -96,16 +96,13 @@ def train(cfg: TrainConfig) -> dict[str, float]:
         start, data_pos = state["step"], state["data_pos"]
         log.info("resumed from %s: continuing with step %d", checkpoint, start + 1)
 
-    rollouts = sync = tracker = None
+    rollouts = sync = tracker = ahead = None
     if dist.is_main:
-        engine, *more = _engines(cfg, out)
-        rollouts = Rollouts(engine, out, _run_config(cfg), sampling=SamplingOverrides(
-            temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, max_tokens_cap=cfg.rollout.max_tokens,
-            seed=_sampling_seed(cfg)), token_exact=cfg.rollout.token_exact, tool_parser=cfg.rollout.tool_parser,
-            roles=role_rules(cfg), interceptor=interceptor_for(cfg.rollout, out), more_engines=tuple(more))
-        sync = WeightSync(engine.base_url, out / ("adapters" if lora else "weights"), proxy_url=rollouts.url,
+        rollouts = start_rollouts(cfg, out)
+        sync = WeightSync(rollouts.engine.base_url, out / ("adapters" if lora else "weights"), proxy_url=rollouts.url,
                           proxy_admin_token=rollouts.admin_token, model_dir=cfg.model.path,
-                          more_engine_urls=tuple(e.base_url for e in more), adapter=ADAPTER_NAME if lora else None)
+                          more_engine_urls=tuple(e.base_url for e in rollouts.more_engines),
+                          adapter=ADAPTER_NAME if lora else None)
         tracker = Tracker(rollouts.store, rollouts.run_id, out, project=cfg.project_name,
                           experiment=cfg.experiment_name, config=config_to_dict(cfg), console=cfg.logging.console,
                           curve_png=cfg.logging.curve_png, swanlab=cfg.logging.swanlab, wandb=cfg.logging.wandb)
@@ -116,15 +113,23 @@ def train(cfg: TrainConfig) -> dict[str, float]:
     if t.val_before_train and val_tasks and start == 0:
         _log(tracker, 0, _validate(rollouts, 0, val_tasks, cfg) if dist.is_main else {})
 
+    plan = plan_steps(start + 1, total_steps, lambda pos: next_tasks(tasks, pos, batch_size, cfg.data.shuffle,
+                                                                     cfg.data.seed), data_pos)
+    staleness = cfg.rollout.async_.max_staleness
+    if staleness and dist.is_main:  # the next steps' episodes run while a step trains (trainer/ahead.py)
+        ahead = RolloutsAhead(rollouts.collect, [(s, ts) for s, ts, _ in plan], staleness, served_version=start,
+                              stop=rollouts.stop)
     metrics: dict[str, float] = {}
     try:
-        for step in range(start + 1, total_steps + 1):
+        for step, step_tasks, data_pos in plan:
             started = time.perf_counter()
             # ------------------------------------------------ 1. episodes, judged and merged (rank 0), to all ranks
-            step_tasks, data_pos = next_tasks(tasks, data_pos, batch_size, cfg.data.shuffle, cfg.data.seed)
-            rollout = rollouts.collect(step, step_tasks) if dist.is_main else None
+            rollout = (ahead.take(step) if ahead else rollouts.collect(step, step_tasks)) if dist.is_main else None
             experience = _broadcast(experience_of(rollout, cfg) if dist.is_main else None, dist)
             metrics = dict(experience.metrics)
+            if staleness:  # the step trains weights version step - 1; time/rollout_wait_s: what overlap left
+                experience, lag = keep_fresh(experience, step - 1, staleness)
+                metrics.update(lag, **{"time/rollout_wait_s": time.perf_counter() - started})
 
             # ------------------------------------------------ 2. old and reference logprobs, at the rollout weights
             t0 = time.perf_counter()
@@ -149,10 +154,13 @@ def train(cfg: TrainConfig) -> dict[str, float]:
 
             # ------------------------------------------------ 5. the new weights into the running engine
             metrics.update(_push(model, sync, dist, version=step))
+            if ahead is not None:
+                ahead.served(step)
 
             # ------------------------------------------------ 6. validation, checkpoint, metrics
             if val_tasks and t.test_freq and (step % t.test_freq == 0 or step == total_steps):
-                metrics.update(_validate(rollouts, step, val_tasks, cfg) if dist.is_main else {})
+                with ahead.alone() if ahead is not None else contextlib.nullcontext():  # its own sampling
+                    metrics.update(_validate(rollouts, step, val_tasks, cfg) if dist.is_main else {})
             if (t.save_freq and step % t.save_freq == 0) or step == total_steps:
                 t0 = time.perf_counter()
                 save(out, step, model, optimizer, scheduler, {"data_pos": data_pos}, dist)
@@ -160,6 +168,8 @@ def train(cfg: TrainConfig) -> dict[str, float]:
             metrics["time/step_s"] = time.perf_counter() - started
             _log(tracker, step, metrics)
     finally:
+        if ahead is not None:
+            ahead.close()
         if tracker is not None:
             tracker.close()
         if rollouts is not None:
@@ -380,7 +390,7 @@ def _validate(rollouts: Rollouts, step: int, tasks, cfg: TrainConfig) -> dict[st
     rollout = rollouts.collect(step, tasks, tag="val", repeat=v.n,
                                sampling=SamplingOverrides(temperature=v.temperature, top_p=v.top_p,
                                                           max_tokens_cap=cfg.rollout.max_tokens,
-                                                          seed=_sampling_seed(cfg)))
+                                                          seed=sampling_seed(cfg)))
     threshold = cfg.task_judge.success_threshold
     by_task: dict[str, list[bool]] = {}
     for e in rollout.episodes:
@@ -392,50 +402,6 @@ def _validate(rollouts: Rollouts, step: int, tasks, cfg: TrainConfig) -> dict[st
 
 
 # ---------------------------------------------------------------------------------------------- small helpers
-
-
-def _run_config(cfg: TrainConfig) -> RunConfig:
-    import shlex
-    import sys
-
-    r = cfg.rollout
-    command = [sys.executable, str(r.agent)] if r.agent else shlex.split(r.command)
-    # debug: one episode at a time, the agent on the terminal, the judge in this process, no timeouts (runner.py)
-    return RunConfig(command=command, judge=cfg.task_judge.judge, repeat=r.num_repeat, concurrency=r.concurrency,
-                     timeout_s=r.timeout_s, retries=r.retries, judge_timeout_s=cfg.task_judge.timeout_s,
-                     judge_workers=cfg.task_judge.workers, cwd=r.cwd, env=dict(r.env), debug=cfg.debug.enabled,
-                     memory_mb=r.memory_mb or None, max_procs=r.max_procs or None)
-
-
-def _lora_spec(cfg: TrainConfig) -> LoraSpec | None:
-    lo = cfg.trainer.lora
-    return LoraSpec(lo.rank, lo.alpha, tuple(lo.target_modules), lo.dropout) if lo.rank > 0 else None
-
-
-def _engines(cfg: TrainConfig, out):
-    """The engines serving the policy: attached (engine.url, engine.more_urls; with LoRA, started with
-    trainer/lora.py's engine_args and ENGINE_ENV) or started (rollout.engines)."""
-    e = cfg.rollout.engine
-    if e.url:
-        return [attach(url) for url in (e.url, *e.more_urls)]
-    lora = _lora_spec(cfg)
-    extra, env = [*(engine_args(lora) if lora else []), *e.extra_args], ENGINE_ENV if lora else None
-    started = []
-    try:
-        for k in range(cfg.rollout.engines):
-            started.append(start_vllm(cfg.model.path, out / "logs" / (f"engine{k}" if k else ""),
-                                      max_model_len=e.max_model_len, extra_args=extra, env=env))
-    except BaseException:
-        for engine in started:
-            engine.stop()
-        raise
-    return started
-
-
-def _sampling_seed(cfg: TrainConfig) -> int | None:
-    if cfg.rollout.seed is not None:
-        return cfg.rollout.seed
-    return cfg.debug.seed if cfg.debug.enabled else None
 
 
 def _pad(rows: list[torch.Tensor], mask: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,6 @@ of VLLM_RANKS, at least the adapter's rank.
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -22,7 +21,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["ADAPTER_NAME", "ENGINE_ENV", "LoraSpec", "engine_args", "merged", "with_adapter"]
+__all__ = ["ADAPTER_NAME", "ENGINE_ENV", "LoraSpec", "engine_args", "spec_of", "with_adapter"]
 
 ADAPTER_NAME = "policy-lora"  # the model name the engine serves base + adapter under
 ENGINE_ENV = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}  # /v1/load_lora_adapter and /v1/unload_lora_adapter
@@ -46,6 +45,11 @@ class LoraSpec:
         if unknown or not self.target_modules:
             raise ValueError(f"LoRA target_modules {list(self.target_modules)!r}: vLLM serves adapters on "
                              f"{', '.join(TARGETS)} only; {unknown or 'none given'} cannot be served")
+
+
+def spec_of(lora) -> LoraSpec | None:
+    """The spec of the config's trainer.lora section (trainer/config_keys.py LoraConfig); None when rank is 0."""
+    return LoraSpec(lora.rank, lora.alpha, tuple(lora.target_modules), lora.dropout) if lora.rank > 0 else None
 
 
 def engine_args(spec: LoraSpec) -> list[str]:
@@ -75,6 +79,3 @@ def save_adapter(model: torch.nn.Module, out: Path, state_dict: dict | None = No
     return (out / "adapter_model.safetensors").stat().st_size
 
 
-def merged(model: torch.nn.Module) -> torch.nn.Module:
-    """A copy of a peft model with its adapter merged into the base weights (a plain transformers model)."""
-    return copy.deepcopy(model).merge_and_unload()

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from harness.engine import Engine
+from harness.engine import Engine, attach, start_vllm
 from harness.merge import Merged, merge_episode
 from harness.records import Call, EpisodeOutcome, Judgement, Sample, Task
 from harness.run import summarise_merges
@@ -25,6 +25,8 @@ from proxy.app import EPISODES, RECORDER, STATE, STORE
 from proxy.config import ProxyConfig, SamplingOverrides
 from proxy.roles import RoleRule, key_env_names
 from proxy.server import ProxyServer
+from trainer.config import TrainConfig, role_rules
+from trainer.lora import ENGINE_ENV, engine_args, spec_of
 
 log = logging.getLogger("harness.train")
 
@@ -43,6 +45,7 @@ class EpisodeResult:
     call_spans: list[list[tuple[int, int, float]]]  # per sample: (start, end, reward) of each call the judge scored
     sample_roles: list[str | None] = field(default_factory=list)  # per sample: its calls' role name (None: unnamed)
     role_rewards: dict[str, float] = field(default_factory=dict)  # the judge's per-role rewards, if it gave any
+    sample_versions: list[int] = field(default_factory=list)  # per sample: the oldest weight version of its calls
 
 
 @dataclass
@@ -70,6 +73,7 @@ class Rollouts:
         if not engine.returns_token_ids:
             raise ValueError(f"the engine at {engine.base_url} returns no token ids: training needs vLLM's ids")
         self.server = ProxyServer(config)
+        self._runner: Runner | None = None  # the collect under way
         self.url = self.server.start_in_thread()
         self.admin_token = config.admin_token
         self.interceptor = interceptor  # transparent mode's hop (adapters/transparent.py), or None
@@ -101,6 +105,7 @@ class Rollouts:
                         episode_env=self.interceptor.agent_env if self.interceptor is not None else None,
                         judge_pool=judge_pool)
         started = time.perf_counter()
+        self._runner = runner
         try:
             self.server.call(runner.run(tasks))
         except KeyboardInterrupt:
@@ -108,6 +113,7 @@ class Rollouts:
             raise
         finally:
             state.sampling = self.sampling
+            self._runner = None
         rollout_s = time.perf_counter() - started
         started = time.perf_counter()
         app[RECORDER].flush()
@@ -140,16 +146,78 @@ class Rollouts:
             truncated = sum(ch.finish_reason == "length" for c in episode_calls for ch in c.choices)
             by_id = {c.call_id: c for c in episode_calls}
             roles = [by_id[s.call_ids[0]].extra.get("role") if s.call_ids else None for s in merged.samples]
+            versions = [min((by_id[c].weight_version for c in s.call_ids), default=0) for s in merged.samples]
             results.append(EpisodeResult(o.episode_id, o.task_id, o.status, reward, merged.samples, merged,
-                                         truncated, spans, roles, role_rewards))
+                                         truncated, spans, roles, role_rewards, versions))
             items.append((o.episode_id, merged, reward))
         self.store.add_merged_episodes(self.run_id, items)
         return results
+
+    def stop(self) -> None:
+        """End the collect under way, from another thread: no new episodes, the running ones interrupted."""
+        runner = self._runner
+        if runner is not None:
+            self.server.call(_stop(runner))
 
     def close(self) -> None:
         if self.interceptor is not None:
             self.interceptor.close()
         self.server.stop_thread()
+
+
+def start_rollouts(cfg: TrainConfig, out: Path) -> Rollouts:
+    """The engines of a training run (attached or started) behind one recording proxy, as the config says."""
+    engine, *more = start_engines(cfg, out)
+    r = cfg.rollout
+    try:
+        return Rollouts(engine, out, run_config(cfg), sampling=SamplingOverrides(
+            temperature=r.temperature, top_p=r.top_p, max_tokens_cap=r.max_tokens, seed=sampling_seed(cfg)),
+            token_exact=r.token_exact, tool_parser=r.tool_parser, roles=role_rules(cfg),
+            interceptor=interceptor_for(r, out), more_engines=tuple(more))
+    except BaseException:
+        for e in (engine, *more):
+            e.stop()
+        raise
+
+
+def run_config(cfg: TrainConfig) -> RunConfig:
+    """How the agents of a training run are run (harness/runner.py), from the rollout section."""
+    import shlex
+    import sys
+
+    r = cfg.rollout
+    command = [sys.executable, str(r.agent)] if r.agent else shlex.split(r.command)
+    # debug: one episode at a time, the agent on the terminal, the judge in this process, no timeouts (runner.py)
+    return RunConfig(command=command, judge=cfg.task_judge.judge, repeat=r.num_repeat, concurrency=r.concurrency,
+                     timeout_s=r.timeout_s, retries=r.retries, judge_timeout_s=cfg.task_judge.timeout_s,
+                     judge_workers=cfg.task_judge.workers, cwd=r.cwd, env=dict(r.env), debug=cfg.debug.enabled,
+                     memory_mb=r.memory_mb or None, max_procs=r.max_procs or None)
+
+
+def start_engines(cfg: TrainConfig, out: Path) -> list[Engine]:
+    """The engines serving the policy: attached (engine.url, engine.more_urls; with LoRA, started with
+    trainer/lora.py's engine_args and ENGINE_ENV) or started (rollout.engines)."""
+    e = cfg.rollout.engine
+    if e.url:
+        return [attach(url) for url in (e.url, *e.more_urls)]
+    lora = spec_of(cfg.trainer.lora)
+    extra, env = [*(engine_args(lora) if lora else []), *e.extra_args], ENGINE_ENV if lora else None
+    started = []
+    try:
+        for k in range(cfg.rollout.engines):
+            started.append(start_vllm(cfg.model.path, out / "logs" / (f"engine{k}" if k else ""),
+                                      max_model_len=e.max_model_len, extra_args=extra, env=env))
+    except BaseException:
+        for engine in started:
+            engine.stop()
+        raise
+    return started
+
+
+def sampling_seed(cfg: TrainConfig) -> int | None:
+    if cfg.rollout.seed is not None:
+        return cfg.rollout.seed
+    return cfg.debug.seed if cfg.debug.enabled else None
 
 
 async def _stop(runner: Runner) -> None:

@@ -129,6 +129,10 @@ def verl_config(cfg: TrainConfig, files: VerlFiles):
     model.path = cfg.model.path
     model.trust_remote_code = cfg.model.trust_remote_code
     model.enable_gradient_checkpointing = cfg.model.gradient_checkpointing
+    if t.lora.rank > 0:  # verl's FSDP LoRA: peft adapters, served by its vLLM as ours are
+        model.lora_rank = t.lora.rank
+        model.lora_alpha = t.lora.alpha
+        model.target_modules = list(t.lora.target_modules)
 
     data = c.data
     data.train_files = str(files.train)
@@ -198,6 +202,12 @@ def verl_config(cfg: TrainConfig, files: VerlFiles):
     if t.tis_cap is not None:
         algorithm.rollout_correction.rollout_is = "token"
         algorithm.rollout_correction.rollout_is_threshold = t.tis_cap
+    if r.async_.max_staleness > 0:  # verl's v1 trainer: K batches generated ahead, older trajectories dropped
+        c.trainer.use_v1 = True
+        c.trainer.v1.trainer_mode = "colocate_async"
+        c.trainer.v1.colocate_async.num_warmup_batches = r.async_.max_staleness
+        c.trainer.v1.sampler.max_off_policy_threshold = r.async_.max_staleness + 1  # verl counts the versions spanned
+        c.trainer.v1.sampler.max_off_policy_strategy = "drop"
 
     trainer = c.trainer
     trainer.project_name = cfg.project_name
@@ -241,8 +251,8 @@ def _refuse_untranslatable(cfg: TrainConfig) -> None:
                                                 "trains; use backbone: harness for selective training"),
         (cfg.rollout.transparent, "rollout.transparent is not supported with backbone: verl yet"),
         (cfg.debug.enabled, "debug.enabled runs our own loop in one process: use backbone: harness"),
-        (t.lora.rank > 0, "trainer.lora is not mapped to verl's LoRA options yet: use backbone: harness, or set "
-                          "verl.overrides (actor_rollout_ref.model.lora_rank, ...) with trainer.lora.rank 0"),
+        (t.lora.rank > 0 and t.lora.dropout > 0, "trainer.lora.dropout has no counterpart in verl's FSDP LoRA: set "
+                                                 "it to 0 with backbone: verl"),
         (cfg.rollout.agent is None and cfg.rollout.command is None, "rollout.agent or rollout.command is required"),
     ]
     for failed, message in problems:

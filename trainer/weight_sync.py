@@ -102,7 +102,8 @@ class WeightSync:
              state: Mapping[str, torch.Tensor] | None = None) -> dict[str, float]:
         """Write `weights` (a model or a full state dict; with LoRA the peft model, and `state` its full state
         when its parameters are shards), load them into the engine as `version`, and return the seconds each
-        phase took (write_s, pause_s, reload_s, reset_s, notify_s, resume_s, total_s) and the bytes written."""
+        phase took (write_s, pause_s, reload_s, reset_s, notify_s, resume_s, total_s; with LoRA also unload_s,
+        the adapter two versions old unloaded) and the bytes written."""
         started = time.perf_counter()
         weights_dir, written = self.write(weights, version, state=state)
         write_s = time.perf_counter() - started
@@ -211,8 +212,8 @@ class WeightSync:
             old = self._adapter_names.pop(0)
             for url in self.engine_urls:
                 self._unload(url, old)
-        return {"pause_s": 0.0, "reload_s": reload_s, "reset_s": 0.0, "notify_s": notify_s,
-                "resume_s": time.perf_counter() - started - reload_s - notify_s}
+        return {"pause_s": 0.0, "reload_s": reload_s, "reset_s": 0.0, "notify_s": notify_s, "resume_s": 0.0,
+                "unload_s": time.perf_counter() - started - reload_s - notify_s}
 
     def _unload(self, url: str, name: str) -> None:
         status, answer = _post(url + "/v1/unload_lora_adapter", {"lora_name": name}, self.timeout_s, None)
