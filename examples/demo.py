@@ -20,6 +20,8 @@ from harness.tiny_model import build_tiny_model
 from proxy import ProxyConfig, ProxyServer
 
 HERE = Path(__file__).resolve().parent
+LORA_OUTPUT_SCALE = 8.0  # --lora: the tiny model's output layer x8 (harness tiny-model --output-scale)
+LORA_LR = 5e-2  # --lora: adapters (scale alpha / rank = 4) take larger steps than the whole model's 1e-2
 SUMMARY = """
 SELECT e.episode_id, count(*) AS calls, sum(c.prompt_tokens)::BIGINT AS prompt_tokens,
        sum(c.completion_tokens)::BIGINT AS completion_tokens, list(c.status ORDER BY c.call_index) AS statuses,
@@ -61,10 +63,11 @@ def main() -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     db = run_dir / "harness.duckdb"
 
-    model_dir = run_dir / "tiny-model"
+    # LoRA leaves the output layer frozen, and a random one barely separates tokens: its model gets one that does
+    model_dir = run_dir / ("tiny-model-lora" if args.lora else "tiny-model")
     if not (model_dir / "config.json").exists():
         print(f"[1/6] building the tiny model into {model_dir}")
-        build_tiny_model(model_dir, seed=0)
+        build_tiny_model(model_dir, seed=0, output_scale=LORA_OUTPUT_SCALE if args.lora else 1.0)
     else:
         print(f"[1/6] tiny model already at {model_dir}")
 
@@ -114,6 +117,8 @@ def main() -> int:
                         f"--set=model.path={model_dir}", f"--set=rollout.engine.url={engine.base_url}",
                         f"--set=logging.run_dir={run_dir}", "--set=trainer.resume=disable",
                         f"--set=trainer.lora.rank={args.lora}",
+                        *([f"--set=trainer.lora.alpha={4 * args.lora}", f"--set=trainer.lr={LORA_LR}"] if args.lora
+                          else []),
                         f"--set=rollout.async.max_staleness={args.max_staleness}",
                         *(["--set=trainer.tis_cap=2.0"] if args.max_staleness else [])], check=True)
         print("      the reward per step (judge: examples/terse_agent/judge.py):")

@@ -40,6 +40,7 @@ LOOP = textwrap.dedent(
     parser.add_argument("--steps", type=int)
     parser.add_argument("--resume", default="auto")
     parser.add_argument("--pause-after", type=int, default=None)
+    parser.add_argument("--lora", action="store_true", help="train LoRA adapters over the frozen base")
     args = parser.parse_args()
 
     def emit(event):  # one write per line: the ranks share stdout, and print() may split a line in two writes
@@ -50,9 +51,13 @@ LOOP = textwrap.dedent(
     random.seed(100 + dist.rank)
     torch.manual_seed(200 + dist.rank)
     model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32, attention_dropout=0.2)
+    if args.lora:
+        from trainer.lora import LoraSpec, with_adapter
+
+        model = with_adapter(model, LoraSpec(rank=4, dropout=0.1))
     model = shard(model, dist)
     model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3, weight_decay=0.01)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 3))
     POOL = torch.randint(0, 2000, (16, 20), generator=torch.Generator().manual_seed(0))
     ROWS = 2  # per rank and step
@@ -146,14 +151,17 @@ def _losses(events: list[dict]) -> dict[int, float]:
     return {e["step"]: e["loss"] for e in events if e["event"] == "step"}
 
 
-@pytest.mark.parametrize("world", [1, 2])
-def test_killed_run_resumes_with_the_loss_of_an_uninterrupted_run(world, tmp_path, tiny_model_dir):
+@pytest.mark.parametrize("world, lora", [(1, False), (2, False), (2, True)])
+def test_killed_run_resumes_with_the_loss_of_an_uninterrupted_run(world, lora, tmp_path, tiny_model_dir):
+    """With LoRA the checkpoint holds the adapters and their optimizer state only (frozen weights come from the
+    model directory again), and the resumed run is still exactly the uninterrupted one."""
     script = tmp_path / "loop.py"
     script.write_text(LOOP)
     run = tmp_path / "run"
-    common = [str(tiny_model_dir), str(run), f"--steps={STEPS}"]
+    common = [str(tiny_model_dir), str(run), f"--steps={STEPS}", *(["--lora"] if lora else [])]
     # The uninterrupted run, in a run directory of its own, alongside the others (their startup dominates).
-    uninterrupted = _start(script, world, str(tiny_model_dir), str(tmp_path / "reference"), f"--steps={STEPS}")
+    uninterrupted = _start(script, world, str(tiny_model_dir), str(tmp_path / "reference"), f"--steps={STEPS}",
+                           *(["--lora"] if lora else []))
 
     killed = _run_until_killed(script, world, tmp_path / "killed.log", *common, f"--pause-after={KILL_AFTER}")
     assert sorted(_losses(killed)) == list(range(1, KILL_AFTER + 1))
@@ -165,7 +173,7 @@ def test_killed_run_resumes_with_the_loss_of_an_uninterrupted_run(world, tmp_pat
     reference = _losses(_finish(uninterrupted))
     # "disable" in a run directory full of checkpoints starts again from step 0.
     restarted = _finish(_start(script, world, str(tiny_model_dir), str(tmp_path / "reference"), "--steps=1",
-                               "--resume=disable"))  # fmt: skip
+                               "--resume=disable", *(["--lora"] if lora else [])))  # fmt: skip
     resumed = _finish(resuming)
     start = [e for e in resumed if e["event"] == "start"][0]
     assert (start["step"], start["data_position"]) == (KILL_AFTER, KILL_AFTER * 2 * world)
@@ -183,6 +191,10 @@ def test_killed_run_resumes_with_the_loss_of_an_uninterrupted_run(world, tmp_pat
     assert len(set(reference.values())) == STEPS  # the losses do move: the comparison means something
     assert (run / "checkpoints" / "latest").read_text() == f"step_{STEPS}"
     assert not (run / "checkpoints" / f".tmp-step_{KILL_AFTER + 1}").exists()  # the next save cleared it
+    if lora:  # the frozen base is not in the checkpoint: it is a fraction of the model's size
+        saved = sum(f.stat().st_size for f in (run / "checkpoints" / f"step_{STEPS}").rglob("*") if f.is_file())
+        model = sum(f.stat().st_size for f in tiny_model_dir.glob("*.safetensors"))
+        assert saved < model / 2, (saved, model)
 
 
 # ---------------------------------------------------------------------------------------------------- in process

@@ -4,7 +4,8 @@ The worker below runs both ways, from the same source: under torchrun on 2 ranks
 batch and the model sharded by `trainer.fsdp.shard`; and in this process (`launch(1, ...)`), unsharded, on the
 whole batch. It computes a masked token-mean loss through the two paths the trainer uses (the model's own
 forward, and the decoder then the output layer on checkpointed chunks, as trainer/policy.py does), takes one
-AdamW step, and saves the loss, the gradients and the updated weights.
+AdamW step, and saves the loss, the gradients and the updated weights. A LoRA variant trains adapters over the
+frozen base (trainer/lora.py) the same way, and writes the adapter a push writes from the gathered state.
 """
 
 from __future__ import annotations
@@ -23,12 +24,14 @@ ROOT = Path(__file__).resolve().parents[1]
 WORKER = textwrap.dedent(
     '''
     import sys
+    from pathlib import Path
 
     import torch
     from torch.utils.checkpoint import checkpoint
     from transformers import AutoModelForCausalLM
 
     from trainer.fsdp import Dist, all_reduce_mean, full_state_dict, init_distributed, shard, shutdown
+    from trainer.lora import LoraSpec, save_adapter, with_adapter
 
     model_dir, out, mode = sys.argv[1], sys.argv[2], sys.argv[3]
     sharded = mode == "sharded"
@@ -60,23 +63,33 @@ WORKER = textwrap.dedent(
     tokens = all_reduce_mean(mask.sum().item(), dist) * dist.world
     results = {}
     variants = {"forward": {}, "decoder_head": {}, "options": dict(gradient_checkpointing=True, param_offload=True,
-                                                                   mixed_precision=True)}
+                                                                   mixed_precision=True), "lora": {}}
     for name, options in variants.items():
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        if name == "lora":  # adapters over the frozen base, B made non-zero so every adapter weight has a gradient
+            model = with_adapter(model, LoraSpec(rank=4, target_modules=("q_proj", "down_proj")))
+            with torch.no_grad():
+                for n, p in model.named_parameters():
+                    if "lora_B" in n:
+                        p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(1)) * 0.1)
         model.train()
         if sharded:
             model = shard(model, dist, **options)
         elif options.get("gradient_checkpointing"):
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
-        local = nll_sum(model, ids, mask, "forward" if name == "options" else name) / tokens * dist.world
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(trainable, lr=1e-3, weight_decay=0.0)
+        local = nll_sum(model, ids, mask, "decoder_head" if name == "decoder_head" else "forward") / tokens * dist.world
         local.backward()
         loss = all_reduce_mean(local.item(), dist)
-        grads = {n: (p.grad.full_tensor() if sharded else p.grad).clone() for n, p in model.named_parameters()}
+        grads = {n: (p.grad.full_tensor() if sharded else p.grad).clone() for n, p in model.named_parameters()
+                 if p.requires_grad}
         optimizer.step()
         state = full_state_dict(model, dist) if sharded else {k: v.clone() for k, v in model.state_dict().items()}
         results[name] = {"loss": loss, "grads": grads, "params": state}
+        if name == "lora" and dist.is_main:  # the adapter as a push writes it, from the gathered state
+            save_adapter(model, Path(f"{out}.adapter"), state)
         if dist.rank == 1:
             results[name]["rank1_full_state_dict"] = state
     torch.save(results, f"{out}.rank{dist.rank}.pt")
@@ -109,9 +122,11 @@ def _max_rel(a: dict, b: dict) -> float:
 def test_two_process_fsdp_matches_one_unsharded_process(tmp_path, tiny_model_dir, monkeypatch):
     sharded, rank1, single = _run_worker(tmp_path, tiny_model_dir, monkeypatch)
     reference = single["forward"]
-    assert set(sharded) == {"forward", "decoder_head", "options"}
+    assert set(sharded["lora"]["grads"]) == {k for k in single["lora"]["grads"] if "lora_" in k}  # only adapters
+    assert set(sharded) == {"forward", "decoder_head", "options", "lora"}
     report = []
     for name, result in sharded.items():
+        reference = single["lora"] if name == "lora" else single["forward"]
         loss_rel = abs(result["loss"] - reference["loss"]) / abs(reference["loss"])
         grad_rel = _max_rel(result["grads"], reference["grads"])
         param_abs = max((result["params"][k] - reference["params"][k]).abs().max().item() for k in reference["params"])
@@ -122,7 +137,15 @@ def test_two_process_fsdp_matches_one_unsharded_process(tmp_path, tiny_model_dir
         assert param_abs <= 1e-5, report[-1]
         assert rank1[name]["rank1_full_state_dict"] is None
     print("\n".join(report))
+    # The adapter a two-rank push writes is the adapter one process trains.
+    from safetensors.torch import load_file
+
+    two, one = load_file(tmp_path / "sharded.adapter/adapter_model.safetensors"), \
+        load_file(tmp_path / "single.adapter/adapter_model.safetensors")
+    assert two.keys() == one.keys() and len(two) == 8  # A and B of q_proj and down_proj, 2 layers
+    assert max((two[k] - one[k]).abs().max().item() for k in one) <= 1e-5
     # The unsharded reference itself: both loss paths agree.
+    reference = single["forward"]
     assert abs(single["decoder_head"]["loss"] - reference["loss"]) <= 1e-6 * abs(reference["loss"])
 
 

@@ -395,8 +395,6 @@ def _check(cfg: TrainConfig, where: str) -> None:
     if t.lora.rank > 0:
         from trainer.lora import LoraSpec
 
-        if t.fsdp.nprocs > 1:
-            raise ConfigError("trainer.lora trains on one trainer process for now: set trainer.fsdp.nprocs 1")
         try:
             LoraSpec(t.lora.rank, t.lora.alpha, tuple(t.lora.target_modules), t.lora.dropout)
         except ValueError as exc:
