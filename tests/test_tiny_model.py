@@ -54,6 +54,21 @@ def test_different_seeds_give_different_weights_same_tokenizer(tiny_model_dir, t
     assert other["tokenizer.json"] == base["tokenizer.json"]
 
 
+def test_output_scale_multiplies_the_output_layer_only(tiny_model_dir, tmp_path):
+    """The LoRA demo's model: the same weights, the output layer x8 (its logits separate tokens)."""
+    import torch
+    from safetensors.torch import load_file
+
+    scaled = load_file(build_tiny_model(tmp_path / "x8", seed=0, output_scale=8.0) / "model.safetensors")
+    base = load_file(tiny_model_dir / "model.safetensors")
+    assert scaled.keys() == base.keys()
+    for name, tensor in base.items():
+        expected = tensor * 8 if name == "lm_head.weight" else tensor
+        assert torch.equal(scaled[name], expected), name
+    with pytest.raises(ValueError, match="output_scale 0"):
+        build_tiny_model(tmp_path / "zero", output_scale=0)
+
+
 def test_vocab_size_equals_tokenizer_ids_and_embeddings_are_untied(tiny_model_dir, tokenizer):
     from safetensors import safe_open
 

@@ -15,6 +15,9 @@ Departures from textbook GRPO, all on purpose:
 - Truncated replies (finish_reason "length") are trained as sampled, with the episode's reward, and counted.
 - Old logprobs are the trainer's own at the rollout weights (so the PPO ratio starts at exactly 1); the engine's
   are used for the truncated importance weights (`tis_cap`) and for the agreement metric `logprob/engine_*`.
+- With `rollout.async.max_staleness` K, step s's episodes were collected on a thread while earlier steps trained
+  (trainer/ahead.py), sampled with weights s-1-K and later: "old" is then the trainer at the weights being
+  trained (the proximal policy), and `tis_cap` (required) weights each token by trainer over engine probability.
 - The learning rate schedule advances once per step; gradients of a mini-batch are accumulated over micro-batches
   with each micro-batch weighted by its share of the mini-batch's aggregation units (tokens, sequences or
   episodes, summed over ranks), so the update equals the one a single pass over the mini-batch would make.
@@ -101,6 +104,7 @@ def train(cfg: TrainConfig) -> dict[str, float]:
         rollouts = start_rollouts(cfg, out)
         sync = WeightSync(rollouts.engine.base_url, out / ("adapters" if lora else "weights"), proxy_url=rollouts.url,
                           proxy_admin_token=rollouts.admin_token, model_dir=cfg.model.path,
+                          keep=2 + cfg.rollout.async_.max_staleness,
                           more_engine_urls=tuple(e.base_url for e in rollouts.more_engines),
                           adapter=ADAPTER_NAME if lora else None)
         tracker = Tracker(rollouts.store, rollouts.run_id, out, project=cfg.project_name,
@@ -154,12 +158,14 @@ def train(cfg: TrainConfig) -> dict[str, float]:
 
             # ------------------------------------------------ 5. the new weights into the running engine
             metrics.update(_push(model, sync, dist, version=step))
-            if ahead is not None:
-                ahead.served(step)
 
             # ------------------------------------------------ 6. validation, checkpoint, metrics
-            if val_tasks and t.test_freq and (step % t.test_freq == 0 or step == total_steps):
-                with ahead.alone() if ahead is not None else contextlib.nullcontext():  # its own sampling
+            validating = bool(val_tasks and t.test_freq and (step % t.test_freq == 0 or step == total_steps))
+            # validation samples otherwise: no training episodes meanwhile, and none started before it
+            with ahead.alone() if ahead is not None and validating else contextlib.nullcontext():
+                if ahead is not None:
+                    ahead.served(step)
+                if validating:
                     metrics.update(_validate(rollouts, step, val_tasks, cfg) if dist.is_main else {})
             if (t.save_freq and step % t.save_freq == 0) or step == total_steps:
                 t0 = time.perf_counter()

@@ -52,11 +52,12 @@ def spec_of(lora) -> LoraSpec | None:
     return LoraSpec(lora.rank, lora.alpha, tuple(lora.target_modules), lora.dropout) if lora.rank > 0 else None
 
 
-def engine_args(spec: LoraSpec) -> list[str]:
-    """vLLM flags for serving adapters of `spec`'s rank; two loaded at once, so calls that started on the old
-    version finish on it while new ones use the new."""
+def engine_args(spec: LoraSpec, loaded: int = 2) -> list[str]:
+    """vLLM flags for serving adapters of `spec`'s rank; `loaded` at once, so calls that started on an older
+    version finish on it while new ones use the new (2; K + 2 with asynchronous rollouts K versions ahead)."""
     max_rank = next(r for r in VLLM_RANKS if r >= spec.rank)
-    return ["--enable-lora", "--max-lora-rank", str(max_rank), "--max-loras", "2", "--max-cpu-loras", "2"]
+    return ["--enable-lora", "--max-lora-rank", str(max_rank), "--max-loras", str(loaded), "--max-cpu-loras",
+            str(loaded)]
 
 
 def with_adapter(model: torch.nn.Module, spec: LoraSpec) -> torch.nn.Module:

@@ -74,6 +74,7 @@ class Rollouts:
             raise ValueError(f"the engine at {engine.base_url} returns no token ids: training needs vLLM's ids")
         self.server = ProxyServer(config)
         self._runner: Runner | None = None  # the collect under way
+        self._stopped = False  # stop() was called: every collect from then on ends at once
         self.url = self.server.start_in_thread()
         self.admin_token = config.admin_token
         self.interceptor = interceptor  # transparent mode's hop (adapters/transparent.py), or None
@@ -106,6 +107,8 @@ class Rollouts:
                         judge_pool=judge_pool)
         started = time.perf_counter()
         self._runner = runner
+        if self._stopped:  # stopped while this collect was starting: it starts no episode
+            self.server.call(_stop(runner))
         try:
             self.server.call(runner.run(tasks))
         except KeyboardInterrupt:
@@ -154,7 +157,9 @@ class Rollouts:
         return results
 
     def stop(self) -> None:
-        """End the collect under way, from another thread: no new episodes, the running ones interrupted."""
+        """From another thread, for good (shutdown): the collect under way, and any that starts from now on, starts
+        no new episode and interrupts its running ones."""
+        self._stopped = True
         runner = self._runner
         if runner is not None:
             self.server.call(_stop(runner))
@@ -201,7 +206,8 @@ def start_engines(cfg: TrainConfig, out: Path) -> list[Engine]:
     if e.url:
         return [attach(url) for url in (e.url, *e.more_urls)]
     lora = spec_of(cfg.trainer.lora)
-    extra, env = [*(engine_args(lora) if lora else []), *e.extra_args], ENGINE_ENV if lora else None
+    loaded = 2 + cfg.rollout.async_.max_staleness  # adapters calls may still run on (WeightSync keep)
+    extra, env = [*(engine_args(lora, loaded) if lora else []), *e.extra_args], ENGINE_ENV if lora else None
     started = []
     try:
         for k in range(cfg.rollout.engines):

@@ -71,8 +71,10 @@ class WeightSync:
                  model_dir: str | Path | None = None, keep: int = 2, more_engine_urls: tuple[str, ...] = (),
                  adapter: str | None = None) -> None:
         """`work_dir` receives one weights directory per version (`v000042/`), the newest `keep` kept (the
-        engine reads from the newest). `model_dir` is the model the engine started from: its config and
-        tokenizer files are copied next to the weights; without it, a pushed model's config is saved instead.
+        engine reads from the newest; with LoRA, the newest `keep` adapters also stay loaded, for calls still
+        generating on them: asynchronous rollouts keep K + 2). `model_dir` is the model the engine started from:
+        its config and tokenizer files are copied next to the weights; without it, a pushed model's config is
+        saved instead.
         `timeout_s` bounds each HTTP call (a reload of a large model can take minutes). With `more_engine_urls`,
         every phase runs on every engine before the next phase starts: all are paused before any reloads, and the
         proxy hears of the new version only once all serve it.
@@ -208,7 +210,7 @@ class WeightSync:
         reload_s = time.perf_counter() - started
         self._notify_proxy(version, model=name)
         notify_s = time.perf_counter() - started - reload_s
-        while len(self._adapter_names) > 2:  # the previous one stays for calls already on their way
+        while len(self._adapter_names) > self.keep:  # older ones stay for calls already on their way
             old = self._adapter_names.pop(0)
             for url in self.engine_urls:
                 self._unload(url, old)
