@@ -7,6 +7,9 @@ word then the end of the turn, which a freshly initialised model does not write 
 
     OPENAI_BASE_URL=http://127.0.0.1:8400/v1 OPENAI_API_KEY=sk-local \
         python examples/terse_agent/agent.py < <(head -1 examples/terse_agent/tasks.jsonl)
+
+TERSE_WAIT_S (default 0) makes each turn wait that many seconds first, as an agent waits on its environment (a
+sandbox, a web tool, a user): bench/async_rollouts.py uses it for rollouts that are latency-bound, not compute-bound.
 """
 
 from __future__ import annotations
@@ -14,12 +17,14 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 
 from openai import OpenAI
 
 MODEL = "gpt-4o-mini"  # the model this agent was written for; the proxy serves its policy under any name
 MAX_TOKENS = 8
 SYSTEM_PROMPT = "Answer in one short word."
+WAIT_S = float(os.environ.get("TERSE_WAIT_S", "0"))
 
 
 def main() -> None:
@@ -28,6 +33,7 @@ def main() -> None:
     messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": task["prompt"]}]
     replies = []
     for turn in range(2):
+        time.sleep(WAIT_S)  # the environment's latency (0 by default)
         reply = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=MAX_TOKENS,
                                                temperature=1.0).choices[0].message.content or ""
         print(f"turn {turn}: {reply!r}", file=sys.stderr)
