@@ -4,11 +4,8 @@ that transformers and vLLM load without peft (docs/training.md, LoRA)."""
 from __future__ import annotations
 
 import json
-import shutil
 import sys
 from pathlib import Path
-
-_WEIGHTS = (".safetensors", ".bin", ".pt", ".pth", ".safetensors.index.json", ".bin.index.json")
 
 
 def add_parser(verbs) -> None:
@@ -44,17 +41,12 @@ def main(args) -> int:
 
 
 def merge(adapter: Path, base: Path, out: Path) -> Path:
-    """Write base + adapter as one model directory (built beside `out`, renamed into place when complete)."""
+    """Write base + adapter as one model directory: the base's config and tokenizer files with the merged weights
+    (trainer.checkpoint.save_hf: built beside `out`, renamed into place when complete)."""
     from peft import PeftModel
 
+    from trainer.checkpoint import save_hf
     from trainer.policy import load_policy
 
     model = PeftModel.from_pretrained(load_policy(base), str(adapter)).merge_and_unload()
-    tmp = out.with_name(f".tmp-{out.name}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    for f in base.iterdir():  # tokenizer, chat template, generation config: as the base has them
-        if f.is_file() and not f.name.endswith(_WEIGHTS) and not (tmp / f.name).exists():
-            shutil.copy2(f, tmp / f.name)
-    tmp.rename(out)
-    return out
+    return save_hf(model.state_dict(), base, out)

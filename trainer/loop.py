@@ -45,7 +45,7 @@ from trainer.checkpoint import find_resume, load, save
 from trainer.config import TrainConfig, config_to_dict, run_dir, save_resolved
 from trainer.experience import Experience, experience_of, mean
 from trainer.fsdp import Dist, full_state_dict, init_distributed, shard, shutdown
-from trainer.lora import ADAPTER_NAME, spec_of, with_adapter
+from trainer.lora import ADAPTER_NAME, adapters_in_use, spec_of, with_adapter
 from trainer.policy import collate, load_policy, micro_batches, token_logprobs
 from trainer.rollout import Rollouts, sampling_seed, start_rollouts
 from trainer.schedule import lr_factor, next_tasks
@@ -104,7 +104,7 @@ def train(cfg: TrainConfig) -> dict[str, float]:
         rollouts = start_rollouts(cfg, out)
         sync = WeightSync(rollouts.engine.base_url, out / ("adapters" if lora else "weights"), proxy_url=rollouts.url,
                           proxy_admin_token=rollouts.admin_token, model_dir=cfg.model.path,
-                          keep=2 + cfg.rollout.async_.max_staleness,
+                          keep=adapters_in_use(cfg.rollout.async_.max_staleness) if lora else 2,
                           more_engine_urls=tuple(e.base_url for e in rollouts.more_engines),
                           adapter=ADAPTER_NAME if lora else None)
         tracker = Tracker(rollouts.store, rollouts.run_id, out, project=cfg.project_name,

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["ADAPTER_NAME", "ENGINE_ENV", "LoraSpec", "engine_args", "spec_of", "with_adapter"]
+__all__ = ["ADAPTER_NAME", "ENGINE_ENV", "LoraSpec", "adapters_in_use", "engine_args", "spec_of", "with_adapter"]
 
 ADAPTER_NAME = "policy-lora"  # the model name the engine serves base + adapter under
 ENGINE_ENV = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}  # /v1/load_lora_adapter and /v1/unload_lora_adapter
@@ -50,6 +50,12 @@ class LoraSpec:
 def spec_of(lora) -> LoraSpec | None:
     """The spec of the config's trainer.lora section (trainer/config_keys.py LoraConfig); None when rank is 0."""
     return LoraSpec(lora.rank, lora.alpha, tuple(lora.target_modules), lora.dropout) if lora.rank > 0 else None
+
+
+def adapters_in_use(max_staleness: int) -> int:
+    """How many adapter versions calls may still be generating on: the newest, the one before (calls started before
+    the push), and with asynchronous rollouts K versions more."""
+    return 2 + max_staleness
 
 
 def engine_args(spec: LoraSpec, loaded: int = 2) -> list[str]:

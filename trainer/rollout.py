@@ -26,7 +26,7 @@ from proxy.config import ProxyConfig, SamplingOverrides
 from proxy.roles import RoleRule, key_env_names
 from proxy.server import ProxyServer
 from trainer.config import TrainConfig, role_rules
-from trainer.lora import ENGINE_ENV, engine_args, spec_of
+from trainer.lora import ENGINE_ENV, adapters_in_use, engine_args, spec_of
 
 log = logging.getLogger("harness.train")
 
@@ -206,7 +206,7 @@ def start_engines(cfg: TrainConfig, out: Path) -> list[Engine]:
     if e.url:
         return [attach(url) for url in (e.url, *e.more_urls)]
     lora = spec_of(cfg.trainer.lora)
-    loaded = 2 + cfg.rollout.async_.max_staleness  # adapters calls may still run on (WeightSync keep)
+    loaded = adapters_in_use(cfg.rollout.async_.max_staleness)
     extra, env = [*(engine_args(lora, loaded) if lora else []), *e.extra_args], ENGINE_ENV if lora else None
     started = []
     try:
