@@ -75,10 +75,10 @@ demo: install
 test: install $(CHROMIUM) lint test-fast test-engine
 
 test-fast: install $(CHROMIUM)
-	$(BIN)/pytest -q -m "not engine"
+	$(BIN)/pytest -q -m "not engine" --durations=15
 
 test-engine: install $(CHROMIUM)
-	$(BIN)/pytest -q -m engine
+	$(BIN)/pytest -q -m engine --durations=15
 
 lint: install
 	$(BIN)/ruff check .

@@ -41,7 +41,8 @@ log = logging.getLogger(__name__)
 CHECKPOINTS = "checkpoints"
 _STEP_DIR = re.compile(r"step_(\d+)")
 _META = "meta.json"
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".msgpack", ".h5", ".safetensors.index.json")
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".msgpack", ".h5", ".safetensors.index.json",
+                    ".bin.index.json")
 
 
 # ---------------------------------------------------------------------------------------------------- save / load
@@ -188,6 +189,13 @@ def _options(model):
 # ---------------------------------------------------------------------------------------------------- HF format
 
 
+def copy_model_files(model_dir: Path, out: Path) -> None:
+    """Every file of a model directory that is not weights (config, tokenizer, chat template) into `out`."""
+    for item in sorted(model_dir.iterdir()):
+        if item.is_file() and not item.name.endswith(_WEIGHT_SUFFIXES):
+            shutil.copy2(item, out / item.name)
+
+
 def save_hf(
     model_state_dict: dict[str, torch.Tensor],
     config_dir: str | Path,
@@ -209,9 +217,7 @@ def save_hf(
     tmp = out.with_name(f".tmp-{out.name}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    for item in sorted(config_dir.iterdir()):
-        if item.is_file() and not item.name.endswith(_WEIGHT_SUFFIXES):
-            shutil.copy2(item, tmp / item.name)
+    copy_model_files(config_dir, tmp)
 
     tensors = _unshared_contiguous(model_state_dict)
     shards = _split(tensors, max_shard_bytes)

@@ -20,11 +20,12 @@ With LoRA (`adapter=NAME`, trainer/lora.py) a push writes only the adapter, and 
 
     load    POST /v1/load_lora_adapter        {"lora_name": "NAME-v000042", "lora_path": DIR}: a new name per version
     notify  POST <proxy>/harness/weights      {"version": v, "model": "NAME-v000042"}: calls go to it from now on
-    unload  POST /v1/unload_lora_adapter      the name of two versions ago
+    unload  POST /v1/unload_lora_adapter      the names older than the newest `keep`
 
 No pause and no cache reset: a call keeps the adapter it started with (the one its version names), and cached
-prefixes are keyed by adapter. The previous version's name stays loaded until the next push, so a call the proxy
-sent just before the notify still finds it.
+prefixes are keyed by adapter. The newest `keep` versions stay loaded (2, or K + 2 with asynchronous rollouts:
+trainer.lora.adapters_in_use), so a call the proxy sent just before the notify, or one still generating on an
+older version, still finds its adapter.
 
 The reload routes exist when the server runs with VLLM_SERVER_DEV_MODE=1 (harness.engine.start_vllm sets it).
 Models must have untied input and output embeddings: with tied ones vLLM's reload_weights silently keeps the
@@ -47,14 +48,12 @@ from typing import Any
 
 import torch
 
-from trainer.checkpoint import fsync_path
+from trainer.checkpoint import copy_model_files, fsync_path
 from trainer.lora import save_adapter
 
 __all__ = ["WeightSync", "WeightSyncError"]
 
 _DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-# Files of a model directory that are not weights: copied next to every pushed weights file.
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".safetensors.index.json", ".bin.index.json")
 _DEV_MODE_HINT = ("start the engine with VLLM_SERVER_DEV_MODE=1 (harness.engine.start_vllm does), or attach to one "
                   "that was")
 
@@ -280,9 +279,7 @@ class WeightSync:
             if not (self.model_dir / "config.json").is_file():
                 raise FileNotFoundError(f"model_dir {str(self.model_dir)!r} has no config.json: give the model "
                                         "directory the engine was started from")
-            for f in self.model_dir.iterdir():
-                if f.is_file() and not f.name.endswith(_WEIGHT_SUFFIXES):
-                    shutil.copy2(f, out / f.name)
+            copy_model_files(self.model_dir, out)
         elif config is not None:
             config.save_pretrained(out)
         else:
