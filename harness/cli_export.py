@@ -1,5 +1,11 @@
-"""`harness export --merge ADAPTER --out DIR`: a LoRA adapter merged into its base model, as a plain model directory
-that transformers and vLLM load without peft (docs/training.md, LoRA)."""
+"""`harness export`: what training produced or recorded, in the shapes other tools read.
+
+    harness export --run RUN [--records chat|tokens] [--where SQL] --format jsonl|parquet|hf --out PATH
+        recorded episodes as SFT chat records or RL token records (harness/export.py, docs/export.md)
+    harness export --merge ADAPTER --out DIR
+        a LoRA adapter merged into its base model: a plain model directory that transformers and vLLM load without
+        peft (docs/training.md, LoRA)
+"""
 
 from __future__ import annotations
 
@@ -7,20 +13,59 @@ import json
 import sys
 from pathlib import Path
 
+from harness import cli_options as options
+
 
 def add_parser(verbs) -> None:
+    from harness.export import EPISODE_COLUMNS, FORMATS, RECORDS
+
     p = verbs.add_parser(
-        "export", help="write a trained LoRA adapter merged into its base model",
-        description="Merge a LoRA adapter (a directory with adapter_config.json, e.g. <run>/adapters/v000012) into "
-        "its base model and write a plain model directory (weights, config and tokenizer files) to --out.",
+        "export", help="recorded episodes as SFT or RL data; a LoRA adapter merged into its base model",
+        description="With --run: a run's recorded episodes as training data, either chat records for supervised "
+        "fine-tuning (messages and tools as TRL's SFT trainer reads them; each assistant message has weight 1 "
+        "if the model gave it, 0 if the agent wrote it) or token records for RL (the engine's ids, loss mask, "
+        "logprobs, reward and GRPO advantage); docs/export.md. With --merge: a LoRA adapter (e.g. "
+        "<run>/adapters/v000012) merged into its base model, written as a plain model directory.",
     )
-    p.add_argument("--merge", type=Path, required=True, metavar="ADAPTER", help="the adapter directory")
-    p.add_argument("--model", type=Path, help="the base model directory (default: the one the adapter names)")
-    p.add_argument("--out", type=Path, required=True, help="where the merged model goes (must not exist)")
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("--run", metavar="RUN", help="the run whose episodes to export (harness sql \"SELECT DISTINCT "
+                      "run_id FROM episode_summary\")")
+    what.add_argument("--merge", type=Path, metavar="ADAPTER", help="the LoRA adapter directory to merge")
+    p.add_argument("--out", type=Path, required=True, help="the file (or, for --format hf and --merge, the "
+                   "directory) to write; must not exist")
+    p.add_argument("--db", type=Path, default=options.DEFAULT_RUN_DIR / "harness.duckdb",
+                   help="with --run: the DuckDB file, or a folder of them read as one (default: %(default)s)")
+    p.add_argument("--records", choices=RECORDS, default="chat",
+                   help="chat: one record per conversation (SFT); tokens: one per merged sample (RL)")
+    p.add_argument("--format", choices=FORMATS, default="jsonl", dest="fmt",
+                   help="jsonl (default), parquet, or hf (a datasets directory; needs harness[data])")
+    p.add_argument("--where", metavar="SQL", help="keep the episodes this SQL predicate holds for, e.g. "
+                   "'reward >= 1'; columns: " + ", ".join(EPISODE_COLUMNS))
+    p.add_argument("--model", type=Path, help="with --merge: the base model directory (default: the one the "
+                   "adapter names)")
     p.set_defaults(func=main)
 
 
 def main(args) -> int:
+    if args.out.exists():
+        print(f"error: {str(args.out)!r} exists: give a new path with --out", file=sys.stderr)
+        return 2
+    if args.merge is not None:
+        return _merge_main(args)
+    from harness.export import ExportError, records, write
+    from harness.sql import Reader, SqlError
+
+    try:
+        with Reader(args.db) as reader:
+            count = write(records(reader, args.run, args.records, args.where), args.out, args.fmt)
+    except (ExportError, SqlError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"{count} {args.records} records of run {args.run} -> {args.out}", file=sys.stderr)
+    return 0
+
+
+def _merge_main(args) -> int:
     adapter, out = args.merge, args.out
     config_path = adapter / "adapter_config.json"
     if not config_path.is_file():
@@ -31,9 +76,6 @@ def main(args) -> int:
     if not (base / "config.json").is_file():
         print(f"error: base model {str(base)!r} has no config.json: give the base model directory with --model",
               file=sys.stderr)
-        return 2
-    if out.exists():
-        print(f"error: {str(out)!r} exists: give a new directory for the merged model", file=sys.stderr)
         return 2
     merge(adapter, base, out)
     print(f"merged {adapter} into {base}: {out}", file=sys.stderr)

@@ -1,0 +1,150 @@
+"""`harness export --run`: recorded episodes as SFT chat records and RL token records (harness/export.py).
+
+Runs are recorded for real: `harness run` of the unmodified terse agent through the proxy in front of the scripted
+engine, answering like a hosted API (no token ids) or like vLLM (ids and logprobs)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import datasets
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from harness.export import conversations
+from proxy.scripted import Script
+from tests.support import TERSE, ScriptedUpstream, db_rows
+from trainer.algorithms import outcome_advantages
+
+JUDGE = '''
+import random
+
+
+def spread(task, answer, calls):
+    """Rewards that differ within a task's group (the scripted engine answers every call alike)."""
+    return random.random()
+'''
+
+
+def _record(tmp_path: Path, token_ids: bool) -> tuple[Path, str]:
+    upstream = ScriptedUpstream(Script(token_ids=token_ids))
+    judge = tmp_path / "spread.py"
+    judge.write_text(JUDGE)
+    try:
+        out = subprocess.run([sys.executable, "-m", "harness.cli", "run", str(TERSE / "agent.py"), "--data",
+                              str(TERSE / "tasks.jsonl"), "--limit", "4", "--judge", f"{judge}:spread", "--repeat",
+                              "3", "--upstream", upstream.url, "--run-dir", str(tmp_path / "runs")],
+                             capture_output=True, text=True, timeout=300)
+    finally:
+        upstream.close()
+    assert out.returncode == 0, out.stderr[-3000:]
+    db = tmp_path / "runs" / "harness.duckdb"
+    (run_id,), = db_rows(db, "SELECT DISTINCT run_id FROM episode_outcomes")
+    return db, run_id
+
+
+def _export(db: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "harness.cli", "export", "--db", str(db), *args],
+                          capture_output=True, text=True, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def hosted_run(tmp_path_factory) -> tuple[Path, str]:
+    """A run recorded in front of an upstream that answers like a hosted API: text, no token ids."""
+    return _record(tmp_path_factory.mktemp("hosted"), token_ids=False)
+
+
+def test_a_hosted_style_run_exports_chat_records_datasets_loads_with_the_recorded_assistant_turns(hosted_run,
+                                                                                                  tmp_path):
+    db, run_id = hosted_run
+    assert db_rows(db, "SELECT DISTINCT token_source FROM calls") == [("none",)]  # text only, as from a hosted API
+
+    out = tmp_path / "sft.jsonl"
+    done = _export(db, "--run", run_id, "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    rows = datasets.load_dataset("json", data_files=str(out), split="train")
+    episodes = db_rows(db, "SELECT episode_id FROM episode_outcomes ORDER BY task_id, repeat_index")
+    assert sorted(rows["episode_id"]) == sorted(e for e, in episodes)  # one conversation per two-turn episode
+
+    for row in rows:
+        recorded = db_rows(db, "SELECT ch.text FROM calls c JOIN choices ch USING (call_id) WHERE c.episode_id = ? "
+                           "ORDER BY c.call_index", [row["episode_id"]])
+        learned = [m["content"] for m in row["messages"] if m["role"] == "assistant" and m["weight"] == 1]
+        assert learned == [text for text, in recorded]
+        first = json.loads(db_rows(db, "SELECT request FROM calls WHERE episode_id = ? AND call_index = 0",
+                                   [row["episode_id"]])[0][0])
+        assert [(m["role"], m["content"]) for m in row["messages"][:2]] == \
+            [(m["role"], m["content"]) for m in first["messages"]]
+        assert [m["role"] for m in row["messages"]] == ["system", "user", "assistant", "user", "assistant"]
+
+    # --where keeps the episodes a SQL predicate holds for (here the better half); parquet holds the same records.
+    rewards = sorted(r for r, in db_rows(db, "SELECT reward FROM rewards"))
+    kept = tmp_path / "best.parquet"
+    done = _export(db, "--run", run_id, "--where", f"reward > {rewards[5]!r}", "--format", "parquet",
+                   "--out", str(kept))
+    assert done.returncode == 0, done.stderr
+    best = db_rows(db, "SELECT episode_id FROM rewards ORDER BY reward DESC LIMIT 6")
+    assert sorted(pq.read_table(kept).column("episode_id").to_pylist()) == sorted(e for e, in best)
+
+
+def test_token_records_carry_the_engine_ids_the_mask_and_the_trainer_s_grpo_advantage(tmp_path):
+    db, run_id = _record(tmp_path, token_ids=True)
+    out = tmp_path / "rl.hf"
+    done = _export(db, "--run", run_id, "--records", "tokens", "--format", "hf", "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    rows = datasets.load_from_disk(str(out))
+    samples = db_rows(db, "SELECT sample_id, token_ids, loss_mask, logprobs FROM samples WHERE run_id = ?", [run_id])
+    assert len(rows) == len(samples) > 0
+    by_id = {r["sample_id"]: r for r in rows}
+    for sample_id, ids, mask, logprobs in samples:
+        assert by_id[sample_id]["token_ids"] == ids and by_id[sample_id]["loss_mask"] == list(mask)
+        assert by_id[sample_id]["logprobs"] == pytest.approx(logprobs)
+
+    episodes = db_rows(db, "SELECT episode_id, task_id, reward FROM rewards WHERE run_id = ? ORDER BY episode_id",
+                       [run_id])
+    expected = outcome_advantages(torch.tensor([r for _, _, r in episodes], dtype=torch.float64),
+                                  [t for _, t, _ in episodes], "grpo")
+    advantage = {e: float(a) for (e, _, _), a in zip(episodes, expected, strict=True)}
+    assert any(a != 0 for a in advantage.values())  # the rewards differ within groups
+    for row in rows:
+        assert row["advantage"] == pytest.approx(advantage[row["episode_id"]], abs=1e-9)
+        assert row["reward"] == dict((e, r) for e, _, r in episodes)[row["episode_id"]]
+
+
+def test_bad_input_is_refused_with_what_to_do(hosted_run, tmp_path):
+    db, run_id = hosted_run
+    out = tmp_path / "x.jsonl"
+    unknown = _export(db, "--run", "no-such-run", "--out", str(out))
+    assert unknown.returncode == 2 and "no-such-run" in unknown.stderr and run_id in unknown.stderr
+    bad_column = _export(db, "--run", run_id, "--where", "rewrd > 1", "--out", str(out))
+    assert bad_column.returncode == 2 and "rewrd" in bad_column.stderr and "n_calls" in bad_column.stderr
+    writes = _export(db, "--run", run_id, "--where", "true); DELETE FROM calls; SELECT (1", "--out", str(out))
+    assert writes.returncode == 2 and "read-only" in writes.stderr
+    assert not out.exists()
+    assert db_rows(db, "SELECT count(*) FROM calls")[0][0] == 2 * 12
+    out.write_text("keep me")
+    exists = _export(db, "--run", run_id, "--out", str(out))
+    assert exists.returncode == 2 and "exists" in exists.stderr and out.read_text() == "keep me"
+
+
+def test_an_assistant_turn_the_agent_wrote_itself_is_context_not_a_target():
+    """A few-shot example in the history is not the model's reply: weight 0. The calls' own answers: weight 1;
+    an answer a later call went on from is not a record of its own, a branch (another choice) is."""
+    few_shot = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]
+    first = {"messages": [*few_shot, {"role": "user", "content": [{"type": "text", "text": "3+3?"}]}]}
+    second = {"messages": [*first["messages"], {"role": "assistant", "content": "6"},
+                           {"role": "user", "content": "and 4+4?"}]}
+    call = {"reasoning": None, "tool_calls": None}
+    records = conversations([
+        {**call, "call_id": "a", "request": json.dumps(first), "choice_index": 0, "text": "6"},
+        {**call, "call_id": "a", "request": json.dumps(first), "choice_index": 1, "text": "six"},
+        {**call, "call_id": "b", "request": json.dumps(second), "choice_index": 0, "text": "8"},
+    ])
+    assert [[(m["content"], m.get("weight")) for m in r["messages"]] for r in records] == [
+        [("2+2?", None), ("4", 0), ("3+3?", None), ("six", 1)],
+        [("2+2?", None), ("4", 0), ("3+3?", None), ("6", 1), ("and 4+4?", None), ("8", 1)],
+    ]
