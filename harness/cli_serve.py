@@ -31,6 +31,13 @@ def add_parser(verbs) -> None:
     p.add_argument("--temperature", type=float, help="training-time override of the agents' temperature")
     p.add_argument("--top-p", type=float, help="training-time override of the agents' top_p")
     p.add_argument("--max-tokens-cap", type=int, help="cap on the agents' max_tokens")
+    p.add_argument("--record-only", action="store_true",
+                   help="in front of any OpenAI-compatible API (a hosted one): forward each call as the agent sent "
+                   "it (its model name, sampling and API key; the key is never stored) and record it, as text where "
+                   "the API gives no token ids (docs/export.md)")
+    p.add_argument("--upstream-key-env", metavar="NAME",
+                   help="with --record-only: the environment variable holding the API key sent upstream for agents "
+                   "that carry the proxy's own token instead of one (e.g. agents harness run starts)")
     options.add_role_args(p)
     options.add_transparent_args(p)
     p.set_defaults(func=_serve)
@@ -42,6 +49,8 @@ def _serve(args) -> int:
 
     args.run_dir.mkdir(parents=True, exist_ok=True)
     db = args.db or args.run_dir / "harness.duckdb"
+    if args.record_only or args.upstream_key_env:
+        return _record_only(args, db)
     try:
         sampling = SamplingOverrides(args.temperature, args.top_p, args.max_tokens_cap)
         engine = start_or_attach(model=args.model, upstream=(args.upstream or [None])[0], run_dir=args.run_dir,
@@ -90,6 +99,48 @@ def _serve(args) -> int:
         return 2
     finally:
         engine.stop()
+    return 0
+
+
+def _record_only(args, db: Path) -> int:
+    """The proxy in front of an API that is not ours: no probe (it may want a key the proxy does not have), every
+    call forwarded as sent."""
+    from proxy import serve_forever
+
+    if not args.record_only:
+        print("error: --upstream-key-env goes with --record-only", file=sys.stderr)
+        return 2
+    ours = [flag for flag, value in (("--model", args.model), ("--temperature", args.temperature),
+                                     ("--top-p", args.top_p), ("--max-tokens-cap", args.max_tokens_cap)) if value]
+    if ours:
+        print(f"error: {', '.join(ours)}: --record-only forwards each call as the agent sent it; drop "
+              f"{'it' if len(ours) == 1 else 'them'}", file=sys.stderr)
+        return 2
+    if not args.upstream or len(args.upstream) > 1:
+        print("error: --record-only needs exactly one --upstream URL: the API to record, e.g. "
+              "https://api.openai.com/v1", file=sys.stderr)
+        return 2
+    if args.upstream_key_env and not os.environ.get(args.upstream_key_env):
+        print(f"error: --upstream-key-env {args.upstream_key_env}: that environment variable is not set",
+              file=sys.stderr)
+        return 2
+    try:
+        config = ProxyConfig(
+            upstream_url=args.upstream[0], db_path=db, returns_token_ids=False, token_exact=False,
+            host=args.host, port=args.port, auth_token=args.auth_token, auto_episodes=not args.strict_episodes,
+            db_memory_mb=args.db_memory_mb, roles=options.role_rules(args), record_only=True,
+            upstream_key_env=args.upstream_key_env)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+    def ready(server):
+        print(f"recording {config.upstream_base} as it is: {server.url}/v1  (into {db})", file=sys.stderr)
+        print(f"  export OPENAI_BASE_URL={server.url}/v1   (agents keep their own API keys; none is stored)",
+              file=sys.stderr)
+        sys.stderr.flush()
+
+    asyncio.run(serve_forever(config, on_ready=ready))
     return 0
 
 

@@ -71,7 +71,7 @@ def create_app(config: ProxyConfig) -> web.Application:
     app[CONFIG] = config
     state = app[STATE] = RunState(run_id=uuid.uuid4().hex[:16], served_model=config.served_model,
                                   sampling=config.sampling)
-    if config.token_exact and config.returns_token_ids:
+    if config.token_exact and config.returns_token_ids and not config.record_only:
         state.timelines = Timelines(config.continuity_episodes, config.continuity_tokens)
         state.tool_parser = get_parser(config.tool_parser)
     app[RESPONSES] = ConversationStore()
@@ -117,7 +117,7 @@ async def _resources(app: web.Application):
     app[STORE], app[RECORDER], app[SESSION] = store, recorder, session
     app[EPISODES] = Episodes(state.run_id, auto_open=config.auto_episodes, store=store, recorder=recorder,
                              max_states=config.max_episodes)
-    if state.served_model is None:
+    if state.served_model is None and not config.record_only:
         state.served_model = await _discover_model(session, config)
     try:
         yield
@@ -191,15 +191,22 @@ async def _llm_call(request: web.Request, endpoint: str, wire: Wire | None = Non
     episode_id = await episodes.resolve(request.match_info.get("episode"), api_key)
     raw = await read_body(request)
     call_index = await episodes.start_call(episode_id)
+    forward_key = None
+    if request.app[CONFIG].record_only:  # the agent's own key goes upstream; the proxy's tokens do not
+        config = request.app[CONFIG]
+        own = api_key is None or api_key == config.auth_token or episodes.is_token(api_key)
+        forward_key = (os.environ.get(config.upstream_key_env) if config.upstream_key_env else None) if own \
+            else api_key
     try:
-        return await _numbered_call(request, endpoint, wire, episode_id, call_index, raw)
+        return await _numbered_call(request, endpoint, wire, episode_id, call_index, raw, forward_key)
     finally:
         episodes.end_call(episode_id)
 
 
 async def _numbered_call(request: web.Request, endpoint: str, wire: Wire | None, episode_id: str, call_index: int,
-                         raw: bytes) -> web.StreamResponse:
-    """One call with its place in its episode: forwarded (to another engine if its own is down) and recorded."""
+                         raw: bytes, forward_key: str | None = None) -> web.StreamResponse:
+    """One call with its place in its episode: forwarded (to another engine if its own is down) and recorded.
+    `forward_key`: in record-only mode, the API key the upstream gets."""
     app = request.app
     config, state = app[CONFIG], app[STATE]
     seed = _call_seed(state, episode_id, call_index)
@@ -210,7 +217,9 @@ async def _numbered_call(request: web.Request, endpoint: str, wire: Wire | None,
         role = find_role(config.roles, prepared.requested_model, prepared.body, prepared.role_key)
         frozen = role is not None and role.upstream is not None
         if frozen:  # a frozen role: its own server, the agent's own sampling
-            prepared = _frozen_prepare(endpoint, chat_raw, config, role)
+            prepared = _as_sent(endpoint, chat_raw, config, role.upstream_model)
+        elif config.record_only:
+            prepared = _as_sent(endpoint, chat_raw, config, None)
     except ApiError as exc:
         app[RECORDER].record_call(_rejected_call(state, call_index, episode_id, endpoint, exc, wire))
         raise
@@ -218,6 +227,10 @@ async def _numbered_call(request: web.Request, endpoint: str, wire: Wire | None,
     while True:  # once, unless the engine cannot be reached and another can take the call
         base = None if frozen else engines.pick(episode_id)
         cap, url, answer, hashes = await _plan_call(app, prepared, episode_id, call_index, endpoint, role, base)
+        if config.record_only:
+            cap.upstream_headers.pop(EPISODE_HEADER, None)  # the upstream is not ours: nothing of ours goes along
+            if forward_key:
+                cap.upstream_headers["Authorization"] = f"Bearer {forward_key}"
         if moved_from:
             cap.notes["engine_failover"] = moved_from
         if base is not None:
@@ -302,11 +315,12 @@ def _record(app: web.Application, cap: Capture, prepared: Prepared, hashes, base
         log.warning("the engine at %s returned no token ids: this run records text only", base)
 
 
-def _frozen_prepare(endpoint: str, raw: bytes, config: ProxyConfig, role) -> Prepared:
-    """A frozen role's request as its fixed model gets it: the agent's sampling, the rule's model name (default:
-    the agent's), and nothing the recorder would add (token ids, logprobs) unless the agent asked for it, since
-    a fixed model may be any OpenAI-compatible server (reasoning models refuse logprobs)."""
-    prepared = prepare(endpoint, raw, dataclasses.replace(config, returns_token_ids=False), role.upstream_model,
+def _as_sent(endpoint: str, raw: bytes, config: ProxyConfig, model: str | None) -> Prepared:
+    """A request as an upstream that is not our engine gets it (a frozen role's fixed model, or any API in
+    record-only mode): the agent's sampling, `model` (default: the agent's), and nothing the recorder would add
+    (token ids, logprobs) unless the agent asked for it, since it may be any OpenAI-compatible server (reasoning
+    models refuse logprobs)."""
+    prepared = prepare(endpoint, raw, dataclasses.replace(config, returns_token_ids=False), model,
                        SamplingOverrides())
     body = prepared.body
     if not prepared.asked_logprobs:

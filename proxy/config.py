@@ -57,6 +57,12 @@ class ProxyConfig:
     continuity_episodes: int = 4096  # episodes whose replies are kept in memory for token-exact continuation...
     continuity_tokens: int = 32_000_000  # ...and the ids they may hold together (4 bytes each)
     roles: tuple[RoleRule, ...] = ()  # named roles; a frozen one's calls go to its own upstream (proxy/roles.py)
+    # Record-only, in front of any OpenAI-compatible API (a hosted one): each request goes upstream as the agent sent
+    # it (its model name, its sampling, nothing added), with the agent's API key, which is never stored; the proxy's
+    # own tokens (auth_token, episode tokens) are not forwarded: `upstream_key_env` names the variable holding the
+    # key sent instead (e.g. for agents `harness run` starts, which carry episode tokens).
+    record_only: bool = False
+    upstream_key_env: str | None = None
 
     def __post_init__(self):
         for url in (self.upstream_url, *self.more_upstreams):
@@ -73,6 +79,9 @@ class ProxyConfig:
             raise ValueError(f"continuity_episodes {self.continuity_episodes!r}, continuity_tokens "
                              f"{self.continuity_tokens!r} and max_episodes {self.max_episodes!r} must be positive "
                              "integers")
+        if self.record_only and (self.more_upstreams or self.roles):
+            raise ValueError("record-only mode forwards every call to one upstream as sent: drop the other "
+                             "upstreams and the role rules")
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes {self.max_body_bytes!r} is too small: use at least 1024")
 

@@ -39,6 +39,7 @@ class ScriptedEngine:
         self.script = script or Script()
         self.requests: list[dict] = []  # bodies received, newest last
         self.authorizations: list[str | None] = []  # each request's Authorization header, same order
+        self.headers: list[dict[str, str]] = []  # each request's headers, same order
         self.cancelled = 0  # requests whose client went away before the answer ended
         self.app = web.Application()
         self.app.router.add_post("/v1/chat/completions", self._chat)
@@ -77,6 +78,7 @@ class ScriptedEngine:
         body = orjson.loads(await request.read())
         self.requests.append(body)
         self.authorizations.append(request.headers.get("Authorization"))
+        self.headers.append(dict(request.headers))
         s = self.script
         if s.delay_s:
             await asyncio.sleep(s.delay_s)

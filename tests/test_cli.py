@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 
 import openai
 import pytest
@@ -58,6 +59,49 @@ def test_serve_attached_records_and_sql_works_live_and_closed(upstream, tmp_path
     table = subprocess.run(HARNESS + ["sql", "--db", str(db), "SELECT count(*) AS calls FROM calls"],
                            capture_output=True, text=True, timeout=60)
     assert table.returncode == 0 and "calls" in table.stdout and "1" in table.stdout
+
+
+def test_record_only_forwards_calls_as_sent_with_the_agent_s_key_and_stores_no_key(upstream, tmp_path):
+    """`harness serve --upstream URL --record-only` in front of a hosted-style API (no token ids): the model name,
+    sampling and API key go upstream as the agent sent them, nothing is added, and the key is nowhere on disk;
+    with --upstream-key-env, a call that carries no key of its own (or the proxy's token) gets that key sent."""
+    upstream.script.token_ids = False
+    db, secret = tmp_path / "rec.duckdb", "sk-live-Secret-4242"
+    serve = subprocess.Popen(HARNESS + ["serve", "--upstream", upstream.url + "/v1", "--record-only", "--port", "0",
+                                        "--db", str(db), "--run-dir", str(tmp_path), "--upstream-key-env",
+                                        "HOSTED_KEY"],
+                             stderr=subprocess.PIPE, text=True, env={**os.environ, "HOSTED_KEY": "sk-env-777"})
+    try:
+        info = _wait_for_info(db, serve)
+        client = openai.OpenAI(base_url=info["url"] + "/e/prod-1/v1", api_key=secret, max_retries=0)
+        messages = [{"role": "user", "content": "hi"}]
+        reply = client.chat.completions.create(model="gpt-4o-mini", messages=messages, temperature=0.3)
+        streamed = "".join(chunk.choices[0].delta.content or "" for chunk in client.chat.completions.create(
+            model="gpt-4o-mini", messages=messages, stream=True) if chunk.choices)
+        keyless = urllib.request.Request(info["url"] + "/v1/chat/completions", method="POST",
+                                         data=json.dumps({"model": "qwen-plus", "messages": messages}).encode(),
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(keyless, timeout=30) as answer:
+            assert answer.status == 200
+    finally:
+        serve.send_signal(signal.SIGINT)
+        _, err = serve.communicate(timeout=30)
+    assert serve.returncode == 0, err
+    assert upstream.engine.authorizations == [f"Bearer {secret}", f"Bearer {secret}", "Bearer sk-env-777"]
+    first = upstream.engine.requests[0]
+    assert first == {"model": "gpt-4o-mini", "messages": messages, "temperature": 0.3}  # as sent: nothing added
+    assert [r["model"] for r in upstream.engine.requests] == ["gpt-4o-mini", "gpt-4o-mini", "qwen-plus"]
+    assert not any(k.lower().startswith("x-harness") for h in upstream.engine.headers for k in h)
+    rows = db_rows(db, "SELECT c.episode_id, c.requested_model, c.token_source, ch.text FROM calls c "
+                   "JOIN choices ch USING (call_id) ORDER BY c.started_at")
+    assert [r[:3] for r in rows[:2]] == [("prod-1", "gpt-4o-mini", "none")] * 2
+    assert [r[3] for r in rows] == [reply.choices[0].message.content, streamed, rows[2][3]] and streamed
+    for path in tmp_path.rglob("*"):  # the key is in no file: not the database, not a log
+        if path.is_file():
+            assert secret.encode() not in path.read_bytes() and b"sk-env-777" not in path.read_bytes(), path
+    wrong = subprocess.run(HARNESS + ["serve", "--upstream", upstream.url, "--record-only", "--temperature", "0.5"],
+                           capture_output=True, text=True, timeout=60)
+    assert wrong.returncode == 2 and "--temperature" in wrong.stderr
 
 
 @pytest.mark.parametrize("probed", [True, False])
