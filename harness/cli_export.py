@@ -50,6 +50,9 @@ def main(args) -> int:
     if args.out.exists():
         print(f"error: {str(args.out)!r} exists: give a new path with --out", file=sys.stderr)
         return 2
+    if not args.out.parent.is_dir():
+        print(f"error: --out {str(args.out)!r}: its folder does not exist; create it first", file=sys.stderr)
+        return 2
     if args.merge is not None:
         return _merge_main(args)
     from harness.export import ExportError, records, write

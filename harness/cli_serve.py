@@ -111,7 +111,8 @@ def _record_only(args, db: Path) -> int:
         print("error: --upstream-key-env goes with --record-only", file=sys.stderr)
         return 2
     ours = [flag for flag, value in (("--model", args.model), ("--temperature", args.temperature),
-                                     ("--top-p", args.top_p), ("--max-tokens-cap", args.max_tokens_cap)) if value]
+                                     ("--top-p", args.top_p), ("--max-tokens-cap", args.max_tokens_cap))
+            if value is not None] + (["--transparent"] if args.transparent else [])
     if ours:
         print(f"error: {', '.join(ours)}: --record-only forwards each call as the agent sent it; drop "
               f"{'it' if len(ours) == 1 else 'them'}", file=sys.stderr)

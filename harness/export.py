@@ -36,12 +36,12 @@ EPISODE_COLUMNS = {
     "task_id": "the task (NULL for episodes recorded without a dataset run)",
     "repeat_index": "the episode's index in its task's group",
     "status": "how the agent's run ended (episode_outcomes.status; NULL without a dataset run)",
-    "reward": "the episode's latest judgement (NULL if not judged, or the judge failed)",
+    "reward": "the episode's latest judgement, whichever judge (NULL if not judged, or that judge failed)",
     "n_calls": "calls recorded", "n_errors": "calls that failed",
 }
 _EPISODES = """
-WITH latest AS (SELECT episode_id, arg_max(reward, judged_at) AS reward FROM rewards
-                WHERE judged_at IS NOT NULL GROUP BY episode_id),
+WITH latest AS (SELECT episode_id, reward FROM judgements
+                QUALIFY row_number() OVER (PARTITION BY episode_id ORDER BY created_at DESC) = 1),
 episode AS (SELECT s.episode_id, o.task_id, o.repeat_index, o.status, latest.reward, s.n_calls, s.n_errors
             FROM episode_summary s LEFT JOIN episode_outcomes o USING (episode_id) LEFT JOIN latest USING (episode_id)
             WHERE s.run_id = ?)
@@ -157,19 +157,24 @@ def _write(rows: Iterator[dict[str, Any]], path: Path, fmt: str) -> int:
                 f.write(orjson.dumps(row) + b"\n")
                 count += 1
         return count
-    table = list(rows)
-    if fmt == "parquet":
-        import pyarrow as pa
-        import pyarrow.parquet as pq
+    # Columnar formats want one type a column: tool lists (JSON schemas that differ from tool to tool) as JSON text.
+    table = [{**row, "tools": json.dumps(row["tools"])} if row.get("tools") is not None else row for row in rows]
+    import pyarrow as pa
 
-        pq.write_table(pa.Table.from_pylist(table), path)
-    else:
-        try:
-            import datasets
-        except ImportError:
-            raise ExportError("--format hf needs the `datasets` package: pip install 'harness[data]', or "
-                              "export jsonl or parquet, which `datasets` also loads") from None
-        datasets.Dataset.from_list(table).save_to_disk(str(path))
+    try:
+        if fmt == "parquet":
+            import pyarrow.parquet as pq
+
+            pq.write_table(pa.Table.from_pylist(table), path)
+        else:
+            try:
+                import datasets
+            except ImportError:
+                raise ExportError("--format hf needs the `datasets` package: pip install 'harness[data]', or "
+                                  "export jsonl or parquet, which `datasets` also loads") from None
+            datasets.Dataset.from_list(table).save_to_disk(str(path))
+    except pa.ArrowException as exc:
+        raise ExportError(f"the records do not fit one {fmt} schema ({exc}): export --format jsonl") from None
     return len(table)
 
 
@@ -212,8 +217,9 @@ def _message(m: dict[str, Any]) -> dict[str, Any]:
     if m.get("tool_calls"):
         out["tool_calls"] = [
             {"id": c.get("id"), "type": "function",
-             "function": {"name": c["function"]["name"], "arguments": _arguments(c["function"].get("arguments"))}}
-            for c in m["tool_calls"]]
+             "function": {"name": (c.get("function") or {}).get("name"),
+                          "arguments": _arguments((c.get("function") or {}).get("arguments"))}}
+            for c in m["tool_calls"] if isinstance(c, dict)]
     for key in ("tool_call_id", "name"):
         if m.get(key) is not None:
             out[key] = m[key]
@@ -221,13 +227,14 @@ def _message(m: dict[str, Any]) -> dict[str, Any]:
 
 
 def _arguments(arguments: Any) -> str:
-    return arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+    return arguments if isinstance(arguments, str) else json.dumps(arguments or {}, ensure_ascii=False)
 
 
 def _key(m: dict[str, Any]) -> bytes:
-    """What makes two messages the same turn: role, text and tool calls (arguments compared as JSON values)."""
+    """What makes two messages the same turn: role, text (an agent may trim the whitespace around a reply it sends
+    back) and tool calls (arguments compared as JSON values)."""
     calls = [(c["function"]["name"], _parsed(c["function"]["arguments"])) for c in m.get("tool_calls") or []]
-    return orjson.dumps([m["role"], m.get("content") or "", calls, m.get("tool_call_id")],
+    return orjson.dumps([m["role"], (m.get("content") or "").strip(), calls, m.get("tool_call_id")],
                         option=orjson.OPT_SORT_KEYS)
 
 

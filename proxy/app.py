@@ -151,6 +151,23 @@ def _api_key(request: web.Request) -> str | None:
     return request.headers.get("api-key") or request.headers.get("x-api-key") or None  # x-api-key: Anthropic SDK
 
 
+def _forwarded_headers(request: web.Request, api_key: str | None) -> dict[str, str]:
+    """Record-only mode: the agent's headers that go on to the API it is recorded in front of: its API key (the
+    proxy's own tokens never: for them, or no key, the key in `upstream_key_env`), organization and project."""
+    config = request.app[CONFIG]
+    if not config.record_only:
+        return {}
+    own = api_key is None or api_key == config.auth_token or request.app[EPISODES].is_token(api_key)
+    key = (os.environ.get(config.upstream_key_env) if config.upstream_key_env else None) if own else api_key
+    headers = {k: v for k in _FORWARDED if (v := request.headers.get(k))}
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
+    return headers
+
+
+_FORWARDED = ("OpenAI-Organization", "OpenAI-Project")
+
+
 def _check_agent_auth(request: web.Request, api_key: str | None) -> None:
     token = request.app[CONFIG].auth_token
     if token and api_key != token and not request.app[EPISODES].is_token(api_key):
@@ -191,22 +208,17 @@ async def _llm_call(request: web.Request, endpoint: str, wire: Wire | None = Non
     episode_id = await episodes.resolve(request.match_info.get("episode"), api_key)
     raw = await read_body(request)
     call_index = await episodes.start_call(episode_id)
-    forward_key = None
-    if request.app[CONFIG].record_only:  # the agent's own key goes upstream; the proxy's tokens do not
-        config = request.app[CONFIG]
-        own = api_key is None or api_key == config.auth_token or episodes.is_token(api_key)
-        forward_key = (os.environ.get(config.upstream_key_env) if config.upstream_key_env else None) if own \
-            else api_key
     try:
-        return await _numbered_call(request, endpoint, wire, episode_id, call_index, raw, forward_key)
+        return await _numbered_call(request, endpoint, wire, episode_id, call_index, raw,
+                                    _forwarded_headers(request, api_key))
     finally:
         episodes.end_call(episode_id)
 
 
 async def _numbered_call(request: web.Request, endpoint: str, wire: Wire | None, episode_id: str, call_index: int,
-                         raw: bytes, forward_key: str | None = None) -> web.StreamResponse:
+                         raw: bytes, forwarded: dict[str, str]) -> web.StreamResponse:
     """One call with its place in its episode: forwarded (to another engine if its own is down) and recorded.
-    `forward_key`: in record-only mode, the API key the upstream gets."""
+    `forwarded`: in record-only mode, the agent's headers the upstream gets (its API key)."""
     app = request.app
     config, state = app[CONFIG], app[STATE]
     seed = _call_seed(state, episode_id, call_index)
@@ -229,8 +241,7 @@ async def _numbered_call(request: web.Request, endpoint: str, wire: Wire | None,
         cap, url, answer, hashes = await _plan_call(app, prepared, episode_id, call_index, endpoint, role, base)
         if config.record_only:
             cap.upstream_headers.pop(EPISODE_HEADER, None)  # the upstream is not ours: nothing of ours goes along
-            if forward_key:
-                cap.upstream_headers["Authorization"] = f"Bearer {forward_key}"
+            cap.upstream_headers.update(forwarded)
         if moved_from:
             cap.notes["engine_failover"] = moved_from
         if base is not None:
@@ -355,10 +366,11 @@ def _rejected_call(state: RunState, call_index: int, episode_id: str, endpoint: 
 
 
 async def models(request: web.Request) -> web.Response:
-    _check_agent_auth(request, _api_key(request))
+    api_key = _api_key(request)
+    _check_agent_auth(request, api_key)
     url = request.app[ENGINES].any_up() + "/v1/models"
     try:
-        async with request.app[SESSION].get(url) as resp:
+        async with request.app[SESSION].get(url, headers=_forwarded_headers(request, api_key)) as resp:
             return web.Response(body=await resp.read(), status=resp.status, content_type="application/json")
     except (TimeoutError, aiohttp.ClientError) as exc:
         raise ApiError(502, f"the engine at {url} is unreachable: {exc}", code="upstream_unavailable") from None
@@ -383,10 +395,12 @@ async def passthrough(request: web.Request) -> web.Response:
         raise web.HTTPMethodNotAllowed(request.method, [_OWN_ROUTES[tail]])
     if any(part in (".", "..") or "%" in part or "\\" in part for part in tail.split("/")):
         raise web.HTTPNotFound()  # never a way out of the engine's /v1 (its admin routes live beside it)
-    _check_agent_auth(request, _api_key(request))
+    api_key = _api_key(request)
+    _check_agent_auth(request, api_key)
     engine = request.app[ENGINES].any_up()
     url = f"{engine}/v1/{tail}"
     headers = {k: v for k in ("Content-Type", "Accept") if (v := request.headers.get(k))}
+    headers.update(_forwarded_headers(request, api_key))
     data = await read_body(request) if request.method == "POST" else None
     served = request.app[STATE].served_model
     if data and served and request.content_type == "application/json":  # any model name serves the policy

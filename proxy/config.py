@@ -79,6 +79,10 @@ class ProxyConfig:
             raise ValueError(f"continuity_episodes {self.continuity_episodes!r}, continuity_tokens "
                              f"{self.continuity_tokens!r} and max_episodes {self.max_episodes!r} must be positive "
                              "integers")
+        if self.record_only and self.auth_token and not self.upstream_key_env:
+            raise ValueError("record-only mode with an auth token: agents send the proxy's token, so their own API "
+                             "keys cannot reach the upstream; name the variable holding the key to send instead "
+                             "(--upstream-key-env NAME), or drop the auth token (loopback only)")
         if self.record_only and (self.more_upstreams or self.roles):
             raise ValueError("record-only mode forwards every call to one upstream as sent: drop the other "
                              "upstreams and the role rules")

@@ -40,6 +40,7 @@ class ScriptedEngine:
         self.requests: list[dict] = []  # bodies received, newest last
         self.authorizations: list[str | None] = []  # each request's Authorization header, same order
         self.headers: list[dict[str, str]] = []  # each request's headers, same order
+        self.models_headers: list[dict[str, str]] = []  # each GET /v1/models's headers
         self.cancelled = 0  # requests whose client went away before the answer ended
         self.app = web.Application()
         self.app.router.add_post("/v1/chat/completions", self._chat)
@@ -65,6 +66,7 @@ class ScriptedEngine:
         return web.Response(text="ok") if self.script.healthy else web.Response(status=503, text="dying")
 
     async def _models(self, request: web.Request) -> web.Response:
+        self.models_headers.append(dict(request.headers))
         data = {"object": "list", "data": [{"id": self.script.model, "object": "model", "owned_by": "scripted"}]}
         return web.json_response(data)
 

@@ -73,8 +73,10 @@ def test_record_only_forwards_calls_as_sent_with_the_agent_s_key_and_stores_no_k
                              stderr=subprocess.PIPE, text=True, env={**os.environ, "HOSTED_KEY": "sk-env-777"})
     try:
         info = _wait_for_info(db, serve)
-        client = openai.OpenAI(base_url=info["url"] + "/e/prod-1/v1", api_key=secret, max_retries=0)
+        client = openai.OpenAI(base_url=info["url"] + "/e/prod-1/v1", api_key=secret, max_retries=0,
+                               organization="org-7")
         messages = [{"role": "user", "content": "hi"}]
+        assert [m.id for m in client.models.list()] == ["scripted-model"]  # /v1/models: forwarded with the key
         reply = client.chat.completions.create(model="gpt-4o-mini", messages=messages, temperature=0.3)
         streamed = "".join(chunk.choices[0].delta.content or "" for chunk in client.chat.completions.create(
             model="gpt-4o-mini", messages=messages, stream=True) if chunk.choices)
@@ -88,6 +90,9 @@ def test_record_only_forwards_calls_as_sent_with_the_agent_s_key_and_stores_no_k
         _, err = serve.communicate(timeout=30)
     assert serve.returncode == 0, err
     assert upstream.engine.authorizations == [f"Bearer {secret}", f"Bearer {secret}", "Bearer sk-env-777"]
+    assert [(h.get("Authorization"), h.get("OpenAI-Organization")) for h in upstream.engine.models_headers] == \
+        [(f"Bearer {secret}", "org-7")]
+    assert upstream.engine.headers[0].get("OpenAI-Organization") == "org-7"
     first = upstream.engine.requests[0]
     assert first == {"model": "gpt-4o-mini", "messages": messages, "temperature": 0.3}  # as sent: nothing added
     assert [r["model"] for r in upstream.engine.requests] == ["gpt-4o-mini", "gpt-4o-mini", "qwen-plus"]
@@ -99,9 +104,10 @@ def test_record_only_forwards_calls_as_sent_with_the_agent_s_key_and_stores_no_k
     for path in tmp_path.rglob("*"):  # the key is in no file: not the database, not a log
         if path.is_file():
             assert secret.encode() not in path.read_bytes() and b"sk-env-777" not in path.read_bytes(), path
-    wrong = subprocess.run(HARNESS + ["serve", "--upstream", upstream.url, "--record-only", "--temperature", "0.5"],
-                           capture_output=True, text=True, timeout=60)
-    assert wrong.returncode == 2 and "--temperature" in wrong.stderr
+    for flags, says in ((["--temperature", "0"], "--temperature"), (["--auth-token", "t"], "--upstream-key-env")):
+        wrong = subprocess.run(HARNESS + ["serve", "--upstream", upstream.url, "--record-only", *flags],
+                               capture_output=True, text=True, timeout=60)
+        assert wrong.returncode == 2 and says in wrong.stderr, wrong.stderr
 
 
 @pytest.mark.parametrize("probed", [True, False])

@@ -15,7 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from harness.export import conversations
+from harness.export import ExportError, conversations, write
 from proxy.scripted import Script
 from tests.support import TERSE, ScriptedUpstream, db_rows
 from trainer.algorithms import outcome_advantages
@@ -148,3 +148,26 @@ def test_an_assistant_turn_the_agent_wrote_itself_is_context_not_a_target():
         [("2+2?", None), ("4", 0), ("3+3?", None), ("six", 1)],
         [("2+2?", None), ("4", 0), ("3+3?", None), ("6", 1), ("and 4+4?", None), ("8", 1)],
     ]
+
+
+def test_an_agent_that_trims_a_reply_before_sending_it_back_still_continues_the_conversation():
+    first = {"messages": [{"role": "user", "content": "hi"}]}
+    second = {"messages": [*first["messages"], {"role": "assistant", "content": "hello"},
+                           {"role": "user", "content": "bye"}]}
+    call = {"reasoning": None, "tool_calls": None, "choice_index": 0}
+    records = conversations([{**call, "call_id": "a", "request": json.dumps(first), "text": " hello\n"},
+                             {**call, "call_id": "b", "request": json.dumps(second), "text": "ciao"}])
+    assert [[(m["content"], m.get("weight")) for m in r["messages"]] for r in records] == [
+        [("hi", None), ("hello", 1), ("bye", None), ("ciao", 1)]]
+
+
+def test_columnar_exports_hold_tool_lists_whose_schemas_differ_as_json_text(tmp_path):
+    tools = [[{"type": "function", "function": {"name": "a", "parameters": {"properties": {"x": {"default": 5}}}}}],
+             [{"type": "function", "function": {"name": "b", "parameters": {"properties": {"x": {"default": "s"}}}}}]]
+    rows = [{"messages": [{"role": "user", "content": "q"}], "tools": t, "episode_id": str(i)}
+            for i, t in enumerate(tools)]
+    assert write(iter(rows), tmp_path / "t.parquet", "parquet") == 2
+    assert [json.loads(t) for t in pq.read_table(tmp_path / "t.parquet").column("tools").to_pylist()] == tools
+    with pytest.raises(ExportError, match="choose one of"):
+        write(iter(rows), tmp_path / "t.csv", "csv")
+    assert not list(tmp_path.glob(".tmp-*"))
