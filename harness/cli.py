@@ -11,6 +11,7 @@ from pathlib import Path
 from harness import __version__
 from harness import cli_options as options
 from harness.cli_export import add_parser as add_export_parser
+from harness.cli_export import add_retokenize_parser
 from harness.cli_serve import add_parser as add_serve_parser
 from harness.limits import AGENT_MAX_PROCS, AGENT_MEMORY_MB
 from harness.viewer import add_parser as add_view_parser
@@ -34,6 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     _add_train(verbs)
     add_view_parser(verbs)
     add_export_parser(verbs)
+    add_retokenize_parser(verbs)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:

@@ -5,6 +5,8 @@
     harness export --merge ADAPTER --out DIR
         a LoRA adapter merged into its base model: a plain model directory that transformers and vLLM load without
         peft (docs/training.md, LoRA)
+    harness retokenize --model DIR [--run RUN]
+        token ids for calls recorded as text only, marked as a tokenizer's (harness/retokenize.py)
 """
 
 from __future__ import annotations
@@ -95,3 +97,44 @@ def merge(adapter: Path, base: Path, out: Path) -> Path:
 
     model = PeftModel.from_pretrained(load_policy(base), str(adapter)).merge_and_unload()
     return save_hf(model.state_dict(), base, out)
+
+
+def add_retokenize_parser(verbs) -> None:
+    p = verbs.add_parser(
+        "retokenize", help="token ids for calls recorded as text only, marked as retokenized",
+        description="Give the calls recorded as text only (token_source 'none': in front of a hosted API, or an "
+        "engine that returned no ids) token ids from a model's tokenizer and chat template: prompt ids as the "
+        "template renders the request, completion ids as it renders the answer. They are marked token_source "
+        "'retokenized', never taken for the engine's own: they stay out of RL samples. Stop the proxy first. "
+        "docs/export.md.",
+    )
+    p.add_argument("--model", type=Path, required=True, help="the model directory whose tokenizer and chat "
+                   "template to use (the model the calls are meant to train)")
+    p.add_argument("--db", type=Path, default=options.DEFAULT_RUN_DIR / "harness.duckdb",
+                   help="the DuckDB file (default: %(default)s)")
+    p.add_argument("--run", help="only this run's calls (default: every text-only call in the file)")
+    p.set_defaults(func=_retokenize_main)
+
+
+def _retokenize_main(args) -> int:
+    import duckdb
+
+    from harness.retokenize import retokenize_database
+    from harness.store import SchemaVersionError
+
+    if not (args.model / "tokenizer_config.json").is_file():
+        print(f"error: --model {str(args.model)!r} has no tokenizer_config.json: give a model directory",
+              file=sys.stderr)
+        return 2
+    if not args.db.is_file():
+        print(f"error: no database at {str(args.db)!r}: give --db", file=sys.stderr)
+        return 2
+    try:
+        done = retokenize_database(args.db, args.model, args.run)
+    except (ValueError, SchemaVersionError, duckdb.Error) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    skipped = ", ".join(f"{n} ({why})" for why, n in done.skipped.items()) or "none"
+    print(f"retokenized {done.calls} calls ({done.choices} choices) with {args.model}; left as text: {skipped}",
+          file=sys.stderr)
+    return 0

@@ -6,6 +6,7 @@ engine, answering like a hosted API (no token ids) or like vLLM (ids and logprob
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -171,3 +172,40 @@ def test_columnar_exports_hold_tool_lists_whose_schemas_differ_as_json_text(tmp_
     with pytest.raises(ExportError, match="choose one of"):
         write(iter(rows), tmp_path / "t.csv", "csv")
     assert not list(tmp_path.glob(".tmp-*"))
+
+
+def test_retokenize_gives_text_only_calls_the_template_s_ids_marked_and_never_merged(hosted_run, tiny_model_dir,
+                                                                                     tmp_path):
+    from transformers import AutoTokenizer
+
+    db = tmp_path / "copy.duckdb"
+    shutil.copy(hosted_run[0], db)
+    run_id = hosted_run[1]
+    cli = [sys.executable, "-m", "harness.cli", "retokenize", "--model", str(tiny_model_dir), "--db", str(db)]
+    done = subprocess.run(cli, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "retokenized 24 calls (24 choices)" in done.stderr, done.stderr
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    before = dict(db_rows(hosted_run[0], "SELECT call_id, logprobs FROM choices"))
+    rows = db_rows(db, "SELECT c.request, c.token_source, c.prompt_ids, ch.completion_ids, ch.logprobs, ch.text, "
+                   "c.extra->>'$.retokenized.tokenizer', c.extra->'$.retokenized.upstream_logprobs.0', c.call_id "
+                   "FROM calls c JOIN choices ch USING (call_id)")
+    assert len(rows) == 24
+    for request, source, prompt_ids, completion_ids, logprobs, text, by, upstream_lp, call_id in rows:
+        assert (source, logprobs, by) == ("retokenized", None, str(Path(tiny_model_dir).resolve()))
+        assert json.loads(upstream_lp) == before[call_id]  # the upstream's logprobs, of its own tokens: kept
+        rendered = tokenizer.apply_chat_template(json.loads(request)["messages"], add_generation_prompt=True,
+                                                 tokenize=False)
+        assert tokenizer.decode(prompt_ids) == rendered
+        assert tokenizer.decode(completion_ids) == text + "<|im_end|>"  # the turn, up to its end token
+    again = subprocess.run(cli, capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0 and "retokenized 0 calls" in again.stderr  # only text-only calls, once
+
+    # Never taken for engine ids: merging builds no RL samples from them, so no token records either.
+    merged = subprocess.run([sys.executable, "-m", "harness.cli", "merge", "--db", str(db), "--run", run_id],
+                            capture_output=True, text=True, timeout=120)
+    assert merged.returncode == 0, merged.stderr
+    assert db_rows(db, "SELECT count(*) FROM samples")[0][0] == 0
+    out = tmp_path / "rl.jsonl"
+    assert _export(db, "--run", run_id, "--records", "tokens", "--out", str(out)).returncode == 0
+    assert out.read_text() == ""
