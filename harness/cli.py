@@ -85,6 +85,7 @@ def _add_run(verbs) -> None:
                    "HARNESS_TASK), the judge in this process, no timeouts: breakpoints in agent or judge code work")
     options.add_engine_args(p)
     options.add_role_args(p)
+    options.add_record_only_args(p)
     options.add_transparent_args(p)
     p.set_defaults(func=_run)
 
@@ -92,7 +93,7 @@ def _add_run(verbs) -> None:
 def _run(args) -> int:
     import shlex
 
-    from harness.engine import EngineError, start_or_attach
+    from harness.engine import Engine, EngineError, start_or_attach
     from harness.judges import JudgeError
     from harness.report import print_report
     from harness.run import run_dataset
@@ -120,9 +121,14 @@ def _run(args) -> int:
             from harness.judges import load_judge
 
             load_judge(args.judge)
+        if problem := options.record_only_error(args):
+            raise ValueError(problem)
         interceptor, roles = options.interceptor(args, args.run_dir), options.role_rules(args)
-        engine = start_or_attach(model=args.model, upstream=(args.upstream or [None])[0], run_dir=args.run_dir,
-                                 max_model_len=args.max_model_len)
+        if args.record_only:  # a hosted API: nothing to probe (it may want a key), every call goes on as sent
+            engine = Engine(args.upstream[0].rstrip("/").removesuffix("/v1"), "", returns_token_ids=False)
+        else:
+            engine = start_or_attach(model=args.model, upstream=(args.upstream or [None])[0],
+                                     run_dir=args.run_dir, max_model_len=args.max_model_len)
     except (TaskError, JudgeError, EngineError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -132,7 +138,9 @@ def _run(args) -> int:
                                                  success_threshold=args.success_threshold, sampling=sampling,
                                                  token_exact=not args.no_token_exact, tool_parser=args.tool_parser,
                                                  progress=not args.debug, interceptor=interceptor, roles=roles,
-                                                 more_upstreams=tuple((args.upstream or [])[1:])))
+                                                 more_upstreams=tuple((args.upstream or [])[1:]),
+                                                 record_only=args.record_only,
+                                                 upstream_key_env=args.upstream_key_env))
     except options.hop_errors(interceptor) as exc:  # the transparent hop could not start
         print(f"error: {exc}", file=sys.stderr)
         return 1

@@ -1,8 +1,9 @@
-"""Flag groups shared by several `harness` verbs: the engine (run, serve), named roles (run, serve) and transparent
-mode (run, serve)."""
+"""Flag groups shared by several `harness` verbs: the engine (run, serve), named roles (run, serve), record-only
+(run, serve) and transparent mode (run, serve)."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from proxy.tool_parsers import known_parsers
@@ -30,6 +31,36 @@ def role_rules(args):
     return parse_rules(parse_assignments(args.role, "--role"), parse_assignments(args.role_upstream, "--role-upstream"),
                        parse_assignments(args.role_model, "--role-model"),
                        parse_assignments(args.role_key_env, "--role-key-env"))
+
+
+def add_record_only_args(p) -> None:
+    g = p.add_argument_group("record-only (in front of a hosted API: docs/export.md)")
+    g.add_argument("--record-only", action="store_true",
+                   help="in front of any OpenAI-compatible API (a hosted one, given by --upstream): forward each call "
+                   "as the agent sent it (its model name, sampling and API key; the key is never stored) and record "
+                   "it, as text where the API gives no token ids")
+    g.add_argument("--upstream-key-env", metavar="NAME",
+                   help="with --record-only: the environment variable holding the API key sent upstream for calls "
+                   "that carry the proxy's own token or no key (agents harness run starts carry episode tokens)")
+
+
+def record_only_error(args) -> str | None:
+    """What is wrong with the record-only flags given with the others, or None."""
+    if args.upstream_key_env and not args.record_only:
+        return "--upstream-key-env goes with --record-only"
+    if not args.record_only:
+        return None
+    if not args.upstream or len(args.upstream) > 1:
+        return "--record-only needs exactly one --upstream URL: the API to record, e.g. https://api.openai.com/v1"
+    if args.upstream_key_env and not os.environ.get(args.upstream_key_env):
+        return f"--upstream-key-env {args.upstream_key_env}: that environment variable is not set"
+    ours = [flag for flag, value in (("--temperature", args.temperature), ("--top-p", getattr(args, "top_p", None)),
+                                     ("--max-tokens-cap", getattr(args, "max_tokens_cap", None)))
+            if value is not None] + (["--transparent"] if args.transparent else [])
+    if ours:
+        return (f"{', '.join(ours)}: --record-only forwards each call as the agent sent it; drop "
+                f"{'it' if len(ours) == 1 else 'them'}")
+    return None
 
 
 def add_transparent_args(p) -> None:

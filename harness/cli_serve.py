@@ -31,13 +31,7 @@ def add_parser(verbs) -> None:
     p.add_argument("--temperature", type=float, help="training-time override of the agents' temperature")
     p.add_argument("--top-p", type=float, help="training-time override of the agents' top_p")
     p.add_argument("--max-tokens-cap", type=int, help="cap on the agents' max_tokens")
-    p.add_argument("--record-only", action="store_true",
-                   help="in front of any OpenAI-compatible API (a hosted one): forward each call as the agent sent "
-                   "it (its model name, sampling and API key; the key is never stored) and record it, as text where "
-                   "the API gives no token ids (docs/export.md)")
-    p.add_argument("--upstream-key-env", metavar="NAME",
-                   help="with --record-only: the environment variable holding the API key sent upstream for agents "
-                   "that carry the proxy's own token instead of one (e.g. agents harness run starts)")
+    options.add_record_only_args(p)
     options.add_role_args(p)
     options.add_transparent_args(p)
     p.set_defaults(func=_serve)
@@ -107,23 +101,8 @@ def _record_only(args, db: Path) -> int:
     call forwarded as sent."""
     from proxy import serve_forever
 
-    if not args.record_only:
-        print("error: --upstream-key-env goes with --record-only", file=sys.stderr)
-        return 2
-    ours = [flag for flag, value in (("--model", args.model), ("--temperature", args.temperature),
-                                     ("--top-p", args.top_p), ("--max-tokens-cap", args.max_tokens_cap))
-            if value is not None] + (["--transparent"] if args.transparent else [])
-    if ours:
-        print(f"error: {', '.join(ours)}: --record-only forwards each call as the agent sent it; drop "
-              f"{'it' if len(ours) == 1 else 'them'}", file=sys.stderr)
-        return 2
-    if not args.upstream or len(args.upstream) > 1:
-        print("error: --record-only needs exactly one --upstream URL: the API to record, e.g. "
-              "https://api.openai.com/v1", file=sys.stderr)
-        return 2
-    if args.upstream_key_env and not os.environ.get(args.upstream_key_env):
-        print(f"error: --upstream-key-env {args.upstream_key_env}: that environment variable is not set",
-              file=sys.stderr)
+    if problem := options.record_only_error(args):
+        print(f"error: {problem}", file=sys.stderr)
         return 2
     try:
         config = ProxyConfig(

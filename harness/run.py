@@ -38,18 +38,22 @@ async def run_dataset(tasks: list[Task], config: RunConfig, engine: Engine, run_
                       success_threshold: float = 1.0, sampling: SamplingOverrides | None = None,
                       token_exact: bool = True, tool_parser: str = "hermes",
                       progress: bool = True, interceptor=None, roles: tuple = (),
-                      more_upstreams: tuple[str, ...] = ()) -> tuple[str, dict]:
+                      more_upstreams: tuple[str, ...] = (), record_only: bool = False,
+                      upstream_key_env: str | None = None) -> tuple[str, dict]:
     """Run every task `config.repeat` times through a fresh proxy; returns (run_id, report). With an
     `interceptor` (adapters.transparent.Interceptor, transparent mode), it is started in front of the proxy and
-    each agent gets its environment too."""
+    each agent gets its environment too. `record_only`: the engine is any API, every call goes on as the agent
+    sent it, with the key in `upstream_key_env` (agents carry episode tokens; that variable is hidden from them)."""
     # A typo in the judge fails here, before any agent runs; judgements carry the judge's normalised name.
     judge_name = load_judge(config.judge).name if config.judge else "none"
     run_dir.mkdir(parents=True, exist_ok=True)
-    proxy_config = ProxyConfig(upstream_url=engine.base_url, served_model=engine.served_model,
+    proxy_config = ProxyConfig(upstream_url=engine.base_url, served_model=engine.served_model or None,
                                returns_token_ids=engine.returns_token_ids, db_path=run_dir / "harness.duckdb",
                                port=0, sampling=sampling or SamplingOverrides(), token_exact=token_exact,
-                               tool_parser=tool_parser, roles=roles, more_upstreams=more_upstreams)
-    config = replace(config, hidden_env=(*config.hidden_env, *key_env_names(roles)))
+                               tool_parser=tool_parser, roles=roles, more_upstreams=more_upstreams,
+                               record_only=record_only, upstream_key_env=upstream_key_env)
+    hidden = (*key_env_names(roles), *([upstream_key_env] if upstream_key_env else []))
+    config = replace(config, hidden_env=(*config.hidden_env, *hidden))
     server = ProxyServer(proxy_config)
     url = await server.start()
     app = server.app

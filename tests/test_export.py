@@ -6,6 +6,7 @@ engine, answering like a hosted API (no token ids) or like vLLM (ids and logprob
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -209,3 +210,38 @@ def test_retokenize_gives_text_only_calls_the_template_s_ids_marked_and_never_me
     out = tmp_path / "rl.jsonl"
     assert _export(db, "--run", run_id, "--records", "tokens", "--out", str(out)).returncode == 0
     assert out.read_text() == ""
+
+
+HOSTED_AGENT = '''
+import json, os
+from openai import OpenAI
+
+task = json.loads(os.environ["HARNESS_TASK"])
+reply = OpenAI().chat.completions.create(model="gpt-4o-mini", messages=[{"role": "user", "content": task["prompt"]}])
+print(json.dumps({"answer": os.environ.get("HOSTED_KEY", "hidden") + " " + reply.choices[0].message.content}))
+'''
+
+
+def test_harness_run_record_only_against_a_hosted_style_api_sends_its_key_and_the_calls_as_sent(tmp_path):
+    """`harness run --upstream URL --record-only --upstream-key-env NAME`: agents carry episode tokens, so the
+    API gets the key from NAME (which the agents never see); each call goes on as the agent sent it."""
+    agent = tmp_path / "agent.py"
+    agent.write_text(HOSTED_AGENT)
+    upstream = ScriptedUpstream(Script(token_ids=False))
+    try:
+        out = subprocess.run([sys.executable, "-m", "harness.cli", "run", str(agent), "--data",
+                              str(TERSE / "tasks.jsonl"), "--limit", "3", "--upstream", upstream.url + "/v1",
+                              "--record-only", "--upstream-key-env", "HOSTED_KEY", "--run-dir", str(tmp_path / "r")],
+                             capture_output=True, text=True, timeout=300,
+                             env={**os.environ, "HOSTED_KEY": "sk-hosted-31"})
+        requests, authorizations = upstream.engine.requests, upstream.engine.authorizations
+    finally:
+        upstream.close()
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert authorizations == ["Bearer sk-hosted-31"] * 3
+    assert all(set(r) == {"model", "messages"} and r["model"] == "gpt-4o-mini" for r in requests)
+    db = tmp_path / "r" / "harness.duckdb"
+    answers = db_rows(db, "SELECT answer FROM episode_outcomes")
+    assert len(answers) == 3 and all(a.startswith("hidden w1000") for a, in answers)  # the key stayed hidden
+    assert db_rows(db, "SELECT DISTINCT token_source, requested_model FROM calls") == [("none", "gpt-4o-mini")]
+    assert not any(b"sk-hosted-31" in f.read_bytes() for f in (tmp_path / "r").rglob("*") if f.is_file())
