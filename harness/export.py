@@ -82,8 +82,8 @@ def records(reader: Reader, run_id: str, kind: str = "chat", where: str | None =
     if kind not in RECORDS:
         raise ExportError(f"records {kind!r}: choose one of {', '.join(RECORDS)}")
     chosen = episodes(reader, run_id, where)
-    if kind == "tokens":
-        advantages = _advantages(episodes(reader, run_id))  # against the whole group, whatever the filter keeps
+    if kind == "tokens":  # against the whole group, whatever the filter keeps
+        advantages = _advantages(episodes(reader, run_id) if where else chosen)
     for start in range(0, len(chosen), _BATCH):
         batch = chosen[start:start + _BATCH]
         ids = [e["episode_id"] for e in batch]
@@ -233,13 +233,14 @@ def _arguments(arguments: Any) -> str:
 def _key(m: dict[str, Any]) -> bytes:
     """What makes two messages the same turn: role, text (an agent may trim the whitespace around a reply it sends
     back) and tool calls (arguments compared as JSON values)."""
-    calls = [(c["function"]["name"], _parsed(c["function"]["arguments"])) for c in m.get("tool_calls") or []]
+    calls = [(c["function"]["name"], parsed_arguments(c["function"]["arguments"])) for c in m.get("tool_calls") or []]
     return orjson.dumps([m["role"], (m.get("content") or "").strip(), calls, m.get("tool_call_id")],
                         option=orjson.OPT_SORT_KEYS)
 
 
-def _parsed(arguments: str) -> Any:
+def parsed_arguments(arguments: Any) -> Any:
+    """Tool call arguments as a JSON value: JSON text parsed, anything else (a dict, text that is not JSON) as is."""
     try:
-        return json.loads(arguments)
-    except (TypeError, ValueError):
+        return json.loads(arguments) if isinstance(arguments, str) else arguments
+    except ValueError:
         return arguments

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from harness.export import parsed_arguments
 from harness.records import NONE, OK
 
 __all__ = ["RETOKENIZED", "Retokenized", "retokenize_database"]
@@ -89,8 +90,9 @@ def _ids(tokenizer, endpoint: str, request: dict[str, Any], texts: list, tool_ca
     for text, calls in zip(texts, tool_calls, strict=True):
         answer = {"role": "assistant", "content": text or ""}
         if calls:
-            answer["tool_calls"] = [{**c, "function": {**c["function"], "arguments": _parsed(c["function"])}}
-                                    for c in (json.loads(calls) if isinstance(calls, str) else calls)]
+            answer["tool_calls"] = [
+                {**c, "function": {**c["function"], "arguments": parsed_arguments(c["function"].get("arguments"))}}
+                for c in (json.loads(calls) if isinstance(calls, str) else calls)]
         whole = tokenizer.apply_chat_template(messages + [answer], tools=tools, tokenize=False)
         if not whole.startswith(prompt_text):
             raise ValueError("the template renders the answer's history differently from the prompt")
@@ -100,11 +102,3 @@ def _ids(tokenizer, endpoint: str, request: dict[str, Any], texts: list, tool_ca
             turn = turn[:turn.index(end) + len(end)]  # the turn ends at its end token: what the engine stops on
         completions.append(tokenizer.encode(turn, add_special_tokens=False))
     return tokenizer.encode(prompt_text, add_special_tokens=False), completions
-
-
-def _parsed(function: dict[str, Any]) -> Any:
-    arguments = function.get("arguments")
-    try:
-        return json.loads(arguments) if isinstance(arguments, str) else arguments
-    except ValueError:
-        return arguments

@@ -1,9 +1,8 @@
-"""The proxy as an aiohttp application: routes, episode attribution, and the admin surface.
+"""The proxy as an aiohttp application: the OpenAI surface and the path of one call (the admin surface is
+proxy/admin.py, the shared state proxy/state.py).
 
     agent -> /v1/chat/completions -> request.prepare -> capture.forward -> engine
                                                       \\-> Recorder -> DuckDB
-
-Admin routes (/harness/...) need the admin token: `Authorization: Bearer <admin_token>`.
 """
 
 from __future__ import annotations
@@ -15,55 +14,33 @@ import logging
 import os
 import time
 import uuid
-from dataclasses import dataclass
 
 import aiohttp
-import duckdb
 import orjson
 from aiohttp import web
 
 from harness import __version__
-from harness.readonly import ReadOnlyError, check_read_only
 from harness.recorder import Recorder
 from harness.records import CANCELLED, ERROR, NONE, OK, Call
 from harness.store import Store
+from proxy.admin import add_admin_routes
 from proxy.capture import Capture, forward
 from proxy.chat_answer import ChatAnswer
 from proxy.config import ProxyConfig, SamplingOverrides
 from proxy.continuity import Timelines, completions_body, plan, prefix_hashes
 from proxy.engines import EPISODE_HEADER, Engines, healthy
 from proxy.episodes import Episodes
-from proxy.errors import ApiError, dumps_values, error_middleware, json_response, parse_json_object, read_body
+from proxy.errors import ApiError, error_middleware, json_response, read_body
 from proxy.openapi import openapi
 from proxy.request import CHAT, COMPLETIONS, Prepared, prepare
 from proxy.roles import RoleRule, find_role
-from proxy.tool_parsers import ToolParser, get_parser
+from proxy.state import CONFIG, ENGINES, EPISODES, RECORDER, RESPONSES, SESSION, STATE, STORE, RunState, request_key
+from proxy.tool_parsers import get_parser
 from proxy.wire import ConversationStore, Wire
 from proxy.wire_messages import MessagesWire
 from proxy.wire_responses import ResponsesWire
 
 log = logging.getLogger("harness.proxy")
-
-
-@dataclass
-class RunState:
-    run_id: str
-    served_model: str | None
-    weight_version: int = 0  # set by the trainer after each weight sync
-    warned_no_ids: bool = False  # said once that the engine returns no token ids
-    timelines: Timelines | None = None  # token-exact continuity (None: off, or the engine returns no ids)
-    sampling: SamplingOverrides | None = None  # the overrides in force; starts as the config's, a trainer may swap it
-    tool_parser: ToolParser | None = None
-
-
-CONFIG = web.AppKey("config", ProxyConfig)
-STATE = web.AppKey("state", RunState)
-STORE = web.AppKey("store", Store)
-RECORDER = web.AppKey("recorder", Recorder)
-EPISODES = web.AppKey("episodes", Episodes)
-SESSION = web.AppKey("session", aiohttp.ClientSession)
-ENGINES = web.AppKey("engines", Engines)
-RESPONSES = web.AppKey("responses", ConversationStore)  # the latest responses, for previous_response_id
 
 
 def create_app(config: ProxyConfig) -> web.Application:
@@ -88,10 +65,7 @@ def create_app(config: ProxyConfig) -> web.Application:
         app.router.add_post(prefix + "/{tail:.+}", passthrough)
     app.router.add_get("/health", health)
     app.router.add_get("/openapi.json", openapi_description)
-    app.router.add_post("/harness/sql", sql)
-    app.router.add_post("/harness/episodes", open_episode)
-    app.router.add_post("/harness/weights", set_weight_version)
-    app.router.add_get("/harness/status", status)
+    add_admin_routes(app)
     return app
 
 
@@ -144,13 +118,6 @@ async def _discover_model(session: aiohttp.ClientSession, config: ProxyConfig) -
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _api_key(request: web.Request) -> str | None:
-    auth = request.headers.get("Authorization", "")
-    if auth[:7].lower() == "bearer ":
-        return auth[7:].strip() or None
-    return request.headers.get("api-key") or request.headers.get("x-api-key") or None  # x-api-key: Anthropic SDK
-
-
 def _forwarded_headers(request: web.Request, api_key: str | None) -> dict[str, str]:
     """Record-only mode: the agent's headers that go on to the API it is recorded in front of: its API key (the
     proxy's own tokens never: for them, or no key, the key in `upstream_key_env`), organization and project."""
@@ -199,7 +166,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
 
 async def _llm_call(request: web.Request, endpoint: str, wire: Wire | None = None) -> web.StreamResponse:
     episodes = request.app[EPISODES]
-    api_key = _api_key(request)
+    api_key = request_key(request)
     _check_agent_auth(request, api_key)
     if full := request.app[RECORDER].disk_full:
         raise ApiError(503, f"the proxy cannot record calls: no space left for {request.app[CONFIG].db_path} "
@@ -238,10 +205,8 @@ async def _numbered_call(request: web.Request, endpoint: str, wire: Wire | None,
     engines, moved_from = app[ENGINES], []
     while True:  # once, unless the engine cannot be reached and another can take the call
         base = None if frozen else engines.pick(episode_id)
-        cap, url, answer, hashes = await _plan_call(app, prepared, episode_id, call_index, endpoint, role, base)
-        if config.record_only:
-            cap.upstream_headers.pop(EPISODE_HEADER, None)  # the upstream is not ours: nothing of ours goes along
-            cap.upstream_headers.update(forwarded)
+        cap, url, answer, hashes = await _plan_call(app, prepared, episode_id, call_index, endpoint, role, base,
+                                                    forwarded)
         if moved_from:
             cap.notes["engine_failover"] = moved_from
         if base is not None:
@@ -270,7 +235,7 @@ async def _numbered_call(request: web.Request, endpoint: str, wire: Wire | None,
 
 
 async def _plan_call(app: web.Application, prepared: Prepared, episode_id: str, call_index: int, endpoint: str,
-                     role: RoleRule | None, base: str | None):
+                     role: RoleRule | None, base: str | None, forwarded: dict[str, str]):
     """Where one attempt of a call goes (`base`: the policy engine chosen; None: a frozen role's upstream) and how:
     the capture, the URL, and for token-exact continuity the completions answer and the prefix hashes."""
     state = app[STATE]
@@ -286,7 +251,10 @@ async def _plan_call(app: web.Application, prepared: Prepared, episode_id: str, 
             cap.upstream_headers["Authorization"] = f"Bearer {key}"
         return cap, url, None, None
     url = f"{base}/v1/{route}"
-    cap.upstream_headers[EPISODE_HEADER] = episode_id
+    if app[CONFIG].record_only:  # not our engine: the agent's key goes along, nothing of ours
+        cap.upstream_headers.update(forwarded)
+    else:
+        cap.upstream_headers[EPISODE_HEADER] = episode_id
     if not app[ENGINES].single:
         cap.notes["engine"] = base
     answer, hashes = None, None
@@ -366,7 +334,7 @@ def _rejected_call(state: RunState, call_index: int, episode_id: str, endpoint: 
 
 
 async def models(request: web.Request) -> web.Response:
-    api_key = _api_key(request)
+    api_key = request_key(request)
     _check_agent_auth(request, api_key)
     url = request.app[ENGINES].any_up() + "/v1/models"
     try:
@@ -395,7 +363,7 @@ async def passthrough(request: web.Request) -> web.Response:
         raise web.HTTPMethodNotAllowed(request.method, [_OWN_ROUTES[tail]])
     if any(part in (".", "..") or "%" in part or "\\" in part for part in tail.split("/")):
         raise web.HTTPNotFound()  # never a way out of the engine's /v1 (its admin routes live beside it)
-    api_key = _api_key(request)
+    api_key = request_key(request)
     _check_agent_auth(request, api_key)
     engine = request.app[ENGINES].any_up()
     url = f"{engine}/v1/{tail}"
@@ -439,87 +407,3 @@ async def openapi_description(request: web.Request) -> web.Response:
 
 
 _OPENAPI = orjson.dumps(openapi())
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Admin surface: SQL, episodes, weight version.
-# ---------------------------------------------------------------------------------------------------------------
-
-
-def _check_admin(request: web.Request) -> None:
-    if _api_key(request) != request.app[CONFIG].admin_token:
-        raise ApiError(401, "admin routes need the admin token (Authorization: Bearer <admin_token>); "
-                       "`harness sql` finds it in the run's proxy.json", code="invalid_admin_token")
-
-
-async def _json_body(request: web.Request) -> dict:
-    return parse_json_object(await read_body(request))
-
-
-async def sql(request: web.Request) -> web.Response:
-    """Read-only SQL over the live store; everything recorded so far is flushed first."""
-    _check_admin(request)
-    body = await _json_body(request)
-    query, params, max_rows = body.get("sql"), body.get("params"), body.get("max_rows")
-    if not isinstance(query, str):
-        raise ApiError(400, f"'sql' must be a string, got {type(query).__name__}", param="sql")
-    if params is not None and not isinstance(params, list):
-        raise ApiError(400, f"'params' must be a list of values for the ? placeholders, got {type(params).__name__}",
-                       param="params")
-    if max_rows is not None and (not isinstance(max_rows, int) or isinstance(max_rows, bool)
-                                 or not 0 <= max_rows <= 10**9):
-        raise ApiError(400, f"'max_rows' must be a non-negative integer, got {max_rows!r}", param="max_rows")
-    try:
-        check_read_only(query)
-    except ReadOnlyError as exc:
-        raise ApiError(403, str(exc), code="read_only") from None
-    except (ValueError, duckdb.Error) as exc:
-        raise ApiError(400, f"SQL error: {exc}", code="sql_error") from None
-    if not request.app[RECORDER].disk_full:  # a full disk holds the newest calls back: what is written is read
-        await asyncio.to_thread(request.app[RECORDER].flush)
-    try:
-        result = await asyncio.to_thread(request.app[STORE].query, query, params, max_rows=max_rows)
-    except duckdb.Error as exc:
-        raise ApiError(400, f"SQL error: {exc}", code="sql_error") from None
-    payload = {"columns": result.columns, "types": result.types, "rows": result.rows, "truncated": result.truncated}
-    return web.Response(body=dumps_values(payload), content_type="application/json")
-
-
-async def open_episode(request: web.Request) -> web.Response:
-    _check_admin(request)
-    body = await _json_body(request)
-    episode_id, meta = body.get("episode_id"), body.get("meta") or {}
-    if episode_id is not None and not isinstance(episode_id, str):
-        raise ApiError(400, f"'episode_id' must be a string, got {type(episode_id).__name__}", param="episode_id")
-    if not isinstance(meta, dict):
-        raise ApiError(400, f"'meta' must be an object, got {type(meta).__name__}", param="meta")
-    return json_response(await request.app[EPISODES].open(episode_id, meta=meta))
-
-
-async def set_weight_version(request: web.Request) -> web.Response:
-    _check_admin(request)
-    body = await _json_body(request)
-    version = body.get("version")
-    if not isinstance(version, int) or isinstance(version, bool) or not 0 <= version < 2**31:
-        raise ApiError(400, f"'version' must be an integer from 0 to 2**31-1 (calls.weight_version is an INTEGER), "
-                       f"got {version!r}", param="version")
-    model = body.get("model")
-    if model is not None and not (isinstance(model, str) and 0 < len(model) <= 256):
-        raise ApiError(400, f"'model' must be the engine's name for the new policy (1-256 characters), got "
-                       f"{model!r}", param="model")
-    state = request.app[STATE]
-    state.weight_version = version
-    if model is not None:  # LoRA: each version is served under a name of its own (trainer/weight_sync.py)
-        state.served_model = model
-    return json_response({"weight_version": version, "served_model": state.served_model})
-
-
-async def status(request: web.Request) -> web.Response:
-    _check_admin(request)
-    state, recorder, episodes = request.app[STATE], request.app[RECORDER], request.app[EPISODES]
-    return json_response({
-        "run_id": state.run_id, "served_model": state.served_model, "weight_version": state.weight_version,
-        "calls_written": recorder.calls_written, "calls_spilled": recorder.calls_spilled,
-        "pending_records": recorder.pending, "last_error": recorder.last_error and str(recorder.last_error),
-        "episodes_in_memory": len(episodes), "episodes_forgotten": episodes.evicted, "disk_full": recorder.disk_full,
-    })

@@ -1,0 +1,45 @@
+"""What the proxy's handlers share: the run's state, the application keys, and who is asking (the API key)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import aiohttp
+from aiohttp import web
+
+from harness.recorder import Recorder
+from harness.store import Store
+from proxy.config import ProxyConfig, SamplingOverrides
+from proxy.continuity import Timelines
+from proxy.engines import Engines
+from proxy.episodes import Episodes
+from proxy.tool_parsers import ToolParser
+from proxy.wire import ConversationStore
+
+
+@dataclass
+class RunState:
+    run_id: str
+    served_model: str | None
+    weight_version: int = 0  # set by the trainer after each weight sync
+    warned_no_ids: bool = False  # said once that the engine returns no token ids
+    timelines: Timelines | None = None  # token-exact continuity (None: off, or the engine returns no ids)
+    sampling: SamplingOverrides | None = None  # the overrides in force; starts as the config's, a trainer may swap it
+    tool_parser: ToolParser | None = None
+
+
+CONFIG = web.AppKey("config", ProxyConfig)
+STATE = web.AppKey("state", RunState)
+STORE = web.AppKey("store", Store)
+RECORDER = web.AppKey("recorder", Recorder)
+EPISODES = web.AppKey("episodes", Episodes)
+SESSION = web.AppKey("session", aiohttp.ClientSession)
+ENGINES = web.AppKey("engines", Engines)
+RESPONSES = web.AppKey("responses", ConversationStore)  # the latest responses, for previous_response_id
+
+
+def request_key(request: web.Request) -> str | None:
+    auth = request.headers.get("Authorization", "")
+    if auth[:7].lower() == "bearer ":
+        return auth[7:].strip() or None
+    return request.headers.get("api-key") or request.headers.get("x-api-key") or None  # x-api-key: Anthropic SDK
