@@ -106,7 +106,7 @@ class MiniBatch:
     advantages: list[float]  # one per row: its episode's advantage
     old: list  # per row, the trainer's logprobs at the rollout weights ([len(token_ids)] tensors)
     micro: list[list[int]]  # micro-batches: indices into rows
-    weights: list  # per row, each token's weight in the mini-batch's loss (trainer.loop._token_weights)
+    weights: list  # per row, each token's weight in the mini-batch's loss (trainer.loop.token_weights)
 
 
 def step_rows(run: Path, cfg) -> list[tuple[list, list[float]]]:
@@ -149,7 +149,7 @@ def mini_batches(model, steps: list[tuple[list, list[float]]], cfg, pad_id: int)
     """Every mini-batch of every step and epoch, in the loop's order and shapes, with the old logprobs."""
     import torch
 
-    from trainer.loop import _token_weights
+    from trainer.loop import token_weights
     from trainer.policy import collate, micro_batches, token_logprobs
 
     t = cfg.trainer
@@ -173,7 +173,7 @@ def mini_batches(model, steps: list[tuple[list, list[float]]], cfg, pad_id: int)
                     continue
                 part = [rows[i] for i in mine]
                 work.append(MiniBatch(part, [adv[i] for i in mine], [old[i] for i in mine],
-                                      micro_batches(part, t.micro_batch_tokens), _token_weights(part, t.loss_agg_mode)))
+                                      micro_batches(part, t.micro_batch_tokens), token_weights(part, t.loss_agg_mode)))
     if not work:
         raise SystemExit("the run stored no trained samples: nothing to time")
     return work
@@ -247,14 +247,14 @@ def throughput(run: Path, repeat: int, threads: int) -> dict:
 
     from trainer.config import load_config
     from trainer.fsdp import init_distributed, shard, shutdown
-    from trainer.loop import _pad_id
+    from trainer.loop import pad_id_of
     from trainer.policy import collate, load_policy
 
     default_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
     torch.manual_seed(0)
     cfg = load_config(run / "config.resolved.yaml")
-    pad_id = _pad_id(cfg.model.path, cfg.model.trust_remote_code)
+    pad_id = pad_id_of(cfg.model.path, cfg.model.trust_remote_code)
     model = load_policy(cfg.model.path, torch.float32)
     sharded = shard(load_policy(cfg.model.path, torch.float32), init_distributed("cpu"))  # as trainer/loop.py holds it
     steps = step_rows(run, cfg)

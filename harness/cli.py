@@ -13,6 +13,7 @@ from harness import cli_options as options
 from harness.cli_export import add_parser as add_export_parser
 from harness.cli_export import add_retokenize_parser
 from harness.cli_serve import add_parser as add_serve_parser
+from harness.cli_train import add_sft_parser, add_train_parser
 from harness.limits import AGENT_MAX_PROCS, AGENT_MEMORY_MB
 from harness.viewer import add_parser as add_view_parser
 
@@ -32,7 +33,8 @@ def main(argv: list[str] | None = None) -> int:
     _add_roles(verbs)
     _add_tiny_model(verbs)
     _add_doctor(verbs)
-    _add_train(verbs)
+    add_train_parser(verbs)
+    add_sft_parser(verbs)
     add_view_parser(verbs)
     add_export_parser(verbs)
     add_retokenize_parser(verbs)
@@ -366,59 +368,6 @@ def _doctor(args) -> int:
         return 2
     print(json.dumps(report.to_json(), indent=2, ensure_ascii=False) if args.json else format_report(report))
     return 1 if report.failed else 0
-
-
-# ---------------------------------------------------------------------------------------------------------------
-
-
-def _add_train(verbs) -> None:
-    p = verbs.add_parser(
-        "train", help="the closed RL loop: rollouts of the agent, judge, merge, GRPO, weights into the engine",
-        description="Train the policy on the agent's episodes: each step runs a batch of tasks num_repeat times "
-        "through the recording proxy, judges them, merges their calls into samples, makes a GRPO update and loads "
-        "the new weights into the running engine. Everything lands in runs/<experiment>/ (config, curve.png, "
-        "checkpoints, harness.duckdb with a metrics table). docs/training.md describes every config key.",
-    )
-    p.add_argument("config", nargs="?", type=Path, help="the YAML config (e.g. examples/train/terse.yaml)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config key, e.g. --set trainer.lr=1e-5 (repeatable)")
-    p.add_argument("--debug", action="store_true", help="the first debug.n_tasks tasks, one episode at a time, "
-                   "fixed seeds, the agent on this terminal, the judge in this process, no timeouts: breakpoints in "
-                   "agent or judge code work")
-    p.add_argument("--show-config", action="store_true", help="print every config key with its default and help")
-    p.set_defaults(func=_train)
-
-
-def _train(args) -> int:
-    from trainer.config import ConfigError, describe_config, load_config
-
-    if args.show_config:
-        print(describe_config())
-        return 0
-    if args.config is None:
-        print("error: give a config file, e.g. harness train examples/train/terse.yaml "
-              "(harness train --show-config lists the keys)", file=sys.stderr)
-        return 2
-    overrides = [*args.overrides, *(["debug.enabled=true"] if args.debug else [])]
-    try:
-        cfg = load_config(args.config, overrides)
-    except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    if cfg.backbone == "verl":  # verl's trainer on Ray, imported only when chosen
-        from trainer.verl_backbone import main as verl_main
-
-        return verl_main(cfg)
-    from trainer.fsdp import launch, under_torchrun
-
-    nprocs = cfg.trainer.fsdp.nprocs
-    if nprocs > 1 and not under_torchrun():
-        argv = ["-m", "harness.cli", "train", str(args.config), *(f"--set={o}" for o in overrides)]
-        return launch(nprocs, argv)
-    from trainer.loop import train
-
-    train(cfg)
-    return 0
 
 
 if __name__ == "__main__":

@@ -98,14 +98,17 @@ class Merged:
         return sum(b.reason == DRIFT for b in self.breaks)
 
 
-def mergeable(call: Call) -> bool:
-    """Calls that can be trained on: answered, with the engine's own ids."""
-    return call.status == OK and call.token_source == ENGINE and call.prompt_ids is not None
+def mergeable(call: Call, sources: tuple[str, ...] = (ENGINE,)) -> bool:
+    """Calls that can be trained on: answered, with ids from one of `sources` (by default the engine's own)."""
+    return call.status == OK and call.token_source in sources and call.prompt_ids is not None
 
 
-def merge_episode(calls: list[Call]) -> Merged:
-    """Merge one episode's calls (any order; call_index decides) into samples, with a Break per new timeline."""
-    calls = sorted((c for c in calls if mergeable(c)), key=lambda c: c.call_index)
+def merge_episode(calls: list[Call], sources: tuple[str, ...] = (ENGINE,)) -> Merged:
+    """Merge one episode's calls (any order; call_index decides) into samples, with a Break per new timeline.
+
+    `sources`: the calls.token_source values merged. Only the engine's own ids by default; training on ids a
+    tokenizer made after the fact (`retokenized`) is an explicit choice of the caller (offline.allow_retokenized)."""
+    calls = sorted((c for c in calls if mergeable(c, sources)), key=lambda c: c.call_index)
     roles: dict[str, _Role] = {}
     breaks: list[Break] = []
     roots: list[_Node] = []

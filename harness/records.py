@@ -16,6 +16,7 @@ CANCELLED = "cancelled"  # the agent went away before the answer was complete; n
 # Call.token_source values.
 ENGINE = "engine"  # prompt and completion ids are the engine's own (vLLM return_token_ids)
 NONE = "none"  # the upstream returned no token ids: text only
+RETOKENIZED = "retokenized"  # ids a tokenizer made after the fact (harness retokenize), never the engine's
 
 
 @dataclass(frozen=True, slots=True)

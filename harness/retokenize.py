@@ -18,11 +18,10 @@ from pathlib import Path
 from typing import Any
 
 from harness.export import parsed_arguments
-from harness.records import NONE, OK
+from harness.records import NONE, OK, RETOKENIZED
 
 __all__ = ["RETOKENIZED", "Retokenized", "retokenize_database"]
 
-RETOKENIZED = "retokenized"  # calls.token_source of calls whose ids a tokenizer made after the fact
 _PENDING = """
 SELECT c.call_id, c.endpoint, c.request, list(ch.text ORDER BY ch.choice_index), list(ch.tool_calls ORDER BY
        ch.choice_index), list(ch.choice_index ORDER BY ch.choice_index), list(ch.logprobs ORDER BY ch.choice_index)

@@ -20,7 +20,7 @@ import duckdb
 import orjson
 
 from harness.readonly import ReadOnlyError, check_read_only
-from harness.store import QueryResult, Store
+from harness.store import QueryResult, SchemaVersionError, Store
 from proxy.server import discover
 
 
@@ -67,7 +67,7 @@ class Reader:
                 raise SqlError(f"{str(path)!r} is held by another process and no running proxy announces it "
                                f"({path.name}.proxy.json): stop that process, or query through its proxy") from None
             raise SqlError(f"cannot read {str(path)!r}: {exc}") from None
-        except (duckdb.Error, ValueError) as exc:
+        except (duckdb.Error, ValueError, SchemaVersionError) as exc:
             raise SqlError(f"cannot read {str(path)!r}: {exc}") from None
         return self
 

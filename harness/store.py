@@ -40,7 +40,8 @@ from harness.readonly import check_read_only
 from harness.records import Call, Choice, Episode, EpisodeOutcome, Judgement, Sample, Task
 from harness.schema import MIGRATIONS, SCHEMA_VERSION
 
-__all__ = ["MIGRATIONS", "SCHEMA_VERSION", "ROW_GROUP_SIZE", "QueryResult", "SchemaVersionError", "Store"]  # fmt: skip
+__all__ = ["EPISODE_CALLS", "MIGRATIONS", "SCHEMA_VERSION", "ROW_GROUP_SIZE", "QueryResult", "SchemaVersionError",
+           "Store", "calls_of"]
 
 
 # Rows per row group. A transaction that appends a full row group has it compressed and written straight to
@@ -331,27 +332,9 @@ class Store:
 
     def load_episodes_calls(self, episode_ids: Sequence[str]) -> dict[str, list[Call]]:
         """Several episodes' calls in one query: {episode_id: calls in call order}; episodes without calls left out."""
-        sql = ("SELECT c.*, list({'i': ch.choice_index, 'ids': ch.completion_ids, 'lp': ch.logprobs, "
-               "'finish': ch.finish_reason, 'text': ch.text, 'tools': ch.tool_calls, 'reasoning': ch.reasoning} "
-               "ORDER BY ch.choice_index) FILTER (WHERE ch.call_id IS NOT NULL) AS choice_list "
-               "FROM calls c LEFT JOIN choices ch USING (call_id) "
-               "WHERE c.episode_id IN (SELECT unnest(?::VARCHAR[])) "
-               "GROUP BY ALL ORDER BY c.episode_id, c.call_index")
         with self.cursor() as cur:
-            cur.execute(sql, [list(episode_ids)])
-            names = [d[0] for d in cur.description]
-            rows = [dict(zip(names, row, strict=True)) for row in cur.fetchall()]
-        calls: dict[str, list[Call]] = {}
-        for r in rows:
-            choices = [Choice(x["i"], x["ids"], x["lp"], x["finish"], x["text"],
-                              orjson.loads(x["tools"]) if x["tools"] else None, x["reasoning"])
-                       for x in r.pop("choice_list") or []]
-            r["started_at"] = r["started_at"].replace(tzinfo=UTC).timestamp()
-            r["request"] = r["request"].encode()
-            r["response"] = r["response"].encode() if r["response"] is not None else None
-            r["extra"] = orjson.loads(r["extra"]) if r["extra"] else {}
-            calls.setdefault(r["episode_id"], []).append(Call(**r, choices=choices))
-        return calls
+            cur.execute(EPISODE_CALLS, [list(episode_ids)])
+            return calls_of([d[0] for d in cur.description], cur.fetchall())
 
     def load_samples(self, run_id: str | None = None, episode_id: str | None = None) -> list[Sample]:
         """Stored samples as records, with their reward slot (what a trainer reads): those of one run and/or one
@@ -389,3 +372,35 @@ def _rollback(cur: duckdb.DuckDBPyConnection) -> None:
 def _utc(unix_seconds: float) -> datetime:
     """TIMESTAMP columns hold naive UTC."""
     return datetime.fromtimestamp(unix_seconds, UTC).replace(tzinfo=None)
+
+
+# --- calls as records, from any reader of the file ---------------------------------------------------------
+
+# Episodes' calls with their choices, one row per call, for `calls_of`; one parameter: the episode ids. Read-only,
+# so harness.sql.Reader can run it too (a file a proxy holds is read through that proxy).
+EPISODE_CALLS = (
+    "SELECT c.*, list({'i': ch.choice_index, 'ids': ch.completion_ids, 'lp': ch.logprobs, "
+    "'finish': ch.finish_reason, 'text': ch.text, 'tools': ch.tool_calls, 'reasoning': ch.reasoning} "
+    "ORDER BY ch.choice_index) FILTER (WHERE ch.call_id IS NOT NULL) AS choice_list "
+    "FROM calls c LEFT JOIN choices ch USING (call_id) "
+    "WHERE c.episode_id IN (SELECT unnest(?::VARCHAR[])) "
+    "GROUP BY ALL ORDER BY c.episode_id, c.call_index")
+
+
+def calls_of(columns: Sequence[str], rows: Sequence[Sequence]) -> dict[str, list[Call]]:
+    """The rows of EPISODE_CALLS as records: {episode_id: calls in call order}. Rows may come from DuckDB or as
+    JSON values (through a proxy's SQL route: timestamps as text)."""
+    calls: dict[str, list[Call]] = {}
+    for row in rows:
+        r = dict(zip(columns, row, strict=True))
+        choices = [Choice(x["i"], x["ids"], x["lp"], x["finish"], x["text"],
+                          orjson.loads(x["tools"]) if x["tools"] else None, x["reasoning"])
+                   for x in r.pop("choice_list") or []]
+        started = r["started_at"]
+        started = datetime.fromisoformat(started) if isinstance(started, str) else started
+        r["started_at"] = started.replace(tzinfo=UTC).timestamp()
+        r["request"] = r["request"].encode()
+        r["response"] = r["response"].encode() if r["response"] is not None else None
+        r["extra"] = orjson.loads(r["extra"]) if r["extra"] else {}
+        calls.setdefault(r["episode_id"], []).append(Call(**r, choices=choices))
+    return calls

@@ -31,6 +31,7 @@ from proxy.continuity import Timelines, completions_body, plan, prefix_hashes
 from proxy.engines import EPISODE_HEADER, Engines, healthy
 from proxy.episodes import Episodes
 from proxy.errors import ApiError, error_middleware, json_response, read_body
+from proxy.forwarding import Forwarded, forwarded, redact
 from proxy.openapi import openapi
 from proxy.request import CHAT, COMPLETIONS, Prepared, prepare
 from proxy.roles import RoleRule, find_role
@@ -118,23 +119,6 @@ async def _discover_model(session: aiohttp.ClientSession, config: ProxyConfig) -
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _forwarded_headers(request: web.Request, api_key: str | None) -> dict[str, str]:
-    """Record-only mode: the agent's headers that go on to the API it is recorded in front of: its API key (the
-    proxy's own tokens never: for them, or no key, the key in `upstream_key_env`), organization and project."""
-    config = request.app[CONFIG]
-    if not config.record_only:
-        return {}
-    own = api_key is None or api_key == config.auth_token or request.app[EPISODES].is_token(api_key)
-    key = (os.environ.get(config.upstream_key_env) if config.upstream_key_env else None) if own else api_key
-    headers = {k: v for k in _FORWARDED if (v := request.headers.get(k))}
-    if key:
-        headers["Authorization"] = f"Bearer {key}"
-    return headers
-
-
-_FORWARDED = ("OpenAI-Organization", "OpenAI-Project")
-
-
 def _check_agent_auth(request: web.Request, api_key: str | None) -> None:
     token = request.app[CONFIG].auth_token
     if token and api_key != token and not request.app[EPISODES].is_token(api_key):
@@ -176,16 +160,18 @@ async def _llm_call(request: web.Request, endpoint: str, wire: Wire | None = Non
     raw = await read_body(request)
     call_index = await episodes.start_call(episode_id)
     try:
-        return await _numbered_call(request, endpoint, wire, episode_id, call_index, raw,
-                                    _forwarded_headers(request, api_key))
+        fwd = forwarded(request, api_key)
+        if wire is not None and not wire.forwards_query:
+            fwd = dataclasses.replace(fwd, query="")
+        return await _numbered_call(request, endpoint, wire, episode_id, call_index, raw, fwd)
     finally:
         episodes.end_call(episode_id)
 
 
 async def _numbered_call(request: web.Request, endpoint: str, wire: Wire | None, episode_id: str, call_index: int,
-                         raw: bytes, forwarded: dict[str, str]) -> web.StreamResponse:
+                         raw: bytes, fwd: Forwarded) -> web.StreamResponse:
     """One call with its place in its episode: forwarded (to another engine if its own is down) and recorded.
-    `forwarded`: in record-only mode, the agent's headers the upstream gets (its API key)."""
+    `fwd`: in record-only mode, what of the agent's request goes upstream besides its body (proxy/forwarding.py)."""
     app = request.app
     config, state = app[CONFIG], app[STATE]
     seed = _call_seed(state, episode_id, call_index)
@@ -205,8 +191,7 @@ async def _numbered_call(request: web.Request, endpoint: str, wire: Wire | None,
     engines, moved_from = app[ENGINES], []
     while True:  # once, unless the engine cannot be reached and another can take the call
         base = None if frozen else engines.pick(episode_id)
-        cap, url, answer, hashes = await _plan_call(app, prepared, episode_id, call_index, endpoint, role, base,
-                                                    forwarded)
+        cap, url, answer, hashes = await _plan_call(app, prepared, episode_id, call_index, endpoint, role, base, fwd)
         if moved_from:
             cap.notes["engine_failover"] = moved_from
         if base is not None:
@@ -235,7 +220,7 @@ async def _numbered_call(request: web.Request, endpoint: str, wire: Wire | None,
 
 
 async def _plan_call(app: web.Application, prepared: Prepared, episode_id: str, call_index: int, endpoint: str,
-                     role: RoleRule | None, base: str | None, forwarded: dict[str, str]):
+                     role: RoleRule | None, base: str | None, fwd: Forwarded):
     """Where one attempt of a call goes (`base`: the policy engine chosen; None: a frozen role's upstream) and how:
     the capture, the URL, and for token-exact continuity the completions answer and the prefix hashes."""
     state = app[STATE]
@@ -251,8 +236,9 @@ async def _plan_call(app: web.Application, prepared: Prepared, episode_id: str, 
             cap.upstream_headers["Authorization"] = f"Bearer {key}"
         return cap, url, None, None
     url = f"{base}/v1/{route}"
-    if app[CONFIG].record_only:  # not our engine: the agent's key goes along, nothing of ours
-        cap.upstream_headers.update(forwarded)
+    if app[CONFIG].record_only:  # not our engine: the agent's key and query string go along, nothing of ours
+        cap.upstream_headers.update(fwd.headers)
+        cap.upstream_query = fwd.query
     else:
         cap.upstream_headers[EPISODE_HEADER] = episode_id
     if not app[ENGINES].single:
@@ -336,12 +322,12 @@ def _rejected_call(state: RunState, call_index: int, episode_id: str, endpoint: 
 async def models(request: web.Request) -> web.Response:
     api_key = request_key(request)
     _check_agent_auth(request, api_key)
-    url = request.app[ENGINES].any_up() + "/v1/models"
+    url, fwd = request.app[ENGINES].any_up() + "/v1/models", forwarded(request, api_key)
     try:
-        async with request.app[SESSION].get(url, headers=_forwarded_headers(request, api_key)) as resp:
+        async with request.app[SESSION].get(fwd.url(url), headers=fwd.headers) as resp:
             return web.Response(body=await resp.read(), status=resp.status, content_type="application/json")
     except (TimeoutError, aiohttp.ClientError) as exc:
-        raise ApiError(502, f"the engine at {url} is unreachable: {exc}", code="upstream_unavailable") from None
+        raise ApiError(502, redact(f"the engine at {url} is unreachable: {exc}"), code="upstream_unavailable") from None
 
 
 _OWN_ROUTES = {"chat/completions": "POST", "completions": "POST", "models": "GET", "responses": "POST",
@@ -367,8 +353,9 @@ async def passthrough(request: web.Request) -> web.Response:
     _check_agent_auth(request, api_key)
     engine = request.app[ENGINES].any_up()
     url = f"{engine}/v1/{tail}"
+    fwd = forwarded(request, api_key)
     headers = {k: v for k in ("Content-Type", "Accept") if (v := request.headers.get(k))}
-    headers.update(_forwarded_headers(request, api_key))
+    headers.update(fwd.headers)
     data = await read_body(request) if request.method == "POST" else None
     served = request.app[STATE].served_model
     if data and served and request.content_type == "application/json":  # any model name serves the policy
@@ -378,13 +365,15 @@ async def passthrough(request: web.Request) -> web.Response:
                 data = orjson.dumps({**body, "model": served})
         except (orjson.JSONDecodeError, orjson.JSONEncodeError):  # not JSON, or nested too deep to write back
             pass  # forwarded as it came
+    # record-only: the query string byte for byte, as on every route; our engine gets it parsed and re-encoded
+    target, params = (fwd.url(url), None) if request.app[CONFIG].record_only else (url, request.query)
     try:
-        async with request.app[SESSION].request(request.method, url, params=request.query, data=data,
+        async with request.app[SESSION].request(request.method, target, params=params, data=data,
                                                 headers=headers) as resp:
             body, status = await resp.read(), resp.status
             out_headers = {k: v for k in ("Content-Type", "Content-Encoding") if (v := resp.headers.get(k))}
     except (TimeoutError, aiohttp.ClientError) as exc:
-        raise ApiError(502, f"the engine at {url} is unreachable: {exc}", code="upstream_unavailable") from None
+        raise ApiError(502, redact(f"the engine at {url} is unreachable: {exc}"), code="upstream_unavailable") from None
     if status in (404, 405):
         if tail.split("/", 1)[0] in _API_ENDPOINTS:
             raise ApiError(501, f"the engine at {engine} does not offer /v1/{tail} (it answered "

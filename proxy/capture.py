@@ -19,6 +19,7 @@ from aiohttp import web
 from harness.records import CANCELLED, ENGINE, ERROR, NONE, OK, Call, Choice
 from proxy.chat_answer import ChatAnswer
 from proxy.errors import ApiError, error_body
+from proxy.forwarding import redact, with_query
 from proxy.request import CHAT, COMPLETIONS, Prepared
 from proxy.wire import Wire
 
@@ -114,6 +115,7 @@ class Capture:
         self.wire: str | None = None  # the wire format the agent spoke, when not chat ("responses", "messages")
         self.notes: dict = {}  # more for calls.extra: the role's name, the upstream that served a frozen role
         self.upstream_headers: dict[str, str] = {}  # e.g. a frozen role's upstream key: sent, never recorded
+        self.upstream_query = ""  # record-only: the agent's query string, sent as it came, never recorded
         self.unreachable = False  # the engine could not be reached: nothing went to the agent, another may take it
         self.saw_done = False  # the engine's stream said [DONE]...
         self.done_sent = False  # ...and it went out to the agent: the agent has the whole answer
@@ -283,9 +285,10 @@ class Capture:
 
 
 def _upstream_error(exc: BaseException, url: str) -> ApiError:
+    """`url` without its query string; `exc` may quote it (a redirect loop), so its secrets are taken out."""
     if isinstance(exc, asyncio.TimeoutError):
         return ApiError(504, f"the engine at {url} did not answer in time", code="upstream_timeout")
-    return ApiError(502, f"the engine at {url} is unreachable: {exc}", code="upstream_unavailable")
+    return ApiError(502, redact(f"the engine at {url} is unreachable: {exc}"), code="upstream_unavailable")
 
 
 def _passthrough_status(status: int) -> int:
@@ -321,7 +324,8 @@ async def forward(
     if wire is not None:
         cap.wire = wire.name
     try:
-        async with session.post(url, data=cap.p.upstream_body, headers=headers) as upstream:
+        async with session.post(with_query(url, cap.upstream_query), data=cap.p.upstream_body,
+                                headers=headers) as upstream:
             if upstream.status != 200:
                 raw = await upstream.read()
                 status = _passthrough_status(upstream.status)
@@ -383,7 +387,7 @@ async def _forward_stream(request: web.Request, upstream: aiohttp.ClientResponse
                     if cap.ttft_ms is None and cap.choices:
                         cap.ttft_ms = (time.perf_counter() - cap.t0) * 1000.0
         except (TimeoutError, aiohttp.ClientError) as exc:
-            err = _upstream_error(exc, str(upstream.url))
+            err = _upstream_error(exc, str(upstream.url.with_query(None)))
             cap.fail(ERROR, 200, f"stream broke off: {err.message}")
             cap.notes["engine_fault"] = "stream_broke_off"  # the agent saw a 200: this says whose fault it was
             await resp.write(b"data: " + orjson.dumps(err.body()) + b"\n\n" if wire is None

@@ -41,6 +41,7 @@ class ScriptedEngine:
         self.authorizations: list[str | None] = []  # each request's Authorization header, same order
         self.headers: list[dict[str, str]] = []  # each request's headers, same order
         self.models_headers: list[dict[str, str]] = []  # each GET /v1/models's headers
+        self.targets: list[str] = []  # every request's path and query string as they arrived (chat, models...)
         self.cancelled = 0  # requests whose client went away before the answer ended
         self.app = web.Application()
         self.app.router.add_post("/v1/chat/completions", self._chat)
@@ -67,6 +68,7 @@ class ScriptedEngine:
 
     async def _models(self, request: web.Request) -> web.Response:
         self.models_headers.append(dict(request.headers))
+        self.targets.append(request.raw_path)
         data = {"object": "list", "data": [{"id": self.script.model, "object": "model", "owned_by": "scripted"}]}
         return web.json_response(data)
 
@@ -81,6 +83,7 @@ class ScriptedEngine:
         self.requests.append(body)
         self.authorizations.append(request.headers.get("Authorization"))
         self.headers.append(dict(request.headers))
+        self.targets.append(request.raw_path)
         s = self.script
         if s.delay_s:
             await asyncio.sleep(s.delay_s)

@@ -91,6 +91,7 @@ class Wire:
     """The base: OpenAI-shaped errors; subclasses translate requests and answers."""
 
     name = ""
+    forwards_query = True  # record-only mode: the agent's query string goes on to the upstream's chat endpoint
 
     def translate(self, raw: bytes) -> bytes:
         return orjson.dumps(self.to_chat(parse_json_object(raw)))

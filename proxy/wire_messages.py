@@ -226,6 +226,7 @@ def _stop_reason(finish: str | None, stop_reason, stops: list, tool_used: bool) 
 
 class MessagesWire(Wire):
     name = MESSAGES
+    forwards_query = False  # Anthropic's own (the SDK's ?beta=true), nothing an OpenAI-compatible upstream knows
 
     def __init__(self):
         self.id = new_id("msg")

@@ -67,6 +67,7 @@ def test_record_only_forwards_calls_as_sent_with_the_agent_s_key_and_stores_no_k
     with --upstream-key-env, a call that carries no key of its own (or the proxy's token) gets that key sent."""
     upstream.script.token_ids = False
     db, secret = tmp_path / "rec.duckdb", "sk-live-Secret-4242"
+    azure_query = "api-version=2024-10-21&key=sk-query-55"  # a key in the query goes upstream, and nowhere else
     serve = subprocess.Popen(HARNESS + ["serve", "--upstream", upstream.url + "/v1", "--record-only", "--port", "0",
                                         "--db", str(db), "--run-dir", str(tmp_path), "--upstream-key-env",
                                         "HOSTED_KEY"],
@@ -83,27 +84,38 @@ def test_record_only_forwards_calls_as_sent_with_the_agent_s_key_and_stores_no_k
         keyless = urllib.request.Request(info["url"] + "/v1/chat/completions", method="POST",
                                          data=json.dumps({"model": "qwen-plus", "messages": messages}).encode(),
                                          headers={"Content-Type": "application/json"})
-        with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(keyless, timeout=30) as answer:
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        with opener.open(keyless, timeout=30) as answer:
+            assert answer.status == 200
+        azure = urllib.request.Request(  # Azure OpenAI's way: the key in `api-key`, the API version in the query
+            info["url"] + f"/e/prod-1/v1/chat/completions?{azure_query}", method="POST",
+            data=json.dumps({"model": "gpt-4o", "messages": messages}).encode(),
+            headers={"Content-Type": "application/json", "api-key": secret})
+        with opener.open(azure, timeout=30) as answer:
             assert answer.status == 200
     finally:
         serve.send_signal(signal.SIGINT)
         _, err = serve.communicate(timeout=30)
     assert serve.returncode == 0, err
-    assert upstream.engine.authorizations == [f"Bearer {secret}", f"Bearer {secret}", "Bearer sk-env-777"]
+    assert upstream.engine.authorizations == [f"Bearer {secret}", f"Bearer {secret}", "Bearer sk-env-777", None]
+    assert upstream.engine.headers[3].get("api-key") == secret
+    assert upstream.engine.targets[-1] == f"/v1/chat/completions?{azure_query}"
     assert [(h.get("Authorization"), h.get("OpenAI-Organization")) for h in upstream.engine.models_headers] == \
         [(f"Bearer {secret}", "org-7")]
     assert upstream.engine.headers[0].get("OpenAI-Organization") == "org-7"
     first = upstream.engine.requests[0]
     assert first == {"model": "gpt-4o-mini", "messages": messages, "temperature": 0.3}  # as sent: nothing added
-    assert [r["model"] for r in upstream.engine.requests] == ["gpt-4o-mini", "gpt-4o-mini", "qwen-plus"]
+    assert [r["model"] for r in upstream.engine.requests] == ["gpt-4o-mini", "gpt-4o-mini", "qwen-plus", "gpt-4o"]
     assert not any(k.lower().startswith("x-harness") for h in upstream.engine.headers for k in h)
     rows = db_rows(db, "SELECT c.episode_id, c.requested_model, c.token_source, ch.text FROM calls c "
                    "JOIN choices ch USING (call_id) ORDER BY c.started_at")
     assert [r[:3] for r in rows[:2]] == [("prod-1", "gpt-4o-mini", "none")] * 2
-    assert [r[3] for r in rows] == [reply.choices[0].message.content, streamed, rows[2][3]] and streamed
-    for path in tmp_path.rglob("*"):  # the key is in no file: not the database, not a log
+    assert [r[3] for r in rows] == [reply.choices[0].message.content, streamed, *(r[3] for r in rows[2:])]
+    assert streamed and len(rows) == 4
+    for path in tmp_path.rglob("*"):  # the keys are in no file: not the database, not a log
         if path.is_file():
-            assert secret.encode() not in path.read_bytes() and b"sk-env-777" not in path.read_bytes(), path
+            assert not any(k in path.read_bytes() for k in (secret.encode(), b"sk-env-777", b"sk-query-55")), path
+    assert not any(k in err for k in (secret, "sk-env-777", "sk-query-55"))  # nor in what it logged
     for flags, says in ((["--temperature", "0"], "--temperature"), (["--auth-token", "t"], "--upstream-key-env")):
         wrong = subprocess.run(HARNESS + ["serve", "--upstream", upstream.url, "--record-only", *flags],
                                capture_output=True, text=True, timeout=60)
@@ -146,7 +158,7 @@ def test_sql_errors_are_clear(tmp_path):
 
 def test_help_answers():
     for verb in ([], ["serve"], ["run"], ["judge"], ["merge"], ["sql"], ["roles"], ["tiny-model"], ["doctor"],
-                 ["train"], ["view"], ["export"], ["retokenize"]):
+                 ["train"], ["sft"], ["view"], ["export"], ["retokenize"]):
         out = subprocess.run(HARNESS + verb + ["--help"], capture_output=True, text=True)
         assert out.returncode == 0 and "usage: harness" in out.stdout
 

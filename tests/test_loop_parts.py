@@ -16,7 +16,7 @@ from trainer import algorithms as algo
 from trainer.config import load_config
 from trainer.experience import Experience
 from trainer.fsdp import init_distributed
-from trainer.loop import _advantages, _mini_batch, _token_weights
+from trainer.loop import _advantages, _mini_batch, token_weights
 from trainer.policy import collate, load_policy, token_logprobs
 from trainer.schedule import lr_factor, next_tasks
 
@@ -104,7 +104,7 @@ def test_micro_batches_accumulate_to_the_gradient_of_one_pass(tmp_path, mode):
             batch = collate(rows, 0)
             old_all, _ = token_logprobs(model, batch, 1.0, loss_only=True)
         old = [(old_all[i, :len(r.token_ids)] - 0.05) for i, r in enumerate(rows)]  # ratios away from 1
-        weights = _token_weights(rows, mode)
+        weights = token_weights(rows, mode)
         _mini_batch(model, rows, advantages, old, [None] * len(rows), weights, rows[0], 0, cfg, dist)
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
     worst = float((grads[0] - grads[1]).abs().max() / grads[0].abs().max())
@@ -113,10 +113,10 @@ def test_micro_batches_accumulate_to_the_gradient_of_one_pass(tmp_path, mode):
 
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
                                   "seq-mean-token-sum-norm", "episode-mean"])
-def test_token_weights_reproduce_the_aggregation_mode(mode):
+def testtoken_weights_reproduce_the_aggregation_mode(mode):
     rows = [_sample(f"e{i % 3}", 6 + 3 * i, i) for i in range(6)]
     values = [torch.randn(len(r.token_ids)) for r in rows]
-    weighted = sum(float((v * w).sum()) for v, w in zip(values, _token_weights(rows, mode), strict=True))
+    weighted = sum(float((v * w).sum()) for v, w in zip(values, token_weights(rows, mode), strict=True))
     batch = collate(rows, 0)
     padded = torch.zeros_like(batch.loss_mask)
     for i, v in enumerate(values):

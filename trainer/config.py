@@ -55,7 +55,7 @@ from trainer.config_keys import (
 )
 
 __all__ = ["ConfigError", "load_config", "config_to_dict", "save_resolved", "describe_config", "run_dir", "iter_keys",
-           "TrainConfig", "ModelConfig", "DataConfig", "TaskJudgeConfig", "RolloutConfig", "ValidationSampling",
+           "Mode", "TrainConfig", "ModelConfig", "DataConfig", "TaskJudgeConfig", "RolloutConfig", "ValidationSampling",
            "EngineConfig", "TrainerConfig", "FsdpConfig", "LoggingConfig", "DebugConfig", "ADV_ESTIMATORS",
            "LOSS_AGG_MODES", "KL_TYPES", "GROUP_ESTIMATORS"]
 
@@ -82,8 +82,14 @@ class ConfigError(ValueError):
 # Loading
 
 
-def load_config(path: str | Path, overrides: Sequence[str] = ()) -> TrainConfig:
-    """The config in the YAML file at `path`, with `overrides` ("trainer.lr=1e-5") applied, checked."""
+Mode = Literal["rl", "from_run", "sft"]
+
+
+def load_config(path: str | Path, overrides: Sequence[str] = (), mode: Mode = "rl") -> TrainConfig:
+    """The config in the YAML file at `path`, with `overrides` ("trainer.lr=1e-5") applied, checked for `mode`:
+    rl (`harness train`: rollouts need data.train and an agent), from_run (`harness train --from-run`: needs
+    offline.run) or sft (`harness sft`: needs offline.data); offline modes need an agent only to validate. A config
+    that names offline.run is checked as from_run whatever `mode` says: `harness train` then trains on that run."""
     path = Path(path)
     values = _walk(TrainConfig, _root(_read_yaml(path), path.name), "", path.resolve().parent, path.name)
     for item in overrides:
@@ -94,7 +100,7 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> TrainConfig:
     if rollout.get("cwd") is None:
         rollout["cwd"] = str(path.resolve().parent)
     cfg = _build(TrainConfig, values)
-    _check(cfg, path.name)
+    _check(cfg, path.name, "from_run" if mode == "rl" and cfg.offline.run else mode)
     return cfg
 
 
@@ -344,26 +350,30 @@ def _build(cls: type, values: dict) -> Any:
 # Checks
 
 
-def _check(cfg: TrainConfig, where: str) -> None:
+def _check(cfg: TrainConfig, where: str, mode: Mode = "rl") -> None:
+    online = mode == "rl"
     for key, f, _, value in _leaves(cfg):
         meta = f.metadata
-        if meta["required"] and value is None:
+        if meta["required"] and value is None and (online or key != "data.train"):
             raise ConfigError(f"{key} is required ({meta['help']}): set it in {where} or with --set {key}=...")
         if isinstance(value, (int, float)) and not isinstance(value, bool) and not in_range(value, meta):
             raise ConfigError(f"{key} must be {range_text(meta)}, got {value!r}")
     r, t = cfg.rollout, cfg.trainer
+    if not online:
+        _check_offline(cfg, where, mode)
     problems = [
-        (r.agent is None and r.command is None,
-         f"rollout.agent (a Python file) or rollout.command (any command) is required: set one in {where}"),
+        (r.agent is None and r.command is None and (online or cfg.data.validation is not None),
+         f"rollout.agent (a Python file) or rollout.command (any command) is required"
+         f"{'' if online else ' to validate on data.validation'}: set one in {where}"),
         (r.agent is not None and r.command is not None, "give rollout.agent or rollout.command, not both"),
         (r.agent is not None and not Path(r.agent).is_file(),
          f"rollout.agent {r.agent!r} is not a file: fix the path (relative to the config file's directory)"),
         (r.command is not None and not _split_ok(r.command),
          f"rollout.command {r.command!r} is not a command a shell could split: check its quotes"),
-        (t.adv_estimator in GROUP_ESTIMATORS and r.num_repeat < 2,
+        (online and t.adv_estimator in GROUP_ESTIMATORS and r.num_repeat < 2,
          f"rollout.num_repeat must be >= 2 for trainer.adv_estimator {t.adv_estimator!r} (it compares the episodes "
          f"of a group), got {r.num_repeat}; or use adv_estimator 'reinforce_pp'"),
-        (t.mini_batch_size is not None and r.batch_size % t.mini_batch_size != 0,
+        (online and t.mini_batch_size is not None and r.batch_size % t.mini_batch_size != 0,
          f"trainer.mini_batch_size {t.mini_batch_size} must divide rollout.batch_size {r.batch_size}"),
         (len(t.betas) != 2 or not all(0 <= b < 1 for b in t.betas),
          f"trainer.betas must be two numbers in [0, 1), got {t.betas!r}"),
@@ -388,7 +398,7 @@ def _check(cfg: TrainConfig, where: str) -> None:
     for failed, message in problems:
         if failed:
             raise ConfigError(message)
-    if r.async_.max_staleness > 0 and t.tis_cap is None:
+    if online and r.async_.max_staleness > 0 and t.tis_cap is None:
         raise ConfigError(f"rollout.async.max_staleness {r.async_.max_staleness} trains on episodes sampled with older "
                           "weights: set trainer.tis_cap (e.g. 2.0), so their tokens are weighted by how likely the "
                           "trained weights find them against the engine's logprobs when they were sampled")
@@ -404,6 +414,27 @@ def _check(cfg: TrainConfig, where: str) -> None:
     if r.tool_parser not in known_parsers():
         raise ConfigError(f"rollout.tool_parser must be one of {', '.join(known_parsers())}, got {r.tool_parser!r}")
     _check_roles(cfg)
+
+
+def _check_offline(cfg: TrainConfig, where: str, mode: Mode) -> None:
+    o, t = cfg.offline, cfg.trainer
+    command = "harness train --from-run" if mode == "from_run" else "harness sft"
+    problems = [
+        (mode == "from_run" and not o.run, f"harness train --from-run needs a run id: give --from-run RUN (or set "
+         f"offline.run in {where}); `harness sql \"SELECT DISTINCT run_id FROM episode_summary\"` lists them"),
+        (mode == "sft" and not o.data, f"harness sft needs chat records: set offline.data in {where} (e.g. a file "
+         "`harness export --run RUN --out chat.jsonl` wrote)"),
+        (mode == "sft" and o.loss != "sft", f"harness sft trains on chat data, which has no rewards or sampling "
+         f"logprobs: offline.loss {o.loss!r} needs a recorded run (harness train --from-run RUN)"),
+        (o.loss == "pg" and o.allow_retokenized, "offline.allow_retokenized needs offline.loss sft: retokenized "
+         "calls have no sampling logprobs for pg's importance ratio"),
+        (t.kl_coef > 0 or t.entropy_coef > 0, f"{command} has no reference model or entropy term: set "
+         "trainer.kl_coef=0 and trainer.entropy_coef=0 (e.g. --set trainer.kl_coef=0)"),
+        (cfg.backbone != "harness", f"{command} runs on backbone harness; got backbone {cfg.backbone!r}"),
+    ]
+    for failed, message in problems:
+        if failed:
+            raise ConfigError(message)
 
 
 def role_rules(cfg: TrainConfig):

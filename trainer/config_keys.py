@@ -25,7 +25,7 @@ from typing import Any, Literal
 
 __all__ = ["TrainConfig", "ModelConfig", "DataConfig", "TaskJudgeConfig", "RolloutConfig", "ValidationSampling",
            "EngineConfig", "RolesConfig", "TrainerConfig", "VerlConfig", "FsdpConfig", "LoraConfig", "LoggingConfig",
-           "DebugConfig", "AsyncConfig", "iter_keys", "key_name", "describe_config", "ADV_ESTIMATORS",
+           "DebugConfig", "OfflineConfig", "AsyncConfig", "iter_keys", "key_name", "describe_config", "ADV_ESTIMATORS",
            "LOSS_AGG_MODES", "KL_TYPES", "GROUP_ESTIMATORS"]
 
 ROOT = "harness"
@@ -270,6 +270,32 @@ class DebugConfig:
 
 
 @dataclass(frozen=True)
+class OfflineConfig:
+    """Training without rollouts: `harness train --from-run RUN` on recorded episodes, `harness sft` on chat data."""
+
+    run: str | None = _key(None, "the recorded run to train on (harness train --from-run RUN): a harness run or "
+                           "harness train run id, as `harness sql` shows them in episode_summary")
+    db: str | None = _key(None, "the DuckDB holding offline.run; null: this experiment's "
+                          "<logging.run_dir>/<experiment_name>/harness.duckdb", path="file")
+    where: str | None = _key(None, "a SQL predicate choosing the run's episodes, over episode_id, task_id, "
+                             "repeat_index, status, reward, n_calls, n_errors (e.g. reward >= 1); null: all")
+    loss: Literal["sft", "pg"] = _key(
+        "sft", "sft: supervised fine-tuning on the chosen episodes' sampled tokens (rejection-sampling fine-tuning "
+        "with a reward filter); pg: policy gradient with each episode's advantage against its task's group and the "
+        "PPO-clipped importance ratio of the trained policy over the stored sampling logprobs")
+    allow_retokenized: bool = _key(False, "also train on calls whose ids `harness retokenize` made (text-only "
+                                   "recordings); off: only the engine's own ids. sft only: they have no sampling "
+                                   "logprobs")
+    data: str | None = _key(None, "harness sft: chat records (messages, tools, per-turn weight), as `harness export` "
+                            "writes them: a .jsonl, .json or .parquet file or a datasets dir", path="source")
+    split: str = _key("train", "split of offline.data, for a datasets dir")
+    epochs: int = _key(1, "passes over the offline data", ge=1)
+    batch_size: int = _key(16, "samples per optimizer step", ge=1)
+    max_length: int = _key(4096, "longest chat record in tokens (harness sft); longer ones are left out and counted",
+                           ge=2)
+
+
+@dataclass(frozen=True)
 class VerlConfig:
     """With backbone: verl: the Ray cluster and verl's trainer and rollout servers (docs/scale-out.md)."""
 
@@ -307,6 +333,7 @@ class TrainConfig:
     trainer: TrainerConfig = _section(TrainerConfig)
     logging: LoggingConfig = _section(LoggingConfig)
     debug: DebugConfig = _section(DebugConfig)
+    offline: OfflineConfig = _section(OfflineConfig)
     verl: VerlConfig = _section(VerlConfig)
 
 

@@ -61,7 +61,7 @@ def train(cfg: TrainConfig) -> dict[str, float]:
     dist = init_distributed()
     t = cfg.trainer
     seed = cfg.debug.seed if cfg.debug.enabled else t.seed
-    _seed(seed + dist.rank)
+    seed_all(seed + dist.rank)
     out = run_dir(cfg)
     if dist.is_main:
         out.mkdir(parents=True, exist_ok=True)
@@ -74,23 +74,13 @@ def train(cfg: TrainConfig) -> dict[str, float]:
     batch_size = min(cfg.rollout.batch_size, len(tasks))
     total_steps = t.total_steps or math.ceil(len(tasks) / batch_size)
 
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(cfg.model.dtype,
-                                                                                                  torch.float32)
-    offload = t.fsdp.param_offload or t.fsdp.optimizer_offload  # FSDP2 offloads parameters and optimizer state together
-    remote = cfg.model.trust_remote_code
-    policy = load_policy(cfg.model.path, dtype, cfg.model.gradient_checkpointing, trust_remote_code=remote)
+    model, optimizer, scheduler = policy_and_optimizer(cfg, dist, total_steps)
     lora = spec_of(t.lora)
-    if lora is not None:  # adapters train, the base stays frozen; the engine serves base + adapter
-        policy = with_adapter(policy, lora)
-    model = shard(policy, dist, mixed_precision=t.fsdp.mixed_precision, param_offload=offload)
     reference = None
     if t.kl_coef > 0:  # the initial policy, frozen
-        reference = shard(load_policy(cfg.model.path, dtype, trust_remote_code=remote), dist,
-                          param_offload=offload).eval()
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(t.warmup_steps, t.lr_schedule, total_steps))
-    pad_id = _pad_id(cfg.model.path, remote)
+        reference = shard(load_policy(cfg.model.path, _dtype(cfg), trust_remote_code=cfg.model.trust_remote_code),
+                          dist, param_offload=t.fsdp.param_offload or t.fsdp.optimizer_offload).eval()
+    pad_id = pad_id_of(cfg.model.path, cfg.model.trust_remote_code)
 
     start, data_pos = 0, 0
     checkpoint = find_resume(out, t.resume)
@@ -102,20 +92,14 @@ def train(cfg: TrainConfig) -> dict[str, float]:
     rollouts = sync = tracker = ahead = None
     if dist.is_main:
         rollouts = start_rollouts(cfg, out)
-        sync = WeightSync(rollouts.engine.base_url, out / ("adapters" if lora else "weights"), proxy_url=rollouts.url,
-                          proxy_admin_token=rollouts.admin_token, model_dir=cfg.model.path,
-                          keep=adapters_in_use(cfg.rollout.async_.max_staleness) if lora else 2,
-                          more_engine_urls=tuple(e.base_url for e in rollouts.more_engines),
-                          adapter=ADAPTER_NAME if lora else None)
-        tracker = Tracker(rollouts.store, rollouts.run_id, out, project=cfg.project_name,
-                          experiment=cfg.experiment_name, config=config_to_dict(cfg), console=cfg.logging.console,
-                          curve_png=cfg.logging.curve_png, swanlab=cfg.logging.swanlab, wandb=cfg.logging.wandb)
+        sync = weight_sync(rollouts, cfg, out)
+        tracker = tracker_for(rollouts.store, rollouts.run_id, cfg)
         log.info("run %s: %d tasks, %d steps, curve at %s", rollouts.run_id, len(tasks), total_steps,
                  out / "curve.png")
     if start > 0 or lora is not None:  # the engine serves the checkpoint's weights (with LoRA: the adapter)
-        _push(model, sync, dist, version=start)
+        push_weights(model, sync, dist, version=start)
     if t.val_before_train and val_tasks and start == 0:
-        _log(tracker, 0, _validate(rollouts, 0, val_tasks, cfg) if dist.is_main else {})
+        log_metrics(tracker, 0, validate(rollouts, 0, val_tasks, cfg) if dist.is_main else {})
 
     plan = plan_steps(start + 1, total_steps, lambda pos: next_tasks(tasks, pos, batch_size, cfg.data.shuffle,
                                                                      cfg.data.seed), data_pos)
@@ -129,7 +113,7 @@ def train(cfg: TrainConfig) -> dict[str, float]:
             started = time.perf_counter()
             # ------------------------------------------------ 1. episodes, judged and merged (rank 0), to all ranks
             rollout = (ahead.take(step) if ahead else rollouts.collect(step, step_tasks)) if dist.is_main else None
-            experience = _broadcast(experience_of(rollout, cfg) if dist.is_main else None, dist)
+            experience = broadcast(experience_of(rollout, cfg) if dist.is_main else None, dist)
             metrics = dict(experience.metrics)
             if staleness:  # the step trains weights version step - 1; time/rollout_wait_s: what overlap left
                 experience, lag = keep_fresh(experience, step - 1, staleness)
@@ -157,7 +141,7 @@ def train(cfg: TrainConfig) -> dict[str, float]:
             metrics["time/train_s"] = time.perf_counter() - t0
 
             # ------------------------------------------------ 5. the new weights into the running engine
-            metrics.update(_push(model, sync, dist, version=step))
+            metrics.update(push_weights(model, sync, dist, version=step))
 
             # ------------------------------------------------ 6. validation, checkpoint, metrics
             validating = bool(val_tasks and t.test_freq and (step % t.test_freq == 0 or step == total_steps))
@@ -166,13 +150,13 @@ def train(cfg: TrainConfig) -> dict[str, float]:
                 if ahead is not None:
                     ahead.served(step)
                 if validating:
-                    metrics.update(_validate(rollouts, step, val_tasks, cfg) if dist.is_main else {})
+                    metrics.update(validate(rollouts, step, val_tasks, cfg) if dist.is_main else {})
             if (t.save_freq and step % t.save_freq == 0) or step == total_steps:
                 t0 = time.perf_counter()
                 save(out, step, model, optimizer, scheduler, {"data_pos": data_pos}, dist)
                 metrics["time/checkpoint_s"] = time.perf_counter() - t0
             metrics["time/step_s"] = time.perf_counter() - started
-            _log(tracker, step, metrics)
+            log_metrics(tracker, step, metrics)
     finally:
         if ahead is not None:
             ahead.close()
@@ -184,6 +168,49 @@ def train(cfg: TrainConfig) -> dict[str, float]:
                 engine.stop()
         shutdown()
     return metrics
+
+
+# ---------------------------------------------------------------------------------------------- shared with offline
+
+
+def policy_and_optimizer(cfg: TrainConfig, dist: Dist, total_steps: int):
+    """The policy sharded over the ranks (with LoRA: base + adapter, only the adapter trains), its AdamW and the
+    learning rate schedule over `total_steps`."""
+    t = cfg.trainer
+    offload = t.fsdp.param_offload or t.fsdp.optimizer_offload  # FSDP2 offloads parameters and optimizer state together
+    policy = load_policy(cfg.model.path, _dtype(cfg), cfg.model.gradient_checkpointing,
+                         trust_remote_code=cfg.model.trust_remote_code)
+    lora = spec_of(t.lora)
+    if lora is not None:  # adapters train, the base stays frozen; the engine serves base + adapter
+        policy = with_adapter(policy, lora)
+    model = shard(policy, dist, mixed_precision=t.fsdp.mixed_precision, param_offload=offload)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(t.warmup_steps, t.lr_schedule, total_steps))
+    return model, optimizer, scheduler
+
+
+def weight_sync(rollouts: Rollouts, cfg: TrainConfig, out) -> WeightSync:
+    """How new weights reach the rollouts' engines: a full checkpoint per push, or with LoRA the adapter."""
+    lora = spec_of(cfg.trainer.lora) is not None
+    return WeightSync(rollouts.engine.base_url, out / ("adapters" if lora else "weights"), proxy_url=rollouts.url,
+                      proxy_admin_token=rollouts.admin_token, model_dir=cfg.model.path,
+                      keep=adapters_in_use(cfg.rollout.async_.max_staleness) if lora else 2,
+                      more_engine_urls=tuple(e.base_url for e in rollouts.more_engines),
+                      adapter=ADAPTER_NAME if lora else None)
+
+
+def tracker_for(store, run_id: str, cfg: TrainConfig) -> Tracker:
+    """The run's metrics, into `store` under `run_id` and the logging section's backends."""
+    lg = cfg.logging
+    return Tracker(store, run_id, run_dir(cfg), project=cfg.project_name, experiment=cfg.experiment_name,
+                   config=config_to_dict(cfg), console=lg.console, curve_png=lg.curve_png, swanlab=lg.swanlab,
+                   wandb=lg.wandb)
+
+
+def _dtype(cfg: TrainConfig) -> torch.dtype:
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(cfg.model.dtype,
+                                                                                                 torch.float32)
 
 
 # ---------------------------------------------------------------------------------------------- the step's parts
@@ -287,7 +314,7 @@ def _update(model, optimizer, rows, tasks_of_rows, advantages, old, ref, pad_id:
         for k in range(min(n_mini, len(tasks))):
             chosen = set(tasks[k::n_mini])
             mini = [i for i, task in enumerate(tasks_of_rows) if task in chosen]
-            weights = _token_weights([rows[i] for i in mini], t.loss_agg_mode)  # over the whole mini-batch
+            weights = token_weights([rows[i] for i in mini], t.loss_agg_mode)  # over the whole mini-batch
             mine = list(range(dist.rank, len(mini), dist.world))  # this rank's share of it
             stats = _mini_batch(model, [rows[mini[j]] for j in mine], [advantages[mini[j]] for j in mine],
                                 [old[mini[j]] for j in mine], [ref[mini[j]] for j in mine],
@@ -304,7 +331,7 @@ def _update(model, optimizer, rows, tasks_of_rows, advantages, old, ref, pad_id:
     return {key: value / steps for key, value in sums.items()} if steps else {}
 
 
-def _token_weights(rows: list[Sample], mode: str) -> list[torch.Tensor]:
+def token_weights(rows: list[Sample], mode: str) -> list[torch.Tensor]:
     """Each trained token's weight in the mini-batch's loss, so that sum(weight x per-token loss) over all its rows
     (however they are split into micro-batches and ranks) is algorithms.aggregate(loss, mode) of the mini-batch.
     seq-mean-token-sum-norm divides by the mini-batch's longest sample (Dr.GRPO's constant)."""
@@ -379,7 +406,7 @@ def _mini_batch(model, rows, advantages, old, ref, weights, filler: Sample, pad_
     return stats
 
 
-def _push(model, sync: WeightSync | None, dist: Dist, version: int) -> dict[str, float]:
+def push_weights(model, sync: WeightSync | None, dist: Dist, version: int) -> dict[str, float]:
     """Gather the full weights (a collective) and load them into the engine (rank 0)."""
     t0 = time.perf_counter()
     state = full_state_dict(model, dist)
@@ -390,7 +417,7 @@ def _push(model, sync: WeightSync | None, dist: Dist, version: int) -> dict[str,
     return {"time/sync_s": time.perf_counter() - t0, "time/sync_reload_s": timings.get("reload_s", 0.0)}
 
 
-def _validate(rollouts: Rollouts, step: int, tasks, cfg: TrainConfig) -> dict[str, float]:
+def validate(rollouts: Rollouts, step: int, tasks, cfg: TrainConfig) -> dict[str, float]:
     """pass@n and mean reward of the validation tasks at validation sampling."""
     v = cfg.rollout.validation
     rollout = rollouts.collect(step, tasks, tag="val", repeat=v.n,
@@ -428,14 +455,14 @@ def _pad_advantages(values: list, mask: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _pad_id(model_dir, trust_remote_code: bool) -> int:
+def pad_id_of(model_dir, trust_remote_code: bool) -> int:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
     return tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id or 0
 
 
-def _broadcast(experience: Experience | None, dist: Dist) -> Experience:
+def broadcast(experience: Experience | None, dist: Dist) -> Experience:
     if dist.world == 1:
         return experience
     box = [experience]
@@ -443,11 +470,11 @@ def _broadcast(experience: Experience | None, dist: Dist) -> Experience:
     return box[0]
 
 
-def _log(tracker: Tracker | None, step: int, metrics: dict) -> None:
+def log_metrics(tracker: Tracker | None, step: int, metrics: dict) -> None:
     if tracker is not None:
         tracker.log(step, metrics)
 
 
-def _seed(seed: int) -> None:
+def seed_all(seed: int) -> None:
     random.seed(seed)
     torch.manual_seed(seed)

@@ -21,10 +21,12 @@ log = logging.getLogger("harness.train")
 
 # The console shows these, in this order, when present.
 CONSOLE = (("reward/mean", "reward"), ("val/pass@n", "val pass@n"), ("actor/kl", "kl"), ("actor/entropy", "entropy"),
-           ("actor/pg_loss", "pg loss"), ("actor/grad_norm", "grad norm"), ("response/length_mean", "len"),
+           ("actor/pg_loss", "pg loss"), ("offline/nll", "nll"), ("offline/data_nll", "data nll"),
+           ("actor/grad_norm", "grad norm"), ("response/length_mean", "len"),
            ("logprob/engine_max_abs_diff", "|lp diff|"), ("merge/ratio", "merge"), ("time/step_s", "step s"))
-CURVES = (("reward", ("reward/mean", "val/pass@n")), ("KL", ("actor/kl", "actor/approx_kl")),
-          ("entropy", ("actor/entropy",)), ("sampled tokens per sample", ("response/length_mean",)))
+CURVES = (("reward", ("reward/mean", "val/pass@n", "val/reward_mean")), ("KL", ("actor/kl", "actor/approx_kl")),
+          ("entropy", ("actor/entropy",)), ("sampled tokens per sample", ("response/length_mean",)),
+          ("NLL of the trained tokens", ("offline/nll", "offline/data_nll")))
 
 
 class Tracker:
@@ -78,8 +80,9 @@ class Tracker:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        fig, axes = plt.subplots(1, len(CURVES), figsize=(4 * len(CURVES), 3))
-        for ax, (title, keys) in zip(axes, CURVES, strict=True):
+        panels = [(title, keys) for title, keys in CURVES if any(self.history.get(k) for k in keys)] or CURVES[:1]
+        fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3), squeeze=False)
+        for ax, (title, keys) in zip(axes[0], panels, strict=True):
             for key in keys:
                 points = self.history.get(key)
                 if points:

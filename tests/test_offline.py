@@ -1,0 +1,256 @@
+"""Training without rollouts (trainer/offline.py): `harness train --from-run RUN` on a recorded run's episodes, and
+`harness sft` on chat records, through the real CLI on the tiny model.
+
+Runs are recorded for real (`harness run` of the unmodified terse agent through the proxy): in front of the
+scripted engine (answering like vLLM, or like a hosted API without token ids) for the fast tier, in front of vLLM
+serving the tiny model for the acceptance test of the engine tier."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from proxy.scripted import Script
+from tests.support import TERSE, ScriptedUpstream, db_rows
+from trainer.weight_sync import WeightSync
+
+TERSE_YAML = Path(__file__).resolve().parents[1] / "examples" / "train" / "terse.yaml"
+
+JUDGE = '''
+import random
+
+
+def spread(task, answer, calls):
+    """Rewards that differ within a task's group (the scripted engine answers every call alike)."""
+    return random.random()
+'''
+
+
+def _record(run_dir: Path, upstream_url: str, judge: str, *, limit: int, repeat: int) -> tuple[Path, str]:
+    out = subprocess.run([sys.executable, "-m", "harness.cli", "run", str(TERSE / "agent.py"), "--data",
+                          str(TERSE / "tasks.jsonl"), "--limit", str(limit), "--judge", judge, "--repeat", str(repeat),
+                          "--upstream", upstream_url, "--run-dir", str(run_dir), "--concurrency", "8"],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    db = run_dir / "harness.duckdb"
+    (run_id,), = db_rows(db, "SELECT DISTINCT run_id FROM episode_outcomes")
+    return db, run_id
+
+
+def _scripted_run(tmp: Path, token_ids: bool) -> tuple[Path, str]:
+    tmp.mkdir(parents=True, exist_ok=True)
+    judge = tmp / "spread.py"
+    judge.write_text(JUDGE)
+    upstream = ScriptedUpstream(Script(token_ids=token_ids))
+    try:
+        return _record(tmp / "runs", upstream.url, f"{judge}:spread", limit=4, repeat=3)
+    finally:
+        upstream.close()
+
+
+def _cli(verb: str, model: Path, out: Path, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    """`harness VERB examples/train/terse.yaml` on `model`, its run directory under `out`."""
+    return subprocess.run([sys.executable, "-m", "harness.cli", verb, str(TERSE_YAML), f"--set=model.path={model}",
+                           f"--set=logging.run_dir={out}", "--set=experiment_name=offline",
+                           "--set=logging.console=false", "--set=logging.curve_png=false", *args],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def _metric(out: Path, name: str) -> dict[int, float]:
+    return dict(db_rows(out / "offline" / "harness.duckdb", "SELECT step, value FROM metrics WHERE name = ? "
+                        "ORDER BY step", [name]))
+
+
+@pytest.fixture(scope="module")
+def engine_ids_run(tmp_path_factory) -> tuple[Path, str]:
+    """A run recorded in front of an upstream answering like vLLM (ids, logprobs of -0.5), judged at random."""
+    return _scripted_run(tmp_path_factory.mktemp("engine-ids"), token_ids=True)
+
+
+# ---------------------------------------------------------------------------------------------- harness sft
+
+
+CHAT = [
+    {"messages": [{"role": "system", "content": "Answer in one short word."},
+                  {"role": "user", "content": "Capital of France?"},
+                  {"role": "assistant", "content": "Paris"},
+                  {"role": "user", "content": "And why?"},
+                  {"role": "assistant", "content": "History"}]},
+    {"messages": [{"role": "user", "content": "What is 6 times 7?"},
+                  {"role": "assistant", "content": "Let me compute.", "weight": 0,
+                   "tool_calls": [{"id": "c1", "type": "function",
+                                   "function": {"name": "calc", "arguments": "{\"expr\": \"6*7\"}"}}]},
+                  {"role": "tool", "tool_call_id": "c1", "content": "42"},
+                  {"role": "assistant", "content": "42"}],
+     "tools": [{"type": "function", "function": {"name": "calc", "description": "evaluate",
+                                                 "parameters": {"type": "object",
+                                                                "properties": {"expr": {"type": "string"}}}}}]},
+    {"prompt": [{"role": "user", "content": "Say yes."}], "completion": [{"role": "assistant", "content": "yes"}]},
+]
+
+
+def test_sft_on_chat_records_lowers_their_loss_and_writes_a_model_transformers_loads(tiny_model_dir, tmp_path):
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in CHAT * 4))
+    done = _cli("sft", tiny_model_dir, tmp_path / "runs", f"--data={data}", "--set=offline.epochs=3",
+                "--set=offline.batch_size=4", "--set=trainer.lr=3e-3")
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = tmp_path / "runs"
+    assert _metric(out, "offline/records") == {0: 12.0}
+    assert _metric(out, "offline/samples") == {0: 12.0}
+    nll = _metric(out, "offline/data_nll")  # before the first step, and after each of the 3 epochs
+    assert sorted(nll) == [0, 3, 6, 9]
+    assert nll[0] > nll[3] > nll[6] > nll[9]
+    assert nll[9] < 0.7 * nll[0]
+
+    from transformers import AutoModelForCausalLM
+
+    trained = AutoModelForCausalLM.from_pretrained(out / "offline" / "hf")
+    original = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    assert any(not torch.equal(a, b) for a, b in zip(trained.state_dict().values(), original.state_dict().values(),
+                                                      strict=True))
+
+
+def test_sft_refuses_bad_input_with_what_to_do(tiny_model_dir, tmp_path):
+    missing = _cli("sft", tiny_model_dir, tmp_path)
+    assert missing.returncode == 2 and "offline.data" in missing.stderr
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"prompt": "plain text", "completion": "more text"}) + "\n")
+    refused = _cli("sft", tiny_model_dir, tmp_path, f"--data={bad}")
+    assert refused.returncode == 2 and "record 0" in refused.stderr and "Traceback" not in refused.stderr
+    pg = _cli("sft", tiny_model_dir, tmp_path, f"--data={bad}", "--set=offline.loss=pg")
+    assert pg.returncode == 2 and "harness train --from-run" in pg.stderr
+
+
+# ---------------------------------------------------------------------------------------------- --from-run
+
+
+def test_from_run_sft_trains_the_kept_episodes_tokens_exactly(engine_ids_run, tiny_model_dir, tmp_path):
+    db, run_id = engine_ids_run
+    kept = db_rows(db, "SELECT count(*) FROM (SELECT episode_id, arg_max(reward, created_at) r FROM judgements "
+                   "GROUP BY 1) WHERE r >= 0.5")[0][0]
+    assert 0 < kept < 12
+    done = _cli("train", tiny_model_dir, tmp_path, f"--from-run={run_id}", f"--db={db}", "--where=reward >= 0.5",
+                "--set=offline.batch_size=4")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert _metric(tmp_path, "offline/episodes") == {0: kept}
+    samples = db_rows(db, "SELECT sum(n_trainable) FROM samples WHERE episode_id IN (SELECT episode_id FROM "
+                      "judgements GROUP BY 1 HAVING arg_max(reward, created_at) >= 0.5)")[0][0]
+    assert _metric(tmp_path, "offline/tokens_trained") == {0: samples}  # the sampled tokens, as merged when recorded
+    assert len(_metric(tmp_path, "offline/nll")) == -(-int(_metric(tmp_path, "offline/samples")[0]) // 4)
+
+
+def test_from_run_pg_weighs_tokens_by_trained_over_sampling_probability_and_says_when_they_disagree(
+        engine_ids_run, tiny_model_dir, tmp_path):
+    """The scripted engine's logprobs (-0.5 a token) are not the tiny model's: the ratio is far from 1 from the
+    first step, and the run says so."""
+    db, run_id = engine_ids_run
+    done = _cli("train", tiny_model_dir, tmp_path, f"--from-run={run_id}", f"--db={db}", "--set=offline.loss=pg")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "differ from the run's stored ones" in done.stderr
+    diff = _metric(tmp_path, "logprob/behaviour_mean_abs_diff")[1]
+    assert diff > 1.0
+    ratio = _metric(tmp_path, "actor/ratio_mean")[1]
+    assert ratio < 0.1  # the tiny model finds the scripted tokens far less likely than exp(-0.5)
+
+
+def test_from_run_refuses_what_it_cannot_train_with_what_to_do(engine_ids_run, tiny_model_dir, tmp_path):
+    db, run_id = engine_ids_run
+    unknown = _cli("train", tiny_model_dir, tmp_path, "--from-run=nope", f"--db={db}")
+    assert unknown.returncode == 2 and "'nope'" in unknown.stderr and run_id in unknown.stderr
+    none = _cli("train", tiny_model_dir, tmp_path, f"--from-run={run_id}", f"--db={db}", "--where=reward > 2")
+    assert none.returncode == 2 and "keeps none" in none.stderr
+    write = _cli("train", tiny_model_dir, tmp_path, f"--from-run={run_id}", f"--db={db}", "--where=1; DROP TABLE calls")
+    assert write.returncode == 2 and "Traceback" not in write.stderr
+    kl = _cli("train", tiny_model_dir, tmp_path, f"--from-run={run_id}", f"--db={db}", "--set=trainer.kl_coef=0.1")
+    assert kl.returncode == 2 and "trainer.kl_coef=0" in kl.stderr
+    assert db_rows(db, "SELECT count(*) FROM calls")[0][0] == 24  # nothing recorded was touched
+
+
+def test_text_only_calls_train_only_once_retokenized_and_explicitly_allowed(tiny_model_dir, tmp_path):
+    db, run_id = _scripted_run(tmp_path / "hosted", token_ids=False)
+    args = (f"--from-run={run_id}", f"--db={db}")
+    text_only = _cli("train", tiny_model_dir, tmp_path / "a", *args)
+    assert text_only.returncode == 2 and "harness retokenize" in text_only.stderr
+
+    retokenize = subprocess.run([sys.executable, "-m", "harness.cli", "retokenize", "--model", str(tiny_model_dir),
+                                 "--db", str(db)], capture_output=True, text=True, timeout=120)
+    assert retokenize.returncode == 0, retokenize.stderr
+    refused = _cli("train", tiny_model_dir, tmp_path / "b", *args)
+    assert refused.returncode == 2 and "offline.allow_retokenized: true" in refused.stderr
+    pg = _cli("train", tiny_model_dir, tmp_path / "c", *args, "--set=offline.allow_retokenized=true",
+              "--set=offline.loss=pg")
+    assert pg.returncode == 2 and "no sampling logprobs" in pg.stderr
+
+    allowed = _cli("train", tiny_model_dir, tmp_path / "d", *args, "--set=offline.allow_retokenized=true")
+    assert allowed.returncode == 0, allowed.stderr[-3000:]
+    retokenized = db_rows(db, "SELECT sum(len(completion_ids)) FROM choices")[0][0]
+    assert _metric(tmp_path / "d", "offline/tokens_trained") == {0: retokenized}  # every reply, once
+
+
+# ---------------------------------------------------------------------------------------------- the acceptance test
+
+
+@pytest.mark.engine
+def test_rejection_sampling_fine_tuning_on_a_recorded_run_raises_the_demo_reward(engine, tiny_model_dir, tmp_path):
+    """The demo task (examples/terse_agent) recorded on vLLM serving the tiny model; `--from-run` SFT on its
+    rewarded episodes, validated by the agent on the same engine before and after (fixed seeds): the loss on the
+    kept episodes falls and the judge's reward rises. Then pg on the whole run: the first step's ratio is 1 (the
+    trainer agrees with vLLM's stored logprobs), and the update makes the better episodes' tokens likelier than the
+    worse ones'."""
+    db, run_id = _record(tmp_path / "rec", engine.base_url, f"{TERSE / 'judge.py'}:terse", limit=16, repeat=4)
+    rewards = sorted(r for r, in db_rows(db, "SELECT reward FROM judgements"))
+    threshold = rewards[int(0.8 * len(rewards))]  # the best 20%
+    common = (f"--from-run={run_id}", f"--db={db}", f"--set=rollout.engine.url={engine.base_url}",
+              "--set=rollout.seed=0", "--set=trainer.seed=0")
+    try:
+        sft = _cli("train", tiny_model_dir, tmp_path / "sft", *common, f"--where=reward >= {threshold}",
+                   "--set=offline.epochs=20", "--set=offline.batch_size=4", "--set=trainer.lr=3e-3",
+                   f"--set=data.validation={TERSE / 'tasks.jsonl'}", "--set=data.validation_split=train",
+                   "--set=rollout.validation.n=2", "--set=rollout.validation.temperature=1.0",
+                   "--set=trainer.val_before_train=true", "--set=trainer.test_freq=1000", timeout=900)
+        assert sft.returncode == 0, sft.stderr[-3000:]
+    finally:
+        WeightSync(engine.base_url, tmp_path / "restore").load(tiny_model_dir, 0)  # the session engine as it was
+    nll, reward = _metric(tmp_path / "sft", "offline/data_nll"), _metric(tmp_path / "sft", "val/reward_mean")
+    first, last = min(nll), max(nll)
+    assert nll[last] < 0.8 * nll[first]
+    assert sorted(reward) == [0, last]
+    assert reward[last] > reward[0] + 0.05, reward  # measured: 0.27 -> 0.37
+
+    pg = _cli("train", tiny_model_dir, tmp_path / "pg", *common, "--set=offline.loss=pg", "--set=offline.epochs=2",
+              "--set=offline.batch_size=16", "--set=trainer.lr=1e-3")
+    assert pg.returncode == 0, pg.stderr[-3000:]
+    assert _metric(tmp_path / "pg", "actor/ratio_mean")[1] == pytest.approx(1.0, abs=1e-3)
+    assert _metric(tmp_path / "pg", "logprob/behaviour_mean_abs_diff")[1] < 1e-3
+    gain = _likelier(db, run_id, tiny_model_dir, tmp_path / "pg" / "offline" / "hf")
+    assert gain["better"] > gain["worse"], gain
+
+
+def _likelier(db: Path, run_id: str, before: Path, after: Path) -> dict[str, float]:
+    """Mean change of the sampled tokens' logprob from `before` to `after`, over the episodes above their task's
+    mean reward (better) and below it (worse)."""
+    from harness.store import Store
+    from trainer.policy import collate, load_policy, token_logprobs
+
+    rows = db_rows(db, "WITH r AS (SELECT episode_id, o.task_id, arg_max(j.reward, j.created_at) reward FROM "
+                   "judgements j JOIN episode_outcomes o USING (episode_id) GROUP BY ALL) SELECT episode_id, "
+                   "reward - avg(reward) OVER (PARTITION BY task_id) FROM r")
+    side = {e: "better" if a > 1e-9 else "worse" if a < -1e-9 else None for e, a in rows}
+    with Store.open(db, read_only=True) as store:
+        samples = [s for s in store.load_samples(run_id) if side[s.episode_id]]
+    models = [load_policy(path).eval() for path in (before, after)]
+    change: dict[str, list[float]] = {"better": [], "worse": []}
+    with torch.no_grad():
+        for sample in samples:
+            batch = collate([sample], 0)
+            lp = [token_logprobs(m, batch, 1.0, loss_only=True)[0] for m in models]
+            change[side[sample.episode_id]].append(float(((lp[1] - lp[0]) * batch.loss_mask).sum()
+                                                         / batch.loss_mask.sum()))
+    return {k: sum(v) / len(v) for k, v in change.items()}
+

@@ -1,0 +1,289 @@
+"""Training without rollouts, top to bottom: `harness train --from-run RUN` (recorded episodes) and `harness sft`
+(chat records). The same policy, optimiser, schedule, checkpoints, metrics and validation as `harness train`
+(trainer/loop.py); only where the samples come from and the loss differ.
+
+    samples (trainer/offline_data.py: a recorded run, merged again; trainer/chat_data.py: chat records, tokenised
+    with the model's chat template) -> offline.epochs passes in shuffled batches of offline.batch_size
+    -> per batch, micro-batches of trainer.micro_batch_tokens, one optimizer step -> validation with the agent,
+    checkpoints, metrics -> the final weights as a model directory (<run dir>/hf)
+
+The two losses, over the tokens the model sampled (the mask), averaged as trainer.loss_agg_mode says:
+- sft: the negative log-likelihood at temperature 1. On the episodes a reward filter keeps, this is rejection-
+  sampling fine-tuning; on chat records, plain supervised fine-tuning.
+- pg: the PPO-clipped surrogate with the stored sampling logprobs as the old policy, so each token's importance
+  ratio is trained policy / sampling policy, clipped to [1 - clip_low, 1 + clip_high] (dual clip on negative
+  advantages): off-policy correction against exactly the distribution the engine sampled from. Scored at
+  rollout.temperature, which must be the run's sampling temperature; `logprob/behaviour_mean_abs_diff` on step 1
+  says whether the trainer and the stored logprobs agree (a wrong model or temperature shows there).
+
+Validation (data.validation with rollout.agent) starts the engine and the proxy, and pushes the weights before
+each validation, as `harness train` does; without it no engine is started. `offline/data_nll` is the mean NLL of
+every training sample's trained tokens, before the first step and after each epoch.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+import uuid
+
+import torch
+
+import harness
+from harness.records import Sample
+from harness.store import Store
+from harness.tasks import read_tasks
+from trainer import algorithms as algo
+from trainer.checkpoint import find_resume, load, save, save_hf
+from trainer.config import Mode, TrainConfig, config_to_dict, run_dir, save_resolved
+from trainer.fsdp import Dist, full_state_dict, init_distributed, shutdown
+from trainer.loop import (
+    broadcast,
+    log_metrics,
+    pad_id_of,
+    policy_and_optimizer,
+    push_weights,
+    seed_all,
+    token_weights,
+    tracker_for,
+    validate,
+    weight_sync,
+)
+from trainer.policy import collate, micro_batches, token_logprobs
+from trainer.rollout import start_rollouts
+
+log = logging.getLogger("harness.train")
+
+_DISAGREE = 0.05  # mean |trainer - stored| logprob on step 1 above which pg warns: another model or temperature?
+
+
+def train_offline(cfg: TrainConfig, mode: Mode) -> dict[str, float]:
+    """Run `harness train --from-run` (mode from_run) or `harness sft` (mode sft); returns the last step's metrics."""
+    # ---------------------------------------------------------------------------------------------- setup
+    dist = init_distributed()
+    t, o = cfg.trainer, cfg.offline
+    seed_all(t.seed + dist.rank)
+    out = run_dir(cfg)
+    if dist.is_main:
+        out.mkdir(parents=True, exist_ok=True)
+        save_resolved(cfg)
+    data = broadcast(_samples(cfg, mode) if dist.is_main else None, dist)
+    samples, advantages = data.samples, data.advantages
+    val_tasks = read_tasks(cfg.data.validation, split=cfg.data.validation_split,
+                           limit=cfg.data.validation_limit) if cfg.data.validation else []
+    plan = _batches(len(samples), o.batch_size, o.epochs, t.seed)
+    total_steps = len(plan)
+    model, optimizer, scheduler = policy_and_optimizer(cfg, dist, total_steps)
+    pad_id = pad_id_of(cfg.model.path, cfg.model.trust_remote_code)
+    start = 0
+    checkpoint = find_resume(out, t.resume)
+    if checkpoint is not None:
+        start = load(checkpoint, model, optimizer, scheduler, dist)["step"]
+        log.info("resumed from %s: continuing with step %d of %d", checkpoint, start + 1, total_steps)
+
+    rollouts = sync = tracker = store = None
+    if dist.is_main:
+        if val_tasks:  # the agent validates the trained weights on the engine
+            rollouts = start_rollouts(cfg, out)
+            sync = weight_sync(rollouts, cfg, out)
+            tracker = tracker_for(rollouts.store, rollouts.run_id, cfg)
+        else:  # metrics only
+            store = Store.open(out / "harness.duckdb")
+            run_id = f"{mode.replace('_', '-')}-{uuid.uuid4().hex[:12]}"
+            store.start_run(run_id, config_to_dict(cfg), harness.__version__)
+            tracker = tracker_for(store, run_id, cfg)
+        log.info("%s: %d samples, %d steps (%d epochs of batches of %d), curve at %s", mode, len(samples),
+                 total_steps, o.epochs, o.batch_size, out / "curve.png")
+    if start > 0 and sync is not None:  # the engine serves the checkpoint's weights
+        push_weights(model, sync, dist, version=start)
+    if start == 0:
+        before = {**data.metrics, "offline/data_nll": _data_nll(model, samples, pad_id, cfg, dist)}
+        if t.val_before_train and val_tasks:
+            before.update(validate(rollouts, 0, val_tasks, cfg) if dist.is_main else {})
+        log_metrics(tracker, 0, before)
+
+    metrics: dict[str, float] = {}
+    try:
+        for step in range(start + 1, total_steps + 1):
+            started = time.perf_counter()
+            epoch, batch = plan[step - 1]
+            # ------------------------------------------------ 1. one optimizer step over the batch, all ranks
+            rows, advs = [samples[i] for i in batch], [advantages[i] for i in batch]
+            metrics = _step(model, rows, advs, token_weights(rows, t.loss_agg_mode), samples[0], pad_id, cfg, dist,
+                            o.loss)
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip or float("inf"))
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            scheduler.step()
+            grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # FSDP: DTensor
+            metrics.update({"actor/grad_norm": float(grad_norm), "actor/lr": scheduler.get_last_lr()[0],
+                            "offline/epoch": epoch + 1})
+            if step == 1 and o.loss == "pg" and metrics["logprob/behaviour_mean_abs_diff"] > _DISAGREE:
+                log.warning("the trainer's logprobs differ from the run's stored ones by %.3f on average before any "
+                            "update: is model.path the model that sampled run %s, and rollout.temperature its "
+                            "sampling temperature?", metrics["logprob/behaviour_mean_abs_diff"], o.run)
+
+            # ------------------------------------------------ 2. after an epoch: the NLL of all the data
+            last = step == total_steps
+            if last or plan[step][0] != epoch:
+                metrics["offline/data_nll"] = _data_nll(model, samples, pad_id, cfg, dist)
+
+            # ------------------------------------------------ 3. validation with the agent, checkpoint, metrics
+            if val_tasks and t.test_freq and (step % t.test_freq == 0 or last):
+                metrics.update(push_weights(model, sync, dist, version=step))
+                metrics.update(validate(rollouts, step, val_tasks, cfg) if dist.is_main else {})
+            if (t.save_freq and step % t.save_freq == 0) or last:
+                save(out, step, model, optimizer, scheduler, {}, dist)
+            metrics["time/step_s"] = time.perf_counter() - started
+            log_metrics(tracker, step, metrics)
+        state = full_state_dict(model, dist)  # a collective
+        if dist.is_main and t.lora.rank == 0:
+            log.info("the trained model: %s", save_hf(state, cfg.model.path, out / "hf"))
+    finally:
+        if tracker is not None:
+            tracker.close()
+        if rollouts is not None:
+            rollouts.close()
+            for engine in (rollouts.engine, *rollouts.more_engines):
+                engine.stop()
+        if store is not None:
+            store.close()
+        shutdown()
+    return metrics
+
+
+# ---------------------------------------------------------------------------------------------- the parts
+
+
+def _samples(cfg: TrainConfig, mode: Mode):
+    """The samples to train and their advantages: a recorded run's, or chat records'."""
+    if mode == "from_run":
+        from trainer.offline_data import recorded_samples
+
+        return recorded_samples(cfg)
+    from transformers import AutoTokenizer
+
+    from trainer.chat_data import chat_samples, read_chat_records
+    from trainer.offline_data import OfflineData, OfflineDataError
+
+    o = cfg.offline
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)
+    chat = chat_samples(read_chat_records(o.data, split=o.split), tokenizer, max_length=o.max_length)
+    if not chat.samples:
+        raise OfflineDataError(f"offline.data {o.data!r}: none of its {chat.records} records gives a sample to train "
+                               f"(left out: {chat.skipped}); see docs/training.md, Offline training")
+    log.info("%s: %d records, %d samples%s", o.data, chat.records, len(chat.samples),
+             f"; left out: {chat.skipped}" if chat.skipped else "")
+    metrics = {"offline/records": chat.records, "offline/samples": len(chat.samples),
+               "offline/split_per_turn": chat.split_per_turn,
+               "offline/tokens_trained": sum(sum(s.loss_mask) for s in chat.samples),
+               **{f"offline/skipped_{reason}": n for reason, n in chat.skipped.items()}}
+    return OfflineData(chat.samples, [1.0] * len(chat.samples), metrics)
+
+
+def _batches(n: int, batch_size: int, epochs: int, seed: int) -> list[tuple[int, list[int]]]:
+    """(epoch, sample indices) of every step: each epoch a fresh shuffle (seeded) cut into batches."""
+    plan = []
+    for epoch in range(epochs):
+        order = list(range(n))
+        random.Random(seed * 1_000_003 + epoch).shuffle(order)
+        plan += [(epoch, order[k:k + batch_size]) for k in range(0, n, batch_size)]
+    return plan
+
+
+def _step(model, rows: list[Sample], advantages: list[float], weights: list[torch.Tensor], filler: Sample,
+          pad_id: int, cfg: TrainConfig, dist: Dist, loss_kind: str) -> dict[str, float]:
+    """Accumulate one batch's gradient over this rank's micro-batches; its metrics (summed over micro-batches as
+    the weights make them: the batch's aggregate). Ranks run equally many passes (FSDP pairs collectives up); a
+    rank with fewer runs `filler` with weight 0."""
+    t = cfg.trainer
+    mine = list(range(dist.rank, len(rows), dist.world))
+    groups = [[mine[j] for j in g] for g in micro_batches([rows[i] for i in mine], t.micro_batch_tokens)] if mine \
+        else []
+    passes = _most(len(groups), dist)
+    temperature = cfg.rollout.temperature if loss_kind == "pg" else 1.0
+    batch_tokens = max(sum(sum(r.loss_mask) for r in rows), 1)
+    stats: dict[str, float] = {}
+    for n in range(passes):
+        idx = groups[n] if n < len(groups) else None
+        batch = collate([rows[i] for i in idx] if idx else [filler], pad_id, indices=idx)
+        mask = batch.loss_mask
+        w = _padded([weights[i] for i in idx], mask) if idx else torch.zeros_like(mask)
+        logprobs, _ = token_logprobs(model, batch, temperature, loss_only=True)
+        nll = -(logprobs * w).sum()
+        if loss_kind == "pg":
+            adv = torch.tensor([advantages[i] for i in idx] if idx else [0.0]).unsqueeze(-1) * mask
+            losses, log_ratio = algo.ppo_token_losses(logprobs, batch.engine_logprobs, adv, clip_low=t.clip_low,
+                                                      clip_high=t.clip_high, dual_clip=t.dual_clip)
+            loss = (losses * w).sum()
+            share = float(mask.sum()) / batch_tokens if idx else 0.0  # of the whole batch, over all ranks
+            for key, value in algo.policy_metrics(log_ratio, adv, mask, t.clip_low, t.clip_high, t.dual_clip).items():
+                _add(stats, f"actor/{key}", value * share)
+            _add(stats, "actor/pg_loss", loss.item())
+            _add(stats, "logprob/behaviour_mean_abs_diff",
+                 float(((logprobs.detach() - batch.engine_logprobs).abs() * mask).sum()) / batch_tokens if idx else 0.0)
+        else:
+            loss = nll
+        (loss * dist.world).backward()  # FSDP averages gradients over ranks: undo it, the weights are global
+        _add(stats, "offline/nll", nll.item())
+    return {**_summed(stats, dist), "offline/tokens": float(batch_tokens)}
+
+
+@torch.no_grad()
+def _data_nll(model, samples: list[Sample], pad_id: int, cfg: TrainConfig, dist: Dist) -> float:
+    """Mean NLL (temperature 1) over every trained token of `samples`, each rank scoring its share."""
+    mine = list(range(dist.rank, len(samples), dist.world))
+    total = torch.zeros(2, dtype=torch.float64)
+    groups = micro_batches([samples[i] for i in mine], cfg.trainer.micro_batch_tokens) if mine else []
+    for n in range(_most(len(groups), dist)):
+        idx = [mine[j] for j in groups[n]] if n < len(groups) else None
+        batch = collate([samples[i] for i in idx] if idx else [samples[0]], pad_id, indices=idx)
+        logprobs, _ = token_logprobs(model, batch, 1.0, loss_only=True)
+        if idx:
+            total += torch.tensor([float(-(logprobs * batch.loss_mask).sum()), float(batch.loss_mask.sum())],
+                                  dtype=torch.float64)
+    total = _all_reduce(total, dist)
+    return float(total[0] / total[1].clamp(min=1))
+
+
+# ---------------------------------------------------------------------------------------------- small helpers
+
+
+def _padded(rows: list[torch.Tensor], mask: torch.Tensor) -> torch.Tensor:
+    out = torch.zeros_like(mask)
+    for i, row in enumerate(rows):
+        out[i, :len(row)] = row
+    return out
+
+
+def _most(passes: int, dist: Dist) -> int:
+    """The most forward/backward passes any rank runs."""
+    if dist.world == 1:
+        return passes
+    most = torch.tensor([passes], device=dist.device)
+    torch.distributed.all_reduce(most, op=torch.distributed.ReduceOp.MAX)
+    return int(most.item())
+
+
+def _all_reduce(values: torch.Tensor, dist: Dist) -> torch.Tensor:
+    if dist.world == 1:
+        return values
+    values = values.to(dist.device)
+    torch.distributed.all_reduce(values)
+    return values.cpu()
+
+
+def _add(stats: dict[str, float], key: str, value: float) -> None:
+    stats[key] = stats.get(key, 0.0) + value
+
+
+def _summed(stats: dict[str, float], dist: Dist) -> dict[str, float]:
+    """Each rank's parts of the batch's metrics, added over ranks (every part is already weighted by its share
+    of the whole batch)."""
+    if dist.world == 1 or not stats:
+        return stats
+    keys = sorted(stats)
+    total = _all_reduce(torch.tensor([stats[k] for k in keys], dtype=torch.float64), dist)
+    return dict(zip(keys, total.tolist(), strict=True))
+

@@ -1,0 +1,144 @@
+"""What `harness train --from-run RUN` trains on: a recorded run's episodes, merged into samples again, with the
+advantage each carries.
+
+    episodes of offline.run that offline.where keeps (harness.export.episodes: reward, status, task_id, ...)
+      -> their calls (harness.store.EPISODE_CALLS, read through harness.sql.Reader: a file a proxy is recording
+         into is read through that proxy) -> merge_episode (the engine's own ids; and `retokenized` ones only with
+         offline.allow_retokenized) -> the samples of the roles that train (roles.train) -> OfflineData
+
+- loss sft: every chosen episode's samples, advantage 1 (a reward filter in offline.where makes it rejection-
+  sampling fine-tuning).
+- loss pg: each episode's outcome advantage (trainer.adv_estimator) against its task's group. The group is every
+  judged episode of the task in the run, whatever offline.where keeps, as `harness export --records tokens`
+  computes it. Failed episodes follow trainer.failed_episodes; unjudged ones carry no advantage. Samples whose
+  advantage is exactly 0 (a group of one, or equal rewards) carry no signal and are left out, counted.
+
+Merging again (instead of reading the `samples` table) uses the current merge for every run, whether or not its
+samples were stored, and is where the opt-in for retokenized calls applies.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from harness.export import ExportError, episodes
+from harness.merge import merge_episode
+from harness.records import ENGINE, FINISHED, NONE, RETOKENIZED, Sample
+from harness.sql import Reader, SqlError
+from harness.store import EPISODE_CALLS, calls_of
+from trainer import algorithms as algo
+from trainer.config import TrainConfig, run_dir
+from trainer.experience import trains
+
+log = logging.getLogger("harness.train")
+
+_BATCH = 256  # episodes whose calls are read per query
+
+
+class OfflineDataError(ValueError):
+    """A recorded run that can't be trained on as configured; the message says why and what to do."""
+
+
+@dataclass
+class OfflineData:
+    samples: list[Sample]
+    advantages: list[float]  # per sample: 1.0 for sft; the episode's outcome advantage for pg
+    metrics: dict[str, float] = field(default_factory=dict)  # what was chosen and what was left out, and why
+
+
+def database_of(cfg: TrainConfig) -> Path:
+    """The DuckDB holding offline.run: offline.db, else the experiment's own."""
+    return Path(cfg.offline.db) if cfg.offline.db else run_dir(cfg) / "harness.duckdb"
+
+
+def recorded_samples(cfg: TrainConfig) -> OfflineData:
+    """The samples of offline.run that offline.where chooses, each with its advantage (see the module docstring)."""
+    o = cfg.offline
+    db = database_of(cfg)
+    try:
+        with Reader(db) as reader:
+            chosen = episodes(reader, o.run, o.where)
+            everyone = episodes(reader, o.run) if o.where and o.loss == "pg" else chosen
+            calls = {}
+            ids = [e["episode_id"] for e in chosen]
+            for start in range(0, len(ids), _BATCH):
+                result = reader.query(EPISODE_CALLS, [ids[start:start + _BATCH]])
+                calls.update(calls_of(result.columns, result.rows))
+    except (ExportError, SqlError) as exc:
+        raise OfflineDataError(f"offline.run {o.run!r} in {str(db)!r}: {exc}") from None
+    if not chosen:
+        raise OfflineDataError(f"offline.where {o.where!r} keeps none of run {o.run!r}'s episodes: loosen it "
+                               "(harness sql shows the run's rewards in episode_summary and judgements)")
+
+    sources = (ENGINE, RETOKENIZED) if o.allow_retokenized else (ENGINE,)
+    advantage = _advantages(everyone, cfg) if o.loss == "pg" else {e["episode_id"]: 1.0 for e in chosen}
+    samples, advantages = [], []
+    counts = {"text_only_calls": 0, "retokenized_calls_left_out": 0, "frozen_role_samples": 0,
+              "no_signal_samples": 0, "unjudged_episodes": 0}
+    for e in chosen:
+        episode_calls = calls.get(e["episode_id"], [])
+        counts["text_only_calls"] += sum(c.token_source == NONE for c in episode_calls)
+        counts["retokenized_calls_left_out"] += sum(c.token_source == RETOKENIZED and RETOKENIZED not in sources
+                                                    for c in episode_calls)
+        if e["episode_id"] not in advantage:
+            counts["unjudged_episodes"] += 1
+            continue
+        by_id = {c.call_id: c for c in episode_calls}
+        for sample in merge_episode(episode_calls, sources).samples:
+            if not trains(cfg, by_id[sample.call_ids[0]].extra.get("role")):
+                counts["frozen_role_samples"] += 1
+            elif advantage[e["episode_id"]] == 0.0:
+                counts["no_signal_samples"] += 1
+            else:
+                samples.append(sample)
+                advantages.append(advantage[e["episode_id"]])
+    if not samples:
+        raise OfflineDataError(_nothing_to_train(o, len(chosen), counts))
+    metrics = {"offline/episodes": len(chosen), "offline/samples": len(samples),
+               "offline/tokens_trained": sum(sum(s.loss_mask) for s in samples),
+               **{f"offline/{k}": v for k, v in counts.items()}}
+    left = {k: v for k, v in counts.items() if v}
+    log.info("run %s: %d of its episodes chosen, %d samples to train%s", o.run, len(chosen), len(samples),
+             f"; left out: {left}" if left else "")
+    return OfflineData(samples, advantages, metrics)
+
+
+def _advantages(all_episodes: list[dict], cfg: TrainConfig) -> dict[str, float]:
+    """Each judged episode's outcome advantage against its task's group (trainer.adv_estimator); failed episodes
+    dropped or scored 0 (trainer.failed_episodes). Episodes recorded without a task form groups of their own."""
+    rewards, groups = {}, {}
+    for e in all_episodes:
+        reward, failed = e["reward"], e["status"] not in (None, FINISHED)
+        if failed and cfg.trainer.failed_episodes == "zero_reward":
+            reward = 0.0
+        elif reward is None or failed:
+            continue
+        rewards[e["episode_id"]] = float(reward)
+        groups[e["episode_id"]] = e["task_id"] if e["task_id"] is not None else e["episode_id"]
+    if not rewards:
+        return {}
+    values = torch.tensor(list(rewards.values()), dtype=torch.float64)
+    adv = algo.outcome_advantages(values, list(groups.values()), cfg.trainer.adv_estimator)
+    return dict(zip(rewards, adv.tolist(), strict=True))
+
+
+def _nothing_to_train(o, n_chosen: int, counts: dict[str, int]) -> str:
+    head = f"run {o.run!r}: the {n_chosen} chosen episodes give no sample to train"
+    if counts["retokenized_calls_left_out"]:
+        return (f"{head}: their calls' ids were made by `harness retokenize`, not the engine; to train on them, "
+                "set offline.allow_retokenized: true (loss sft)")
+    if counts["text_only_calls"]:
+        return (f"{head}: their calls were recorded as text only (a hosted API returns no token ids). Run "
+                "`harness retokenize --model DIR` and set offline.allow_retokenized: true, or export chat records "
+                "(harness export --run RUN) and train with harness sft")
+    if counts["no_signal_samples"] or counts["unjudged_episodes"]:
+        return (f"{head}: no episode has an advantage (unjudged: {counts['unjudged_episodes']}, groups with equal "
+                f"rewards or one member: {counts['no_signal_samples']} samples); pg needs judged groups of several "
+                "episodes per task with different rewards (harness run --repeat N --judge ...)")
+    if counts["frozen_role_samples"]:
+        return f"{head}: all their samples belong to roles that do not train (roles.train)"
+    return f"{head}: they have no answered calls"
