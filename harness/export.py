@@ -42,9 +42,10 @@ EPISODE_COLUMNS = {
 _EPISODES = """
 WITH latest AS (SELECT episode_id, reward FROM judgements
                 QUALIFY row_number() OVER (PARTITION BY episode_id ORDER BY created_at DESC) = 1),
-episode AS (SELECT s.episode_id, o.task_id, o.repeat_index, o.status, latest.reward, s.n_calls, s.n_errors
+episode AS (SELECT s.episode_id, o.task_id, o.repeat_index, o.status, latest.reward, s.n_calls, s.n_errors,
+                   s.run_id AS recorded_in, o.run_id AS outcome_run
             FROM episode_summary s LEFT JOIN episode_outcomes o USING (episode_id) LEFT JOIN latest USING (episode_id)
-            WHERE s.run_id = ?)
+            WHERE s.run_id = ? OR o.run_id = ?)
 SELECT * FROM episode WHERE ({where}) ORDER BY task_id NULLS LAST, repeat_index, episode_id
 """
 _CALLS = """
@@ -54,8 +55,9 @@ WHERE c.episode_id IN (SELECT unnest(?)) AND c.status = 'ok' AND c.endpoint = 'c
 ORDER BY c.episode_id, c.call_index, ch.choice_index
 """
 _SAMPLES = """
-SELECT sample_id, episode_id, role_key, token_ids, loss_mask, logprobs, n_trainable
-FROM samples WHERE run_id = ? AND episode_id IN (SELECT unnest(?)) ORDER BY episode_id, sample_index
+SELECT sample_id, run_id, episode_id, role_key, token_ids, loss_mask, logprobs, n_trainable
+FROM samples WHERE run_id IN (SELECT unnest(?)) AND episode_id IN (SELECT unnest(?))
+ORDER BY episode_id, sample_index
 """
 _BATCH = 256  # episodes read per query
 
@@ -65,13 +67,16 @@ class ExportError(ValueError):
 
 
 def episodes(reader: Reader, run_id: str, where: str | None = None) -> list[dict[str, Any]]:
-    """The run's episodes (EPISODE_COLUMNS) that `where` keeps, in task and repeat order."""
-    if not reader.query("SELECT 1 FROM episode_summary WHERE run_id = ? LIMIT 1", [run_id]).rows:
+    """The run's episodes (EPISODE_COLUMNS) that `where` keeps, in task and repeat order. `run_id`: the run that
+    recorded them (a proxy's, a harness run's, a whole harness train's) or the run of their outcomes (one training
+    step: `<run>-train00012`)."""
+    if not reader.query("SELECT 1 FROM episode_summary WHERE run_id = ? UNION ALL SELECT 1 FROM episode_outcomes "
+                        "WHERE run_id = ? LIMIT 1", [run_id, run_id]).rows:
         known = [r for r, in reader.query("SELECT DISTINCT run_id FROM episode_summary ORDER BY 1").rows]
         raise ExportError(f"run {run_id!r} has no episodes in {str(reader.db_path)!r}; runs there: "
                           f"{', '.join(known[-10:]) or 'none'}")
     try:
-        result = reader.query(_EPISODES.format(where=where or "true"), [run_id])
+        result = reader.query(_EPISODES.format(where=where or "true"), [run_id, run_id])
     except SqlError as exc:
         raise ExportError(f"--where {where!r}: {exc}; it may name {', '.join(EPISODE_COLUMNS)}") from None
     return [dict(zip(result.columns, row, strict=True)) for row in result.rows]
@@ -97,10 +102,17 @@ def records(reader: Reader, run_id: str, kind: str = "chat", where: str | None =
                 for conversation in conversations(by_episode.get(episode["episode_id"], [])):
                     yield {**conversation, **_about(episode, run_id)}
         else:
-            rows = reader.query(_SAMPLES, [run_id, ids])
+            # merged under the run asked for (harness merge --run), else under the run that recorded the episode
+            rows = reader.query(_SAMPLES, [sorted({run_id, *(e["recorded_in"] for e in batch)}), ids])
             about = {e["episode_id"]: e for e in batch}
-            for row in rows.rows:
-                sample = dict(zip(rows.columns, row, strict=True))
+            samples = [dict(zip(rows.columns, row, strict=True)) for row in rows.rows]
+            merged_in = {}
+            for sample in samples:
+                if merged_in.get(sample["episode_id"]) != run_id:
+                    merged_in[sample["episode_id"]] = sample["run_id"]
+            for sample in samples:
+                if sample.pop("run_id") != merged_in[sample["episode_id"]]:
+                    continue
                 episode = about[sample["episode_id"]]
                 yield {**sample, "loss_mask": list(sample["loss_mask"]), **_about(episode, run_id),
                        "advantage": advantages.get(sample["episode_id"])}
@@ -189,10 +201,10 @@ def _about(episode: dict[str, Any], run_id: str) -> dict[str, Any]:
 def _advantages(all_episodes: list[dict[str, Any]], eps: float = 1e-6) -> dict[str, float]:
     """GRPO advantages, as trainer.algorithms.outcome_advantages computes them: (r - mean) / (std + eps) over the
     judged episodes of each task, std Bessel-corrected; 0 in a group of one or with equal rewards."""
-    groups: dict[str, list[dict]] = {}
+    groups: dict[tuple, list[dict]] = {}
     for e in all_episodes:
         if e["reward"] is not None and e["task_id"] is not None:
-            groups.setdefault(e["task_id"], []).append(e)
+            groups.setdefault(group_of(e), []).append(e)
     out = {}
     for members in groups.values():
         rewards = [float(e["reward"]) for e in members]
@@ -201,6 +213,12 @@ def _advantages(all_episodes: list[dict[str, Any]], eps: float = 1e-6) -> dict[s
         for e, r in zip(members, rewards, strict=True):
             out[e["episode_id"]] = 0.0 if flat else (r - mean) / (std + eps)
     return out
+
+
+def group_of(episode: dict[str, Any]) -> tuple:
+    """An episode's GRPO group: its task in the run its outcome belongs to (a harness run, or one training step: a
+    whole training run holds every step's episodes of a task, sampled with different weights)."""
+    return episode["outcome_run"], episode["task_id"]
 
 
 def _json(value: Any) -> Any:

@@ -116,6 +116,46 @@ def test_sft_on_chat_records_lowers_their_loss_and_writes_a_model_transformers_l
                                                       strict=True))
 
 
+def test_sft_on_two_fsdp_ranks_makes_the_updates_of_one_process(tiny_model_dir, tmp_path):
+    """Each rank trains its share of every batch (a rank left without rows runs a zero-weight pass): the metrics
+    and the final weights equal one process's."""
+    from safetensors.torch import load_file
+
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in CHAT * 3))  # 9 records: the last batch of 4 has 1
+    runs = {}
+    for n in (1, 2):
+        out = tmp_path / f"ranks{n}"
+        done = _cli("sft", tiny_model_dir, out, f"--data={data}", "--set=offline.epochs=2",
+                    "--set=offline.batch_size=4", "--set=trainer.lr=3e-3", f"--set=trainer.fsdp.nprocs={n}")
+        assert done.returncode == 0, done.stderr[-3000:]
+        runs[n] = (_metric(out, "offline/data_nll"), _metric(out, "offline/nll"),
+                   load_file(out / "offline" / "hf" / "model.safetensors"))
+    (nll1, batch1, weights1), (nll2, batch2, weights2) = runs[1], runs[2]
+    assert sorted(batch1) == sorted(batch2) == list(range(1, 7))
+    for one, two in ((nll1, nll2), (batch1, batch2)):
+        assert one.keys() == two.keys()
+        assert all(abs(one[k] - two[k]) <= 1e-4 * abs(one[k]) for k in one), (one, two)
+    assert weights1.keys() == weights2.keys()
+    assert max((weights1[k] - weights2[k]).abs().max().item() for k in weights1) <= 1e-4
+
+
+def test_sft_with_lora_trains_the_adapter_and_writes_it_as_vllm_loads_it(tiny_model_dir, tmp_path):
+    from safetensors.torch import load_file
+
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in CHAT))
+    done = _cli("sft", tiny_model_dir, tmp_path, f"--data={data}", "--set=trainer.lora.rank=4",
+                "--set=trainer.lr=1e-2", "--set=offline.epochs=2")
+    assert done.returncode == 0, done.stderr[-3000:]
+    adapter = tmp_path / "offline" / "adapter"
+    weights = load_file(adapter / "adapter_model.safetensors")
+    assert weights and all("lora_" in k for k in weights)
+    assert any(v.abs().max() > 0 for k, v in weights.items() if "lora_B" in k)  # B starts at 0: it was trained
+    assert json.loads((adapter / "adapter_config.json").read_text())["r"] == 4
+    assert not (tmp_path / "offline" / "hf").exists()
+
+
 def test_sft_refuses_bad_input_with_what_to_do(tiny_model_dir, tmp_path):
     missing = _cli("sft", tiny_model_dir, tmp_path)
     assert missing.returncode == 2 and "offline.data" in missing.stderr
@@ -191,6 +231,16 @@ def test_text_only_calls_train_only_once_retokenized_and_explicitly_allowed(tiny
     assert allowed.returncode == 0, allowed.stderr[-3000:]
     retokenized = db_rows(db, "SELECT sum(len(completion_ids)) FROM choices")[0][0]
     assert _metric(tmp_path / "d", "offline/tokens_trained") == {0: retokenized}  # every reply, once
+
+    # Or, without retokenizing: export the run as chat records, and fine-tune on them with harness sft.
+    chat = tmp_path / "chat.parquet"
+    exported = subprocess.run([sys.executable, "-m", "harness.cli", "export", "--db", str(db), "--run", run_id,
+                               "--format", "parquet", "--out", str(chat)], capture_output=True, text=True, timeout=120)
+    assert exported.returncode == 0, exported.stderr
+    sft = _cli("sft", tiny_model_dir, tmp_path / "e", f"--data={chat}")
+    assert sft.returncode == 0, sft.stderr[-3000:]
+    assert _metric(tmp_path / "e", "offline/samples") == {0: 12}  # one conversation per episode
+    assert _metric(tmp_path / "e", "offline/tokens_trained") == {0: retokenized}  # the same tokens, the same template
 
 
 # ---------------------------------------------------------------------------------------------- the acceptance test

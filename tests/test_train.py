@@ -95,6 +95,27 @@ def test_the_tiny_model_learns_the_terse_task_through_the_real_pipeline(engine, 
     assert (run / "config.resolved.yaml").is_file()
     assert sorted(p.name for p in (run / "checkpoints").glob("step_*")) == ["step_3", "step_6", "step_7"]
 
+    # Record once, train many: one step's episodes export by the step's run id, every step's by the training run's,
+    # each with its advantage against its task's episodes of the same step (the steps sampled different weights).
+    (step_run,), = db_rows(db, "SELECT DISTINCT run_id FROM episode_outcomes WHERE run_id LIKE '%-train00002'")
+    exported = {}
+    for name in (step_run, step_run.removesuffix("-train00002")):
+        out = subprocess.run([sys.executable, "-m", "harness.cli", "export", "--db", str(db), "--run", name,
+                              "--records", "tokens", "--out", str(tmp_path / f"{name}.jsonl")],
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        exported[name] = {r["episode_id"]: r for r in map(json.loads, (tmp_path / f"{name}.jsonl").open())}
+    step, whole = exported.values()
+    steps = dict(db_rows(db, "SELECT episode_id, run_id FROM episode_outcomes"))
+    assert len(step) == 16 and {steps[e] for e in step} == {step_run}
+    assert len({steps[e] for e in whole if "-train" in steps[e]}) == STEPS  # the resumed step 7: another run
+    assert all(whole[e]["advantage"] == record["advantage"] for e, record in step.items())
+    sums: dict[tuple, float] = {}
+    for e, record in whole.items():
+        key = (steps[e], record["task_id"])
+        sums[key] = sums.get(key, 0.0) + record["advantage"]
+    assert all(abs(total) < 1e-6 for total in sums.values()), sums
+
 
 def test_a_run_sigkilled_mid_step_resumes_and_makes_the_same_next_step_as_an_uninterrupted_one(
         engine, tiny_model_dir, tmp_path):

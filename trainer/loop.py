@@ -160,13 +160,7 @@ def train(cfg: TrainConfig) -> dict[str, float]:
     finally:
         if ahead is not None:
             ahead.close()
-        if tracker is not None:
-            tracker.close()
-        if rollouts is not None:
-            rollouts.close()
-            for engine in (rollouts.engine, *rollouts.more_engines):
-                engine.stop()
-        shutdown()
+        wind_down(tracker, rollouts)
     return metrics
 
 
@@ -206,6 +200,18 @@ def tracker_for(store, run_id: str, cfg: TrainConfig) -> Tracker:
     return Tracker(store, run_id, run_dir(cfg), project=cfg.project_name, experiment=cfg.experiment_name,
                    config=config_to_dict(cfg), console=lg.console, curve_png=lg.curve_png, swanlab=lg.swanlab,
                    wandb=lg.wandb)
+
+
+def wind_down(tracker: Tracker | None, rollouts: Rollouts | None) -> None:
+    """The end of a run, however it ends: metrics flushed, the proxy and the engines it started stopped, the
+    process group left."""
+    if tracker is not None:
+        tracker.close()
+    if rollouts is not None:
+        rollouts.close()
+        for engine in (rollouts.engine, *rollouts.more_engines):
+            engine.stop()
+    shutdown()
 
 
 def _dtype(cfg: TrainConfig) -> torch.dtype:

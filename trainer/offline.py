@@ -37,7 +37,7 @@ from harness.tasks import read_tasks
 from trainer import algorithms as algo
 from trainer.checkpoint import find_resume, load, save, save_hf
 from trainer.config import Mode, TrainConfig, config_to_dict, run_dir, save_resolved
-from trainer.fsdp import Dist, full_state_dict, init_distributed, shutdown
+from trainer.fsdp import Dist, full_state_dict, init_distributed
 from trainer.loop import (
     broadcast,
     log_metrics,
@@ -49,7 +49,9 @@ from trainer.loop import (
     tracker_for,
     validate,
     weight_sync,
+    wind_down,
 )
+from trainer.lora import save_adapter
 from trainer.policy import collate, micro_batches, token_logprobs
 from trainer.rollout import start_rollouts
 
@@ -140,16 +142,13 @@ def train_offline(cfg: TrainConfig, mode: Mode) -> dict[str, float]:
         state = full_state_dict(model, dist)  # a collective
         if dist.is_main and t.lora.rank == 0:
             log.info("the trained model: %s", save_hf(state, cfg.model.path, out / "hf"))
+        elif dist.is_main:  # the adapter alone, as vLLM loads it (harness export --merge makes a whole model of it)
+            save_adapter(model, out / "adapter", state)
+            log.info("the trained adapter: %s", out / "adapter")
     finally:
-        if tracker is not None:
-            tracker.close()
-        if rollouts is not None:
-            rollouts.close()
-            for engine in (rollouts.engine, *rollouts.more_engines):
-                engine.stop()
+        wind_down(tracker, rollouts)
         if store is not None:
             store.close()
-        shutdown()
     return metrics
 
 

@@ -9,9 +9,10 @@ advantage each carries.
 - loss sft: every chosen episode's samples, advantage 1 (a reward filter in offline.where makes it rejection-
   sampling fine-tuning).
 - loss pg: each episode's outcome advantage (trainer.adv_estimator) against its task's group. The group is every
-  judged episode of the task in the run, whatever offline.where keeps, as `harness export --records tokens`
-  computes it. Failed episodes follow trainer.failed_episodes; unjudged ones carry no advantage. Samples whose
-  advantage is exactly 0 (a group of one, or equal rewards) carry no signal and are left out, counted.
+  judged episode of the task in the run (in a training run: in the same step), whatever offline.where keeps, as
+  `harness export --records tokens` computes it. Failed episodes follow trainer.failed_episodes; unjudged ones
+  carry no advantage. Samples whose advantage is exactly 0 (a group of one, or equal rewards) carry no signal and
+  are left out, counted.
 
 Merging again (instead of reading the `samples` table) uses the current merge for every run, whether or not its
 samples were stored, and is where the opt-in for retokenized calls applies.
@@ -25,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from harness.export import ExportError, episodes
+from harness.export import ExportError, episodes, group_of
 from harness.merge import merge_episode
 from harness.records import ENGINE, FINISHED, NONE, RETOKENIZED, Sample
 from harness.sql import Reader, SqlError
@@ -108,8 +109,9 @@ def recorded_samples(cfg: TrainConfig) -> OfflineData:
 
 
 def _advantages(all_episodes: list[dict], cfg: TrainConfig) -> dict[str, float]:
-    """Each judged episode's outcome advantage against its task's group (trainer.adv_estimator); failed episodes
-    dropped or scored 0 (trainer.failed_episodes). Episodes recorded without a task form groups of their own."""
+    """Each judged episode's outcome advantage against its group (its task, in its harness run or training step:
+    harness.export.group_of; trainer.adv_estimator); failed episodes dropped or scored 0 (trainer.failed_episodes).
+    Episodes recorded without a task form groups of their own."""
     rewards, groups = {}, {}
     for e in all_episodes:
         reward, failed = e["reward"], e["status"] not in (None, FINISHED)
@@ -118,7 +120,7 @@ def _advantages(all_episodes: list[dict], cfg: TrainConfig) -> dict[str, float]:
         elif reward is None or failed:
             continue
         rewards[e["episode_id"]] = float(reward)
-        groups[e["episode_id"]] = e["task_id"] if e["task_id"] is not None else e["episode_id"]
+        groups[e["episode_id"]] = group_of(e) if e["task_id"] is not None else e["episode_id"]
     if not rewards:
         return {}
     values = torch.tensor(list(rewards.values()), dtype=torch.float64)
