@@ -59,6 +59,10 @@ def _common(p) -> None:
 
 
 def _train(args) -> int:
+    if (args.db or args.where) and not args.from_run:
+        print("error: --db and --where choose what --from-run RUN trains on: give --from-run RUN too (without it, "
+              "harness train runs the agent)", file=sys.stderr)
+        return 2
     flags = {"offline.run": args.from_run, "offline.db": args.db, "offline.where": args.where}
     overrides = [*args.overrides, *(f"{k}={v}" for k, v in flags.items() if v is not None),
                  *(["debug.enabled=true"] if args.debug else [])]
@@ -92,10 +96,17 @@ def _launch(args, overrides: list[str], verb: str) -> int:
     from trainer.fsdp import launch, under_torchrun
 
     if cfg.trainer.fsdp.nprocs > 1 and not under_torchrun():
+        if mode != "rl":  # bad data is said here, once, rather than by every rank under torchrun's report
+            from trainer.offline import check_data
+
+            if problem := check_data(cfg, mode):
+                print(f"error: {problem}", file=sys.stderr)
+                return 2
         argv = ["-m", "harness.cli", verb, str(args.config), *(f"--set={o}" for o in overrides)]
         return launch(cfg.trainer.fsdp.nprocs, argv)
     from harness.tasks import TaskError
     from trainer.chat_data import ChatDataError
+    from trainer.checkpoint import ResumeError
     from trainer.offline_data import OfflineDataError
 
     try:
@@ -107,7 +118,7 @@ def _launch(args, overrides: list[str], verb: str) -> int:
             from trainer.offline import train_offline
 
             train_offline(cfg, mode)
-    except (TaskError, OfflineDataError, ChatDataError) as exc:  # bad data, found once the run reads it
+    except (TaskError, OfflineDataError, ChatDataError, ResumeError) as exc:  # bad data, found once the run reads it
         print(f"error: {exc}", file=sys.stderr)
         return 2
     return 0

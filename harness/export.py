@@ -38,6 +38,8 @@ EPISODE_COLUMNS = {
     "status": "how the agent's run ended (episode_outcomes.status; NULL without a dataset run)",
     "reward": "the episode's latest judgement, whichever judge (NULL if not judged, or that judge failed)",
     "n_calls": "calls recorded", "n_errors": "calls that failed",
+    "outcome_run": "the run of its outcome: a harness run's id, or a training step's (<run>-train00012)",
+    "recorded_in": "the run that recorded it (a proxy's; in a training run, the whole training run's)",
 }
 _EPISODES = """
 WITH latest AS (SELECT episode_id, reward FROM judgements
@@ -45,7 +47,7 @@ WITH latest AS (SELECT episode_id, reward FROM judgements
 episode AS (SELECT s.episode_id, o.task_id, o.repeat_index, o.status, latest.reward, s.n_calls, s.n_errors,
                    s.run_id AS recorded_in, o.run_id AS outcome_run
             FROM episode_summary s LEFT JOIN episode_outcomes o USING (episode_id) LEFT JOIN latest USING (episode_id)
-            WHERE s.run_id = ? OR o.run_id = ?)
+            WHERE (s.run_id = ? AND NOT regexp_matches(coalesce(o.run_id, ''), '-(val|greedy)[0-9]+$')) OR o.run_id = ?)
 SELECT * FROM episode WHERE ({where}) ORDER BY task_id NULLS LAST, repeat_index, episode_id
 """
 _CALLS = """
@@ -68,8 +70,9 @@ class ExportError(ValueError):
 
 def episodes(reader: Reader, run_id: str, where: str | None = None) -> list[dict[str, Any]]:
     """The run's episodes (EPISODE_COLUMNS) that `where` keeps, in task and repeat order. `run_id`: the run that
-    recorded them (a proxy's, a harness run's, a whole harness train's) or the run of their outcomes (one training
-    step: `<run>-train00012`)."""
+    recorded them (a proxy's, a harness run's, a whole harness train's: its training episodes, not its validation
+    or ReMax greedy ones, which sampled otherwise) or the run of their outcomes (one step: `<run>-train00012`, or
+    `<run>-val00010` asked for by name)."""
     if not reader.query("SELECT 1 FROM episode_summary WHERE run_id = ? UNION ALL SELECT 1 FROM episode_outcomes "
                         "WHERE run_id = ? LIMIT 1", [run_id, run_id]).rows:
         known = [r for r, in reader.query("SELECT DISTINCT run_id FROM episode_summary ORDER BY 1").rows]

@@ -40,8 +40,8 @@ from harness.readonly import check_read_only
 from harness.records import Call, Choice, Episode, EpisodeOutcome, Judgement, Sample, Task
 from harness.schema import MIGRATIONS, SCHEMA_VERSION
 
-__all__ = ["EPISODE_CALLS", "MIGRATIONS", "SCHEMA_VERSION", "ROW_GROUP_SIZE", "QueryResult", "SchemaVersionError",
-           "Store", "calls_of"]
+__all__ = ["EPISODE_CALLS", "EPISODE_CALLS_NO_BODIES", "MIGRATIONS", "SCHEMA_VERSION", "ROW_GROUP_SIZE", "QueryResult",
+           "SchemaVersionError", "Store", "calls_of"]
 
 
 # Rows per row group. A transaction that appends a full row group has it compressed and written straight to
@@ -377,14 +377,18 @@ def _utc(unix_seconds: float) -> datetime:
 # --- calls as records, from any reader of the file ---------------------------------------------------------
 
 # Episodes' calls with their choices, one row per call, for `calls_of`; one parameter: the episode ids. Read-only,
-# so harness.sql.Reader can run it too (a file a proxy holds is read through that proxy).
-EPISODE_CALLS = (
-    "SELECT c.*, list({'i': ch.choice_index, 'ids': ch.completion_ids, 'lp': ch.logprobs, "
-    "'finish': ch.finish_reason, 'text': ch.text, 'tools': ch.tool_calls, 'reasoning': ch.reasoning} "
+# so harness.sql.Reader can run it too (a file a proxy holds is read through that proxy). EPISODE_CALLS_NO_BODIES
+# leaves out the request and response JSON (which grow with the agent's history): what a merge needs.
+_EPISODE_CALLS = (
+    "SELECT {calls}, list({{'i': ch.choice_index, 'ids': ch.completion_ids, 'lp': ch.logprobs, "
+    "'finish': ch.finish_reason, 'text': ch.text, 'tools': ch.tool_calls, 'reasoning': ch.reasoning}} "
     "ORDER BY ch.choice_index) FILTER (WHERE ch.call_id IS NOT NULL) AS choice_list "
     "FROM calls c LEFT JOIN choices ch USING (call_id) "
     "WHERE c.episode_id IN (SELECT unnest(?::VARCHAR[])) "
     "GROUP BY ALL ORDER BY c.episode_id, c.call_index")
+EPISODE_CALLS = _EPISODE_CALLS.format(calls="c.*")
+EPISODE_CALLS_NO_BODIES = _EPISODE_CALLS.format(
+    calls="c.* EXCLUDE (request, response), '{}' AS request, NULL::VARCHAR AS response")
 
 
 def calls_of(columns: Sequence[str], rows: Sequence[Sequence]) -> dict[str, list[Call]]:

@@ -19,7 +19,7 @@ from aiohttp import web
 from harness.records import CANCELLED, ENGINE, ERROR, NONE, OK, Call, Choice
 from proxy.chat_answer import ChatAnswer
 from proxy.errors import ApiError, error_body
-from proxy.forwarding import redact, with_query
+from proxy.forwarding import redact, redact_bytes, with_query
 from proxy.request import CHAT, COMPLETIONS, Prepared
 from proxy.wire import Wire
 
@@ -329,10 +329,11 @@ async def forward(
             if upstream.status != 200:
                 raw = await upstream.read()
                 status = _passthrough_status(upstream.status)
-                cap.fail(ERROR, status, f"engine answered {upstream.status}: {_error_message(raw)}")
+                # recorded without secrets an error page may quote (an upstream URL with ?key=...)
+                cap.fail(ERROR, status, redact(f"engine answered {upstream.status}: {_error_message(raw)}"))
                 if status != upstream.status:
                     raw = orjson.dumps(error_body(status, cap.error, code="upstream_error"))
-                cap.response = raw
+                cap.response = redact_bytes(raw)
                 if wire is not None:
                     raw = orjson.dumps(wire.error_body(status, cap.error, "upstream_error"))
                 return web.Response(body=raw, status=status, content_type="application/json")

@@ -69,3 +69,10 @@ _SECRET_PARAM = re.compile(rf"(?i)([?&;]{_SECRET_NAME}=)[^&#\s'\"<>)]*")
 def redact(text: str) -> str:
     """`text` (an error message that may quote an upstream URL) with every secret-looking query value removed."""
     return _SECRET_PARAM.sub(r"\1REDACTED", text)
+
+
+def redact_bytes(raw: bytes) -> bytes:
+    """`raw` (an upstream's error body) with secret-looking query values removed; unchanged when there are none."""
+    text = raw.decode("utf-8", "replace")
+    cleaned = redact(text)
+    return raw if cleaned == text else cleaned.encode()

@@ -14,9 +14,9 @@ from harness.records import Sample
 from harness.tiny_model import build_tiny_model
 from trainer import algorithms as algo
 from trainer.config import load_config
-from trainer.experience import Experience
+from trainer.experience import Experience, advantages_of, gae_of
 from trainer.fsdp import init_distributed
-from trainer.loop import _advantages, _mini_batch, token_weights
+from trainer.loop import _mini_batch, token_weights
 from trainer.policy import collate, load_policy, token_logprobs
 from trainer.schedule import lr_factor, next_tasks
 
@@ -45,13 +45,13 @@ def _experience() -> Experience:
 def test_advantages_follow_the_group_and_skip_groups_without_spread():
     exp = _experience()
     zeros = [torch.zeros(len(s.token_ids)) for s in exp.samples]
-    keep, adv, metrics = _advantages(exp, zeros, zeros, _cfg())
+    keep, adv, metrics = advantages_of(exp, zeros, zeros, _cfg())
     assert keep == [0, 1, 4]  # group B (0.5, 0.5) carries no signal
     expected = algo.outcome_advantages(torch.tensor([1.0, 0.0]), ["A", "A"], "grpo")
     assert adv == pytest.approx([float(expected[0]), float(expected[1]), float(expected[1])])
     assert metrics["groups/zero_variance"] == 1 and metrics["samples/trained"] == 3
     # With an entropy bonus, flat groups stay (their gradient is not zero any more).
-    keep, _, _ = _advantages(exp, zeros, zeros, _cfg("trainer.entropy_coef=0.01"))
+    keep, _, _ = advantages_of(exp, zeros, zeros, _cfg("trainer.entropy_coef=0.01"))
     assert keep == [0, 1, 2, 3, 4]
 
 
@@ -61,7 +61,7 @@ def test_kl_in_the_reward_lowers_each_episode_by_its_summed_kl():
     ref = [lp - 0.5 * torch.tensor(s.loss_mask, dtype=torch.float32) for lp, s in zip(old, exp.samples, strict=True)]
     ref[2] = ref[2] - 1.0 * torch.tensor(exp.samples[2].loss_mask)  # b1 drifted further from the reference
     cfg = _cfg("trainer.kl_coef=0.1", "trainer.use_kl_in_reward=true", "trainer.kl_type=k1")
-    keep, adv, _ = _advantages(exp, old, ref, cfg)
+    keep, adv, _ = advantages_of(exp, old, ref, cfg)
     kl = [0.5 * sum(s.loss_mask) for s in exp.samples]
     kl[2] = 1.5 * sum(exp.samples[2].loss_mask)
     rewards = {"a1": 1.0 - 0.1 * kl[0], "a2": 0.0 - 0.1 * (kl[1] + kl[4]), "b1": 0.5 - 0.1 * kl[2],
@@ -113,7 +113,7 @@ def test_micro_batches_accumulate_to_the_gradient_of_one_pass(tmp_path, mode):
 
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
                                   "seq-mean-token-sum-norm", "episode-mean"])
-def testtoken_weights_reproduce_the_aggregation_mode(mode):
+def test_token_weights_reproduce_the_aggregation_mode(mode):
     rows = [_sample(f"e{i % 3}", 6 + 3 * i, i) for i in range(6)]
     values = [torch.randn(len(r.token_ids)) for r in rows]
     weighted = sum(float((v * w).sum()) for v, w in zip(values, token_weights(rows, mode), strict=True))
@@ -149,7 +149,7 @@ def test_per_call_rewards_become_advantages_on_their_calls_tokens():
     assert spans == [[(2, 4, 0.0), (5, 6, 1.0)], [(4, 6, 0.5)]]
     exp = Experience(samples, {"e1": 1.0, "e2": 0.0}, groups, {}, spans)
     zeros = [torch.zeros(len(s.token_ids)) for s in samples]
-    keep, adv, _ = _advantages(exp, zeros, zeros, _cfg())
+    keep, adv, _ = advantages_of(exp, zeros, zeros, _cfg())
     outcome = algo.outcome_advantages(torch.tensor([1.0, 0.0]), ["task", "task"], "grpo").tolist()
     calls_adv = algo.outcome_advantages(torch.tensor([0.0, 1.0, 0.5]), ["task"] * 3, "grpo").tolist()
     assert keep == [0, 1]
@@ -207,7 +207,7 @@ def test_stale_groups_are_dropped_whole_and_counted():
     assert set(fresh.rewards) == {"b1", "b2"} and set(fresh.groups) == {"b1", "b2"}
     assert (metrics["async/groups_dropped_stale"], metrics["async/samples_dropped_stale"],
             metrics["async/staleness_max"]) == (1, 3, 1)
-    keep, _, _ = _advantages(fresh, [torch.zeros(len(s.token_ids)) for s in fresh.samples], [None] * 2, _cfg())
+    keep, _, _ = advantages_of(fresh, [torch.zeros(len(s.token_ids)) for s in fresh.samples], [None] * 2, _cfg())
     assert keep == []  # what is left (group B, rewards equal) carries no signal: nothing of group A trains
 
 
@@ -264,3 +264,65 @@ def test_a_failed_collect_is_raised_at_take_and_close_stops_waiting():
     assert waiting.take(1) == 1
     waiting.close(timeout_s=5)  # step 5 waits for version 3, which never comes: close ends the wait
     assert not waiting._thread.is_alive()
+
+
+def test_remax_advantages_are_rewards_minus_the_task_s_greedy_reward():
+    exp = _experience()
+    exp.tasks = {"a1": "A", "a2": "A", "b1": "B", "b2": "B"}
+    exp.baselines = {"A": 0.25}  # task B's greedy episode failed: no baseline, its samples are left out
+    zeros = [torch.zeros(len(s.token_ids)) for s in exp.samples]
+    keep, adv, metrics = advantages_of(exp, zeros, zeros, _cfg("trainer.adv_estimator=remax"))
+    assert keep == [0, 1, 4]
+    assert adv == [0.75, -0.25, -0.25]
+    assert metrics["groups/zero_variance"] == 1
+
+
+def test_gae_of_puts_the_reward_on_each_sample_s_last_sampled_token_and_the_kl_on_every_one():
+    exp = _experience()
+    cfg = _cfg("trainer.adv_estimator=gae", "trainer.kl_coef=0.5", "trainer.use_kl_in_reward=true",
+               "trainer.kl_type=k1")
+    old = [torch.full((len(s.token_ids),), -1.0) for s in exp.samples]
+    ref = [torch.full((len(s.token_ids),), -1.2) for s in exp.samples]  # k1 = 0.2 a token
+    values = [torch.zeros(len(s.token_ids)) for s in exp.samples]
+    advantages, returns, metrics = gae_of(exp, old, ref, values, cfg)
+    assert metrics["samples/trained"] == 5
+    for i, sample in enumerate(exp.samples):
+        trained = [k for k, m in enumerate(sample.loss_mask) if m]
+        # gamma = lam = 1, values 0: each trained token's return is the reward minus 0.5 x 0.2 per trained token
+        # from it to the end
+        want = [exp.rewards[sample.episode_id] - 0.1 * (len(trained) - n) for n in range(len(trained))]
+        assert returns[i][trained].tolist() == pytest.approx(want)
+        assert all(returns[i][k] == 0 for k, m in enumerate(sample.loss_mask) if not m)
+    # the advantages: those returns (values are 0), whitened over all the step's trained tokens
+    width = max(len(s.token_ids) for s in exp.samples)
+    mask = torch.zeros(5, width)
+    padded = torch.zeros(5, width)
+    for i, s in enumerate(exp.samples):
+        mask[i, :len(s.token_ids)] = torch.tensor(s.loss_mask, dtype=torch.float32)
+        padded[i, :len(s.token_ids)] = returns[i]
+    flat = padded[mask > 0]
+    want = (flat - flat.mean()) / (flat.std() + 1e-6)
+    assert torch.cat([a[torch.tensor(s.loss_mask) > 0] for a, s in zip(advantages, exp.samples, strict=True)]) \
+        .tolist() == pytest.approx(want.tolist(), abs=1e-5)
+
+
+def test_the_critic_starts_at_zero_and_learns_the_returns(tmp_path):
+    from trainer.critic import Critic
+
+    model_dir = build_tiny_model(tmp_path / "tiny", seed=0)
+    cfg = _cfg(f"model.path={model_dir}", "trainer.adv_estimator=gae", "trainer.critic.lr=1e-2",
+               "trainer.ppo_epochs=4", "rollout.batch_size=2")
+    critic = Critic(cfg, init_distributed("cpu"), total_steps=10)
+    exp = _experience()
+    values = critic.values(exp.samples, 0)
+    assert all(v.abs().sum() == 0 for v in values)  # a zero head
+    returns = [torch.tensor(s.loss_mask, dtype=torch.float32) * (1.0 if s.episode_id.startswith("a") else -1.0)
+               for s in exp.samples]
+    tasks = [s.episode_id[0] for s in exp.samples]
+    first = critic.update(exp.samples, tasks, returns, values, 0)
+    for _ in range(5):
+        last = critic.update(exp.samples, tasks, returns, critic.values(exp.samples, 0), 0)
+    assert last["critic/vf_loss"] < 0.5 * first["critic/vf_loss"]
+    after = critic.values(exp.samples, 0)
+    assert float(after[0][torch.tensor(exp.samples[0].loss_mask) > 0].mean()) > 0 > \
+        float(after[2][torch.tensor(exp.samples[2].loss_mask) > 0].mean())

@@ -8,6 +8,8 @@ serving the tiny model for the acceptance test of the engine tier."""
 from __future__ import annotations
 
 import json
+import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -156,6 +158,26 @@ def test_sft_with_lora_trains_the_adapter_and_writes_it_as_vllm_loads_it(tiny_mo
     assert not (tmp_path / "offline" / "hf").exists()
 
 
+def test_a_checkpoint_is_continued_only_by_a_run_of_its_kind_over_its_data(tiny_model_dir, tmp_path):
+    """runs/<experiment>/checkpoints is shared by harness train, --from-run and harness sft: a run continues a
+    checkpoint only if the same kind of run over the same data wrote it."""
+    data, other = tmp_path / "chat.jsonl", tmp_path / "other.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in CHAT * 4))
+    other.write_text("".join(json.dumps(r) + "\n" for r in CHAT[:2] * 4))
+    first = _cli("sft", tiny_model_dir, tmp_path, f"--data={data}", "--set=offline.batch_size=4")
+    assert first.returncode == 0, first.stderr[-3000:]
+    again = _cli("sft", tiny_model_dir, tmp_path, f"--data={data}", "--set=offline.batch_size=4")
+    assert again.returncode == 0 and "continuing with step 4 of 3" in again.stderr  # done already: nothing to run
+    assert sorted(_metric(tmp_path, "offline/nll")) == [1, 2, 3]
+    refused = _cli("sft", tiny_model_dir, tmp_path, f"--data={other}", "--set=offline.batch_size=4")
+    assert refused.returncode == 2 and "other data" in refused.stderr and "trainer.resume=disable" in refused.stderr
+    rl = _cli("train", tiny_model_dir, tmp_path)
+    assert rl.returncode == 2 and "a sft run" in rl.stderr and "Traceback" not in rl.stderr
+    fresh = _cli("sft", tiny_model_dir, tmp_path, f"--data={other}", "--set=offline.batch_size=4",
+                 "--set=trainer.resume=disable")
+    assert fresh.returncode == 0, fresh.stderr[-3000:]
+
+
 def test_sft_refuses_bad_input_with_what_to_do(tiny_model_dir, tmp_path):
     missing = _cli("sft", tiny_model_dir, tmp_path)
     assert missing.returncode == 2 and "offline.data" in missing.stderr
@@ -165,6 +187,10 @@ def test_sft_refuses_bad_input_with_what_to_do(tiny_model_dir, tmp_path):
     assert refused.returncode == 2 and "record 0" in refused.stderr and "Traceback" not in refused.stderr
     pg = _cli("sft", tiny_model_dir, tmp_path, f"--data={bad}", "--set=offline.loss=pg")
     assert pg.returncode == 2 and "harness train --from-run" in pg.stderr
+    ranks = _cli("sft", tiny_model_dir, tmp_path, f"--data={bad}", "--set=trainer.fsdp.nprocs=2")
+    assert ranks.returncode == 2 and ranks.stderr.count("record 0") == 1  # said once, before any rank starts
+    stray = _cli("train", tiny_model_dir, tmp_path, "--where=reward >= 1")
+    assert stray.returncode == 2 and "--from-run" in stray.stderr
 
 
 # ---------------------------------------------------------------------------------------------- --from-run
@@ -183,6 +209,36 @@ def test_from_run_sft_trains_the_kept_episodes_tokens_exactly(engine_ids_run, ti
                       "judgements GROUP BY 1 HAVING arg_max(reward, created_at) >= 0.5)")[0][0]
     assert _metric(tmp_path, "offline/tokens_trained") == {0: samples}  # the sampled tokens, as merged when recorded
     assert len(_metric(tmp_path, "offline/nll")) == -(-int(_metric(tmp_path, "offline/samples")[0]) // 4)
+
+
+def test_from_run_reads_a_database_a_proxy_is_still_recording_into(engine_ids_run, tiny_model_dir, tmp_path):
+    """DuckDB lets one process open the file: the run is read through the proxy's read-only SQL route."""
+    import time
+
+    from proxy.server import info_path
+
+    db = tmp_path / "live.duckdb"
+    shutil.copy(engine_ids_run[0], db)
+    upstream = ScriptedUpstream()
+    serve = subprocess.Popen([sys.executable, "-m", "harness.cli", "serve", "--upstream", upstream.url, "--port", "0",
+                              "--db", str(db), "--run-dir", str(tmp_path)], stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 60
+        while not info_path(db).exists() and serve.poll() is None and time.time() < deadline:
+            time.sleep(0.1)
+        assert info_path(db).exists(), "harness serve did not announce itself"
+        done = _cli("train", tiny_model_dir, tmp_path, f"--from-run={engine_ids_run[1]}", f"--db={db}",
+                    "--where=reward >= 0.5")
+    finally:
+        serve.send_signal(signal.SIGINT)
+        serve.communicate(timeout=30)
+        upstream.close()
+    assert done.returncode == 0, done.stderr[-3000:]
+    closed = _cli("train", tiny_model_dir, tmp_path / "closed", f"--from-run={engine_ids_run[1]}", f"--db={db}",
+                  "--where=reward >= 0.5")
+    assert closed.returncode == 0, closed.stderr[-3000:]
+    for name in ("offline/episodes", "offline/tokens_trained", "offline/data_nll"):
+        assert _metric(tmp_path, name)[0] == pytest.approx(_metric(tmp_path / "closed", name)[0], rel=1e-6), name
 
 
 def test_from_run_pg_weighs_tokens_by_trained_over_sampling_probability_and_says_when_they_disagree(
@@ -304,3 +360,62 @@ def _likelier(db: Path, run_id: str, before: Path, after: Path) -> dict[str, flo
                                                          / batch.loss_mask.sum()))
     return {k: sum(v) / len(v) for k, v in change.items()}
 
+
+
+# ---------------------------------------------------------------------------------------------- the parts
+
+
+def test_pg_groups_each_episode_with_its_task_in_its_own_step():
+    from trainer.config import load_config
+    from trainer.offline_data import _advantages
+
+    cfg = load_config(TERSE_YAML, ["model.path=/nowhere", "offline.run=r", "offline.loss=pg"], "from_run")
+    episodes = [{"episode_id": f"{step}{k}", "task_id": "t", "outcome_run": f"r-train0000{step}", "status": "finished",
+                 "reward": reward} for step, rewards in ((1, (0.0, 1.0)), (2, (5.0, 5.0))) for k, reward in
+                enumerate(rewards)]
+    advantage = _advantages(episodes, cfg)
+    assert advantage["10"] == pytest.approx(-advantage["11"]) and advantage["11"] > 0.5
+    assert advantage["20"] == advantage["21"] == 0.0  # step 2 alone: equal rewards, no signal (not 5 vs 0.5)
+
+
+def test_pg_step_accumulated_over_micro_batches_equals_one_pass_of_the_clipped_loss(tiny_model_dir):
+    """trainer/offline.py's pg step, in micro-batches of one row, gives the gradient of algorithms.policy_loss on
+    the whole batch with the stored logprobs as the old policy."""
+    import random
+
+    from harness.records import Sample
+    from trainer import algorithms as algo
+    from trainer.config import load_config
+    from trainer.fsdp import init_distributed
+    from trainer.loop import token_weights
+    from trainer.offline import _step
+    from trainer.policy import collate, load_policy, token_logprobs
+
+    rng = random.Random(0)
+    rows = []
+    for i in range(3):
+        n = 10 + 3 * i
+        mask = [0] * 4 + [rng.choice((0, 1)) for _ in range(n - 5)] + [1]
+        rows.append(Sample(f"e{i}", "r", [], [], [rng.randrange(2000) for _ in range(n)], mask,
+                           [-rng.random() * 5 if m else 0.0 for m in mask]))
+    advantages = [1.0, -0.5, 0.25]
+    cfg = load_config(TERSE_YAML, [f"model.path={tiny_model_dir}", "offline.run=r", "offline.loss=pg",
+                                   "trainer.micro_batch_tokens=1", "rollout.temperature=0.7"], "from_run")
+    grads = []
+    for path in ("step", "reference"):
+        torch.manual_seed(0)
+        model = load_policy(tiny_model_dir)
+        if path == "step":
+            _step(model, rows, advantages, token_weights(rows, "token-mean"), rows[0], 0, cfg, init_distributed("cpu"),
+                  "pg")
+        else:
+            batch = collate(rows, 0)
+            logprobs, _ = token_logprobs(model, batch, 0.7, loss_only=True)
+            adv = torch.tensor(advantages).unsqueeze(-1) * batch.loss_mask
+            t = cfg.trainer
+            loss, _ = algo.policy_loss(logprobs, batch.engine_logprobs, adv, batch.loss_mask, clip_low=t.clip_low,
+                                       clip_high=t.clip_high, dual_clip=t.dual_clip)
+            loss.backward()
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
+    assert grads[0].abs().max() > 0
+    assert (grads[0] - grads[1]).abs().max() <= 1e-5 * grads[1].abs().max()

@@ -172,6 +172,32 @@ async def test_a_query_key_quoted_in_an_upstream_error_is_not_recorded(tmp_path,
     _no_secret_written(tmp_path, caplog, SECRET, QUERY_SECRET)
 
 
+async def test_an_upstream_error_body_that_echoes_the_query_key_is_recorded_without_it(tmp_path, caplog):
+    """A gateway whose 4xx page quotes the request URL: the agent gets the page as it came (its own key), the
+    database gets the message and the body with the key taken out."""
+    caplog.set_level("DEBUG")
+
+    async def refuse(request):
+        return web.json_response({"error": {"message": f"no deployment at {request.rel_url}", "type": "invalid"}},
+                                 status=404)
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", refuse)
+    engine = BackgroundApp(app)
+    proxy = _record_only(engine.url, tmp_path)
+    try:
+        status, raw = await _post(f"{proxy.url}/v1/chat/completions?{VERSION}&key={QUERY_SECRET}", CHAT,
+                                  {"api-key": SECRET})
+    finally:
+        proxy.close()
+        engine.close()
+    assert status == 404 and QUERY_SECRET.encode() in raw  # the agent's own answer, as the upstream gave it
+    (error, response), = db_rows(proxy.db_path, "SELECT error, response FROM calls")
+    assert error.endswith(f"/v1/chat/completions?{VERSION}&key=REDACTED")
+    assert "key=REDACTED" in response
+    _no_secret_written(tmp_path, caplog, SECRET, QUERY_SECRET)
+
+
 def test_redact_takes_out_secret_looking_query_values_only():
     text = ("url=URL('https://h/x?api-version=1&key=k1&api_key=k2&API-KEY=k3&apikey=k4&access_token=t&token=t2"
             "&X-Amz-Signature=s&sig=s2&client_secret=c&password=p&subscription-key=k5&monkey=m&keyword=w')")

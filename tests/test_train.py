@@ -108,7 +108,8 @@ def test_the_tiny_model_learns_the_terse_task_through_the_real_pipeline(engine, 
     step, whole = exported.values()
     steps = dict(db_rows(db, "SELECT episode_id, run_id FROM episode_outcomes"))
     assert len(step) == 16 and {steps[e] for e in step} == {step_run}
-    assert len({steps[e] for e in whole if "-train" in steps[e]}) == STEPS  # the resumed step 7: another run
+    assert {steps[e].rsplit("-", 1)[1] for e in whole} == {f"train{k:05d}" for k in range(1, STEPS + 1)}
+    # (step 7 ran in the resumed run, another run id; validation episodes sampled otherwise: not training data)
     assert all(whole[e]["advantage"] == record["advantage"] for e, record in step.items())
     sums: dict[tuple, float] = {}
     for e, record in whole.items():

@@ -220,8 +220,8 @@ def test_config_to_dict_is_plain_json(tmp_path):
     ({"rollout": {"batch_size": None}}, "rollout.batch_size can't be null: give integer"),
     ({"logging": {"wandb": "maybe"}}, "logging.wandb must be true or false, got 'maybe'"),
     ({"trainer": {"adv_estimator": "gpro"}}, "trainer.adv_estimator must be one of 'grpo', 'grpo_no_std', 'drgrpo', "
-                                             "'rloo', 'reinforce_pp', 'reinforce_pp_baseline', got 'gpro': did you "
-                                             "mean 'grpo'?"),
+                                             "'rloo', 'reinforce_pp', 'reinforce_pp_baseline', 'gae', 'remax', got "
+                                             "'gpro': did you mean 'grpo'?"),
     ({"trainer": {"loss_agg_mode": "mean"}}, "trainer.loss_agg_mode must be one of 'token-mean'"),
     ({"trainer": {"kl_type": "low_var_kl"}}, "trainer.kl_type must be one of 'k1', 'k2', 'k3', 'abs'"),
     ({"trainer": {"betas": 0.9}}, "trainer.betas must be a list, e.g. [a, b], got 0.9"),

@@ -97,6 +97,30 @@ def test_translation_is_a_config_verl_accepts(tmp_path, tiny_model_dir):
         verl_config(_config(tmp_path, tiny_model_dir, "  trainer: {loss_agg_mode: episode-mean}"), files)
 
 
+def test_gae_remax_and_the_adaptive_kl_controller_translate_to_verl_s_own(tmp_path, tiny_model_dir):
+    from verl.trainer.ppo.utils import need_critic, need_reference_policy
+    from verl.utils.config import validate_config
+
+    from trainer.verl_backbone import VerlFiles, verl_config
+
+    files = VerlFiles(tmp_path / "t.parquet", None, tmp_path / "loop.yaml", tmp_path / "ck")
+    small = "prompt_length: 128, response_length: 160, nnodes: 1, n_gpus_per_node: 2"  # the critic's batch: 4
+    cfg = _config(tmp_path, tiny_model_dir, "  trainer: {adv_estimator: gae, kl_coef: 0.02, use_kl_in_reward: true, "
+                  "kl_ctrl: adaptive, kl_target: 0.05, kl_horizon: 500, ppo_epochs: 2, critic: {lr: 2.0e-5, "
+                  "warmup_steps: 3, gamma: 0.99, lam: 0.95, cliprange_value: 0.3}}", verl=small)
+    c = verl_config(cfg, files)
+    validate_config(config=c, use_reference_policy=need_reference_policy(c), use_critic=need_critic(c))
+    assert need_critic(c)
+    a, critic = c.algorithm, c.critic
+    assert (a.adv_estimator, a.gamma, a.lam, a.use_kl_in_reward) == ("gae", 0.99, 0.95, True)
+    assert (a.kl_ctrl.type, a.kl_ctrl.kl_coef, a.kl_ctrl.target_kl, a.kl_ctrl.horizon) == ("adaptive", 0.02, 0.05, 500)
+    assert (critic.optim.lr, critic.cliprange_value, critic.ppo_epochs, c.trainer.critic_warmup) == (2e-5, 0.3, 2, 3)
+    assert critic.model.path == str(tiny_model_dir)
+    c = verl_config(_config(tmp_path, tiny_model_dir, "  trainer: {adv_estimator: remax}", verl=small), files)
+    validate_config(config=c, use_reference_policy=need_reference_policy(c), use_critic=need_critic(c))
+    assert c.algorithm.adv_estimator == "remax" and not need_critic(c)
+
+
 def test_without_verl_the_error_says_how_to_install_it(tmp_path, tiny_model_dir):
     """verl is imported only when chosen: a Python that cannot import it gets the install line, not a traceback."""
     code = ("import sys; sys.modules['verl'] = None\n"

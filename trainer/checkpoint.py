@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 
     from trainer.fsdp import Dist
 
-__all__ = ["save", "find_resume", "load", "save_hf"]
+__all__ = ["ResumeError", "check_resume", "save", "find_resume", "load", "save_hf"]
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +105,20 @@ def save(
                 shutil.rmtree(root / f"step_{old_step}")
     _barrier()
     return final
+
+
+class ResumeError(ValueError):
+    """A checkpoint of another kind of run, or of other data; the message says what to do."""
+
+
+def check_resume(state: dict[str, Any], path: str | Path, mode: str, plan: str | None = None) -> None:
+    """Refuse to continue, as a `mode` run over `plan` (a fingerprint of its data), a checkpoint that another kind of
+    run (`harness train`, `--from-run`, `harness sft` share runs/<experiment>/checkpoints) or other data wrote."""
+    found = state.get("mode", "rl")  # checkpoints from before modes were recorded are the RL loop's
+    if found != mode or state.get("plan") != plan:
+        what = f"a {found} run" if found != mode else "a run over other data (or offline.epochs, batch_size, seed)"
+        raise ResumeError(f"the checkpoint {str(path)!r} was written by {what}; a {mode} run cannot continue it: "
+                          "start fresh with --set trainer.resume=disable, or give this run its own experiment_name")
 
 
 def find_resume(run_dir: str | Path, resume: str) -> Path | None:

@@ -398,6 +398,12 @@ def _check(cfg: TrainConfig, where: str, mode: Mode = "rl") -> None:
     for failed, message in problems:
         if failed:
             raise ConfigError(message)
+    if online and t.adv_estimator == "remax" and r.async_.max_staleness > 0:
+        raise ConfigError("trainer.adv_estimator remax takes each task's greedy episode at the weights being trained "
+                          "as the baseline: it runs with rollout.async.max_staleness 0")
+    if t.kl_ctrl == "adaptive" and not t.use_kl_in_reward:
+        raise ConfigError("trainer.kl_ctrl adaptive steers the KL penalty in the reward: set "
+                          "trainer.use_kl_in_reward: true (and trainer.kl_coef > 0, its starting value)")
     if online and r.async_.max_staleness > 0 and t.tis_cap is None:
         raise ConfigError(f"rollout.async.max_staleness {r.async_.max_staleness} trains on episodes sampled with older "
                           "weights: set trainer.tis_cap (e.g. 2.0), so their tokens are weighted by how likely the "
@@ -426,6 +432,9 @@ def _check_offline(cfg: TrainConfig, where: str, mode: Mode) -> None:
          "`harness export --run RUN --out chat.jsonl` wrote)"),
         (mode == "sft" and o.loss != "sft", f"harness sft trains on chat data, which has no rewards or sampling "
          f"logprobs: offline.loss {o.loss!r} needs a recorded run (harness train --from-run RUN)"),
+        (o.loss == "pg" and t.adv_estimator in ("gae", "remax"), f"offline.loss pg compares each episode with its "
+         f"recorded group; trainer.adv_estimator {t.adv_estimator!r} needs a critic or greedy episodes at the "
+         "trained weights: choose grpo, grpo_no_std, drgrpo, rloo, reinforce_pp or reinforce_pp_baseline"),
         (o.loss == "pg" and o.allow_retokenized, "offline.allow_retokenized needs offline.loss sft: retokenized "
          "calls have no sampling logprobs for pg's importance ratio"),
         (t.kl_coef > 0 or t.entropy_coef > 0, f"{command} has no reference model or entropy term: set "

@@ -25,11 +25,12 @@ from typing import Any, Literal
 
 __all__ = ["TrainConfig", "ModelConfig", "DataConfig", "TaskJudgeConfig", "RolloutConfig", "ValidationSampling",
            "EngineConfig", "RolesConfig", "TrainerConfig", "VerlConfig", "FsdpConfig", "LoraConfig", "LoggingConfig",
-           "DebugConfig", "OfflineConfig", "AsyncConfig", "iter_keys", "key_name", "describe_config", "ADV_ESTIMATORS",
-           "LOSS_AGG_MODES", "KL_TYPES", "GROUP_ESTIMATORS"]
+           "DebugConfig", "OfflineConfig", "CriticConfig", "AsyncConfig", "iter_keys", "key_name", "describe_config",
+           "ADV_ESTIMATORS", "LOSS_AGG_MODES", "KL_TYPES", "GROUP_ESTIMATORS"]
 
 ROOT = "harness"
-AdvEstimator = Literal["grpo", "grpo_no_std", "drgrpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"]
+AdvEstimator = Literal["grpo", "grpo_no_std", "drgrpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae",
+                       "remax"]
 LossAggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm",
                       "episode-mean"]
 KlType = Literal["k1", "k2", "k3", "abs"]
@@ -206,6 +207,18 @@ class LoraConfig:
 
 
 @dataclass(frozen=True)
+class CriticConfig:
+    """With adv_estimator: gae, the value model: the policy's architecture with a one-output head."""
+
+    model_path: str | None = _key(None, "checkpoint the critic starts from; null: model.path", path="file")
+    lr: float = _key(1e-5, "the critic's learning rate (AdamW, trainer.betas and weight_decay)", gt=0)
+    warmup_steps: int = _key(0, "steps at the start in which only the critic learns (verl's critic_warmup)", ge=0)
+    gamma: float = _key(1.0, "discount per sampled token in GAE", ge=0, le=1)
+    lam: float = _key(1.0, "GAE's lambda: 1 is Monte Carlo returns minus the value, 0 one-step TD", ge=0, le=1)
+    cliprange_value: float | None = _key(0.5, "value clipping around the values before the update; null: off", gt=0)
+
+
+@dataclass(frozen=True)
 class TrainerConfig:
     """The policy update: advantage, loss, optimiser, schedule, checkpoints."""
 
@@ -218,6 +231,12 @@ class TrainerConfig:
     kl_coef: float = _key(0.0, "weight of the KL penalty to the initial policy; 0: no reference model is kept", ge=0)
     kl_type: KlType = _key("k3", "KL estimator: k1, k2 (mse), k3 (low-variance) or abs")
     use_kl_in_reward: bool = _key(False, "subtract the KL penalty from the reward instead of adding it to the loss")
+    kl_ctrl: Literal["fixed", "adaptive"] = _key(
+        "fixed", "with use_kl_in_reward, the KL coefficient: fixed at kl_coef, or adaptive (starts at kl_coef, moves "
+        "each step towards the KL kl_target, Ziegler et al.)")
+    kl_target: float = _key(0.1, "the adaptive controller's target KL per trained token", gt=0)
+    kl_horizon: int = _key(10000, "the adaptive controller's horizon in samples: larger moves the coefficient slower",
+                           ge=1)
     entropy_coef: float = _key(0.0, "weight of the entropy bonus", ge=0)
     tis_cap: float | None = _key(None, "truncated importance weights for engine/trainer mismatch, capped here "
                                  "(e.g. 2.0); null: off", ge=1)
@@ -245,6 +264,7 @@ class TrainerConfig:
         "the rest), or train on them with reward 0")
     fsdp: FsdpConfig = _section(FsdpConfig)
     lora: LoraConfig = _section(LoraConfig)
+    critic: CriticConfig = _section(CriticConfig)
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,6 @@
 """One training step's experience: which samples learn (the failed-episode policy, the trained roles), what
-reward each carries (its episode's, or the judge's per-role one) and which GRPO group it is compared in.
+reward each carries (its episode's, or the judge's per-role one), which GRPO group it is compared in, and the
+advantages that follow (`advantages_of`: per group; `gae_of`: per token, from a critic's values).
 
 A sample's reward belongs to a *unit*: its episode, or, when roles are named (config `roles`), its episode and
 role, so a solver and a critic of one episode can carry different rewards and are compared only with the same
@@ -10,7 +11,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from harness.records import FINISHED, Sample
+from trainer import algorithms as algo
 from trainer.config import TrainConfig
 from trainer.rollout import StepRollout
 
@@ -27,6 +31,7 @@ class Experience:
     units: list[str] | None = None  # per sample, what its reward belongs to: its episode (and role); None: episode
     tasks: dict[str, str] | None = None  # unit -> task (mini-batches keep a task's samples together); None: groups
     versions: list[int] | None = None  # per sample, the oldest weight version its calls were sampled with
+    baselines: dict[str, float] | None = None  # remax: task -> the reward of its greedy episode this step
 
     def unit(self, i: int) -> str:
         return self.units[i] if self.units is not None else self.samples[i].episode_id
@@ -78,7 +83,11 @@ def experience_of(rollout: StepRollout, cfg: TrainConfig) -> Experience:
     if frozen:
         metrics["samples/frozen_roles"] = frozen
     metrics.update({f"samples/role/{name}": n for name, n in per_role.items()})
-    return Experience(samples, rewards, groups, metrics, spans if any(spans) else None, units, tasks, versions)
+    if rollout.baselines is not None:
+        metrics["remax/baseline_mean"] = mean(rollout.baselines.values())
+        metrics["remax/tasks_without_baseline"] = len({e.task_id for e in rollout.episodes} - set(rollout.baselines))
+    return Experience(samples, rewards, groups, metrics, spans if any(spans) else None, units, tasks, versions,
+                      rollout.baselines)
 
 
 def trains(cfg: TrainConfig, role: str | None) -> bool:
@@ -92,3 +101,118 @@ def trains(cfg: TrainConfig, role: str | None) -> bool:
 def mean(values) -> float | None:
     values = [v for v in values if v is not None]
     return sum(values) / len(values) if values else None
+
+
+def advantages_of(exp: Experience, old, ref, cfg: TrainConfig,
+                  kl_coef: float | None = None) -> tuple[list[int], list[float], dict[str, float]]:
+    """Each episode's advantage against its group (remax: against its task's greedy episode), given to its
+    samples; the samples to train (indices).
+
+    With `use_kl_in_reward`, an episode's reward first loses kl_coef (default trainer.kl_coef; the adaptive
+    controller's current one) x its summed KL to the reference over all its sampled tokens (verl's token-level KL
+    penalty, summed as the outcome estimators do)."""
+    t = cfg.trainer
+    kl_coef = t.kl_coef if kl_coef is None else kl_coef
+    rewards = dict(exp.rewards)
+    if t.use_kl_in_reward and kl_coef > 0:
+        for i, (sample, lp, ref_lp) in enumerate(zip(exp.samples, old, ref, strict=True)):
+            mask = torch.tensor(sample.loss_mask, dtype=lp.dtype)
+            kl = float((algo.kl_penalty(lp, ref_lp, t.kl_type) * mask).sum())
+            rewards[exp.unit(i)] -= kl_coef * kl
+    episodes = list(rewards)
+    by_group: dict[str, list[float]] = {}
+    for e in episodes:
+        by_group.setdefault(exp.groups[e], []).append(rewards[e])
+    if t.adv_estimator == "remax":  # against the task's greedy episode; a task without one has no baseline
+        baselines = exp.baselines or {}
+        advantage = {e: rewards[e] - baselines[exp.task(e)] for e in episodes if exp.task(e) in baselines}
+        flat = {exp.groups[e] for e in episodes if e not in advantage}
+    else:
+        values = torch.tensor([rewards[e] for e in episodes], dtype=torch.float64)
+        adv = algo.outcome_advantages(values, [exp.groups[e] for e in episodes], t.adv_estimator) if episodes else []
+        advantage = dict(zip(episodes, (float(a) for a in adv), strict=True))
+        flat = {g for g, rs in by_group.items() if len(rs) < 2 or max(rs) - min(rs) < 1e-12}
+    keep_flat = (kl_coef > 0 and not t.use_kl_in_reward) or t.entropy_coef > 0
+    keep = [i for i in range(len(exp.samples)) if keep_flat or exp.groups[exp.unit(i)] not in flat]
+    advantages: list = [advantage[exp.unit(i)] for i in keep]
+    if exp.call_spans is not None:  # per-call rewards: normalised over the group's calls, on each call's tokens
+        keep = [i for i in range(len(exp.samples)) if keep_flat or exp.groups[exp.unit(i)] not in flat
+                or exp.call_spans[i]]
+        advantages = _with_call_advantages(exp, keep, advantage, t.adv_estimator)
+    lengths = [sum(exp.samples[i].loss_mask) for i in keep]
+    return keep, advantages, {
+        "groups/total": len(by_group), "groups/zero_variance": len(flat),
+        "samples/trained": len(keep), "samples/tokens": sum(len(exp.samples[i].token_ids) for i in keep),
+        "response/length_mean": mean(lengths), "response/length_max": max(lengths, default=None),
+        "advantage/mean": mean(advantages), "advantage/abs_mean": mean([abs(a) for a in advantages]),
+    }
+
+
+def _with_call_advantages(exp: Experience, keep: list[int], outcome: dict[str, float], estimator: str) -> list:
+    """Per-token advantages: the episode's outcome advantage on every sampled token, plus each scored call's
+    advantage (its reward against the other scored calls of its group, with the same estimator) on its tokens.
+    A call that appears in several samples of an episode (a shared prefix) counts once."""
+    calls: dict[tuple[str, int, int], tuple[float, str]] = {}
+    for i, spans in enumerate(exp.call_spans):
+        unit = exp.unit(i)
+        for start, end, reward in spans:
+            calls.setdefault((unit, start, end), (reward, exp.groups[unit]))
+    keys = list(calls)
+    values = torch.tensor([calls[k][0] for k in keys], dtype=torch.float64)
+    estimator = estimator if estimator in algo.ESTIMATORS else "grpo"  # remax: the calls have no greedy baseline
+    call_adv = dict(zip(keys, algo.outcome_advantages(values, [calls[k][1] for k in keys], estimator).tolist(),
+                        strict=True)) if keys else {}
+    out = []
+    for i in keep:
+        sample, unit = exp.samples[i], exp.unit(i)
+        tokens = torch.tensor(sample.loss_mask, dtype=torch.float32) * outcome.get(unit, 0.0)
+        spans = [(s, e, call_adv[(unit, s, e)]) for s, e, _ in exp.call_spans[i]]
+        out.append(tokens + algo.call_reward_tokens(len(sample.token_ids), spans, at="spread")
+                   * torch.tensor(sample.loss_mask, dtype=torch.float32))
+    return out
+
+
+def gae_of(exp: Experience, old, ref, values: list[torch.Tensor], cfg: TrainConfig,
+           kl_coef: float | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor], dict[str, float]]:
+    """adv_estimator gae: every sample's per-token advantages and returns (trainer/values.py), from its episode's
+    reward on its last sampled token, a judge's per-call rewards on each call's last token, and with
+    use_kl_in_reward minus kl_coef x the per-token KL to the reference; whitened over the step's tokens."""
+    from trainer.values import gae_advantages
+
+    t = cfg.trainer
+    kl_coef = t.kl_coef if kl_coef is None else kl_coef
+    n = len(exp.samples)
+    width = max((len(s.token_ids) for s in exp.samples), default=1)
+    mask, rewards, vals = (torch.zeros(n, width) for _ in range(3))
+    for i, sample in enumerate(exp.samples):
+        m = torch.tensor(sample.loss_mask, dtype=torch.float32)
+        mask[i, :len(m)] = m
+        vals[i, :len(m)] = values[i]
+        trained = m.nonzero().squeeze(-1)
+        if len(trained):
+            rewards[i, int(trained[-1])] += exp.rewards[exp.unit(i)]
+        for _start, end, reward in exp.call_spans[i] if exp.call_spans is not None else ():
+            rewards[i, end - 1] += reward
+        if t.use_kl_in_reward and kl_coef > 0:
+            rewards[i, :len(m)] -= kl_coef * algo.kl_penalty(old[i], ref[i], t.kl_type) * m
+    advantages, returns = gae_advantages(rewards, vals, mask, t.critic.gamma, t.critic.lam)
+    rows = [(advantages[i, :len(s.token_ids)], returns[i, :len(s.token_ids)]) for i, s in enumerate(exp.samples)]
+    valid = mask > 0
+    lengths = [sum(s.loss_mask) for s in exp.samples]
+    return [a for a, _ in rows], [r for _, r in rows], {
+        "samples/trained": n, "samples/tokens": sum(len(s.token_ids) for s in exp.samples),
+        "response/length_mean": mean(lengths), "response/length_max": max(lengths, default=None),
+        "critic/values_mean": float(vals[valid].mean()) if valid.any() else None,
+        "critic/returns_mean": float(returns[valid].mean()) if valid.any() else None,
+        "advantage/abs_mean": float(advantages[valid].abs().mean()) if valid.any() else None,
+    }
+
+
+def mean_token_kl(samples: list[Sample], old, ref, kind: str) -> float | None:
+    """The mean per-token KL to the reference over the trained tokens (what the adaptive controller steers)."""
+    total = count = 0.0
+    for sample, lp, ref_lp in zip(samples, old, ref, strict=True):
+        m = torch.tensor(sample.loss_mask, dtype=lp.dtype)
+        total += float((algo.kl_penalty(lp, ref_lp, kind) * m).sum())
+        count += float(m.sum())
+    return total / count if count else None

@@ -41,15 +41,17 @@ from harness.tasks import read_tasks
 from proxy.config import SamplingOverrides
 from trainer import algorithms as algo
 from trainer.ahead import RolloutsAhead, keep_fresh, plan_steps
-from trainer.checkpoint import find_resume, load, save
+from trainer.checkpoint import check_resume, find_resume, load, save
 from trainer.config import TrainConfig, config_to_dict, run_dir, save_resolved
-from trainer.experience import Experience, experience_of, mean
+from trainer.critic import Critic
+from trainer.experience import Experience, advantages_of, experience_of, gae_of, mean, mean_token_kl
 from trainer.fsdp import Dist, full_state_dict, init_distributed, shard, shutdown
 from trainer.lora import ADAPTER_NAME, adapters_in_use, spec_of, with_adapter
 from trainer.policy import collate, load_policy, micro_batches, token_logprobs
-from trainer.rollout import Rollouts, sampling_seed, start_rollouts
+from trainer.rollout import Rollouts, greedy_baselines, sampling_seed, start_rollouts
 from trainer.schedule import lr_factor, next_tasks
 from trainer.tracking import Tracker
+from trainer.values import adaptive_kl_coef
 from trainer.weight_sync import WeightSync
 
 log = logging.getLogger("harness.train")
@@ -81,12 +83,16 @@ def train(cfg: TrainConfig) -> dict[str, float]:
         reference = shard(load_policy(cfg.model.path, _dtype(cfg), trust_remote_code=cfg.model.trust_remote_code),
                           dist, param_offload=t.fsdp.param_offload or t.fsdp.optimizer_offload).eval()
     pad_id = pad_id_of(cfg.model.path, cfg.model.trust_remote_code)
+    critic = Critic(cfg, dist, total_steps) if t.adv_estimator == "gae" else None  # the value model (GAE)
 
-    start, data_pos = 0, 0
+    start, data_pos, kl_coef = 0, 0, t.kl_coef
     checkpoint = find_resume(out, t.resume)
     if checkpoint is not None:
         state = load(checkpoint, model, optimizer, scheduler, dist)
-        start, data_pos = state["step"], state["data_pos"]
+        check_resume(state, checkpoint, "rl")
+        start, data_pos, kl_coef = state["step"], state["data_pos"], state.get("kl_coef", t.kl_coef)
+        if critic is not None:
+            critic.load(checkpoint)
         log.info("resumed from %s: continuing with step %d", checkpoint, start + 1)
 
     rollouts = sync = tracker = ahead = None
@@ -113,6 +119,8 @@ def train(cfg: TrainConfig) -> dict[str, float]:
             started = time.perf_counter()
             # ------------------------------------------------ 1. episodes, judged and merged (rank 0), to all ranks
             rollout = (ahead.take(step) if ahead else rollouts.collect(step, step_tasks)) if dist.is_main else None
+            if t.adv_estimator == "remax" and dist.is_main:  # the baseline: one greedy episode per task
+                rollout.baselines = greedy_baselines(rollouts, step, step_tasks, cfg)
             experience = broadcast(experience_of(rollout, cfg) if dist.is_main else None, dist)
             metrics = dict(experience.metrics)
             if staleness:  # the step trains weights version step - 1; time/rollout_wait_s: what overlap left
@@ -125,18 +133,30 @@ def train(cfg: TrainConfig) -> dict[str, float]:
             metrics.update(engine_diff)
             metrics["time/logprobs_s"] = time.perf_counter() - t0
 
-            # ------------------------------------------------ 3. advantages per group (KL in the reward, if asked)
-            keep, advantages, adv_metrics = _advantages(experience, old, ref, cfg)
+            # ------------------------------------------------ 3. advantages: per group, or per token from the critic
+            if critic is not None:  # gae: the critic's values before this step's update, then GAE over the tokens
+                values = critic.values(experience.samples, pad_id)
+                keep = list(range(len(experience.samples)))
+                advantages, returns, adv_metrics = gae_of(experience, old, ref, values, cfg, kl_coef)
+            else:
+                keep, advantages, adv_metrics = advantages_of(experience, old, ref, cfg, kl_coef)
             metrics.update(adv_metrics)
             rows = [experience.samples[i] for i in keep]
             old, ref = [old[i] for i in keep], [ref[i] for i in keep]
+            if t.use_kl_in_reward and t.kl_ctrl == "adaptive":  # the next step's coefficient, from this one's KL
+                kl = mean_token_kl(rows, old, ref, t.kl_type) if rows else None
+                metrics["actor/kl_coef"] = kl_coef
+                kl_coef = kl_coef if kl is None else adaptive_kl_coef(kl_coef, kl, t.kl_target, t.kl_horizon, len(rows))
 
-            # ------------------------------------------------ 4. PPO epochs over mini-batches
+            # ------------------------------------------------ 4. PPO epochs over mini-batches (the critic's too)
             t0 = time.perf_counter()
             tasks_of_rows = [experience.task(experience.unit(i)) for i in keep]
-            update = _update(model, optimizer, rows, tasks_of_rows, advantages, old, ref, pad_id, cfg, dist)
+            if critic is not None:
+                metrics.update(critic.update(rows, tasks_of_rows, returns, values, pad_id))
+            if critic is None or step > t.critic.warmup_steps:  # the critic's warm-up: only the critic learns
+                metrics.update(_update(model, optimizer, rows, tasks_of_rows, advantages, old, ref, pad_id, cfg,
+                                       dist))
             scheduler.step()
-            metrics.update(update)
             metrics["actor/lr"] = scheduler.get_last_lr()[0]
             metrics["time/train_s"] = time.perf_counter() - t0
 
@@ -153,7 +173,10 @@ def train(cfg: TrainConfig) -> dict[str, float]:
                     metrics.update(validate(rollouts, step, val_tasks, cfg) if dist.is_main else {})
             if (t.save_freq and step % t.save_freq == 0) or step == total_steps:
                 t0 = time.perf_counter()
-                save(out, step, model, optimizer, scheduler, {"data_pos": data_pos}, dist)
+                resume_state = {"mode": "rl", "data_pos": data_pos, "kl_coef": kl_coef}
+                save(out, step, model, optimizer, scheduler, resume_state, dist)
+                if critic is not None:
+                    critic.save(out, step)
                 metrics["time/checkpoint_s"] = time.perf_counter() - t0
             metrics["time/step_s"] = time.perf_counter() - started
             log_metrics(tracker, step, metrics)
@@ -222,42 +245,6 @@ def _dtype(cfg: TrainConfig) -> torch.dtype:
 # ---------------------------------------------------------------------------------------------- the step's parts
 
 
-def _advantages(exp: Experience, old, ref, cfg: TrainConfig) -> tuple[list[int], list[float], dict[str, float]]:
-    """Each episode's advantage against its group, given to its samples; the samples to train (indices).
-
-    With `use_kl_in_reward`, an episode's reward first loses kl_coef x its summed KL to the reference over all its
-    sampled tokens (verl's token-level KL penalty, summed as the outcome estimators do)."""
-    t = cfg.trainer
-    rewards = dict(exp.rewards)
-    if t.use_kl_in_reward and t.kl_coef > 0:
-        for i, (sample, lp, ref_lp) in enumerate(zip(exp.samples, old, ref, strict=True)):
-            mask = torch.tensor(sample.loss_mask, dtype=lp.dtype)
-            kl = float((algo.kl_penalty(lp, ref_lp, t.kl_type) * mask).sum())
-            rewards[exp.unit(i)] -= t.kl_coef * kl
-    episodes = list(rewards)
-    values = torch.tensor([rewards[e] for e in episodes], dtype=torch.float64)
-    adv = algo.outcome_advantages(values, [exp.groups[e] for e in episodes], t.adv_estimator) if episodes else []
-    advantage = dict(zip(episodes, (float(a) for a in adv), strict=True))
-    by_group: dict[str, list[float]] = {}
-    for e in episodes:
-        by_group.setdefault(exp.groups[e], []).append(rewards[e])
-    flat = {g for g, rs in by_group.items() if len(rs) < 2 or max(rs) - min(rs) < 1e-12}
-    keep_flat = (t.kl_coef > 0 and not t.use_kl_in_reward) or t.entropy_coef > 0
-    keep = [i for i in range(len(exp.samples)) if keep_flat or exp.groups[exp.unit(i)] not in flat]
-    advantages: list = [advantage[exp.unit(i)] for i in keep]
-    if exp.call_spans is not None:  # per-call rewards: normalised over the group's calls, on each call's tokens
-        keep = [i for i in range(len(exp.samples)) if keep_flat or exp.groups[exp.unit(i)] not in flat
-                or exp.call_spans[i]]
-        advantages = _with_call_advantages(exp, keep, advantage, t.adv_estimator)
-    lengths = [sum(exp.samples[i].loss_mask) for i in keep]
-    return keep, advantages, {
-        "groups/total": len(by_group), "groups/zero_variance": len(flat),
-        "samples/trained": len(keep), "samples/tokens": sum(len(exp.samples[i].token_ids) for i in keep),
-        "response/length_mean": mean(lengths), "response/length_max": max(lengths, default=None),
-        "advantage/mean": mean(advantages), "advantage/abs_mean": mean([abs(a) for a in advantages]),
-    }
-
-
 @torch.no_grad()
 def _score_rows(model, reference, rows: list[Sample], pad_id: int, cfg: TrainConfig):
     """The trainer's logprobs of every row at the rollout weights (and the reference's), and how far the
@@ -280,29 +267,6 @@ def _score_rows(model, reference, rows: list[Sample], pad_id: int, cfg: TrainCon
                 ref[i] = ref_lp[row, :n]
     return old, ref, {"logprob/engine_max_abs_diff": worst if count else None,
                       "logprob/engine_mean_abs_diff": total / count if count else None}
-
-
-def _with_call_advantages(exp: Experience, keep: list[int], outcome: dict[str, float], estimator: str) -> list:
-    """Per-token advantages: the episode's outcome advantage on every sampled token, plus each scored call's
-    advantage (its reward against the other scored calls of its group, with the same estimator) on its tokens.
-    A call that appears in several samples of an episode (a shared prefix) counts once."""
-    calls: dict[tuple[str, int, int], tuple[float, str]] = {}
-    for i, spans in enumerate(exp.call_spans):
-        unit = exp.unit(i)
-        for start, end, reward in spans:
-            calls.setdefault((unit, start, end), (reward, exp.groups[unit]))
-    keys = list(calls)
-    values = torch.tensor([calls[k][0] for k in keys], dtype=torch.float64)
-    call_adv = dict(zip(keys, algo.outcome_advantages(values, [calls[k][1] for k in keys], estimator).tolist(),
-                        strict=True)) if keys else {}
-    out = []
-    for i in keep:
-        sample, unit = exp.samples[i], exp.unit(i)
-        tokens = torch.tensor(sample.loss_mask, dtype=torch.float32) * outcome.get(unit, 0.0)
-        spans = [(s, e, call_adv[(unit, s, e)]) for s, e, _ in exp.call_spans[i]]
-        out.append(tokens + algo.call_reward_tokens(len(sample.token_ids), spans, at="spread")
-                   * torch.tensor(sample.loss_mask, dtype=torch.float32))
-    return out
 
 
 def _update(model, optimizer, rows, tasks_of_rows, advantages, old, ref, pad_id: int, cfg: TrainConfig,

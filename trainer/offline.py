@@ -23,11 +23,14 @@ every training sample's trained tokens, before the first step and after each epo
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import random
 import time
 import uuid
 
+import duckdb
 import torch
 
 import harness
@@ -35,7 +38,7 @@ from harness.records import Sample
 from harness.store import Store
 from harness.tasks import read_tasks
 from trainer import algorithms as algo
-from trainer.checkpoint import find_resume, load, save, save_hf
+from trainer.checkpoint import check_resume, find_resume, load, save, save_hf
 from trainer.config import Mode, TrainConfig, config_to_dict, run_dir, save_resolved
 from trainer.fsdp import Dist, full_state_dict, init_distributed
 from trainer.loop import (
@@ -52,6 +55,7 @@ from trainer.loop import (
     wind_down,
 )
 from trainer.lora import save_adapter
+from trainer.offline_data import OfflineData, OfflineDataError
 from trainer.policy import collate, micro_batches, token_logprobs
 from trainer.rollout import start_rollouts
 
@@ -70,31 +74,42 @@ def train_offline(cfg: TrainConfig, mode: Mode) -> dict[str, float]:
     if dist.is_main:
         out.mkdir(parents=True, exist_ok=True)
         save_resolved(cfg)
-    data = broadcast(_samples(cfg, mode) if dist.is_main else None, dist)
+    data = broadcast(_samples_or_error(cfg, mode) if dist.is_main else None, dist)
+    if isinstance(data, Exception):  # on every rank, so each ends with the same clear error
+        raise data
     samples, advantages = data.samples, data.advantages
+    _ignored(cfg)
     val_tasks = read_tasks(cfg.data.validation, split=cfg.data.validation_split,
                            limit=cfg.data.validation_limit) if cfg.data.validation else []
     plan = _batches(len(samples), o.batch_size, o.epochs, t.seed)
     total_steps = len(plan)
     model, optimizer, scheduler = policy_and_optimizer(cfg, dist, total_steps)
     pad_id = pad_id_of(cfg.model.path, cfg.model.trust_remote_code)
-    start = 0
+    start, fingerprint = 0, _fingerprint(mode, samples, cfg)
     checkpoint = find_resume(out, t.resume)
     if checkpoint is not None:
-        start = load(checkpoint, model, optimizer, scheduler, dist)["step"]
+        state = load(checkpoint, model, optimizer, scheduler, dist)
+        check_resume(state, checkpoint, mode, fingerprint)
+        start = state["step"]
         log.info("resumed from %s: continuing with step %d of %d", checkpoint, start + 1, total_steps)
 
     rollouts = sync = tracker = store = None
     if dist.is_main:
-        if val_tasks:  # the agent validates the trained weights on the engine
-            rollouts = start_rollouts(cfg, out)
-            sync = weight_sync(rollouts, cfg, out)
-            tracker = tracker_for(rollouts.store, rollouts.run_id, cfg)
-        else:  # metrics only
-            store = Store.open(out / "harness.duckdb")
-            run_id = f"{mode.replace('_', '-')}-{uuid.uuid4().hex[:12]}"
-            store.start_run(run_id, config_to_dict(cfg), harness.__version__)
-            tracker = tracker_for(store, run_id, cfg)
+        try:
+            if val_tasks:  # the agent validates the trained weights on the engine
+                rollouts = start_rollouts(cfg, out)
+                sync = weight_sync(rollouts, cfg, out)
+                tracker = tracker_for(rollouts.store, rollouts.run_id, cfg)
+            else:  # metrics only
+                store = Store.open(out / "harness.duckdb")
+                run_id = f"{mode.replace('_', '-')}-{uuid.uuid4().hex[:12]}"
+                store.start_run(run_id, {"command": mode, "model": cfg.model.path,
+                                         "offline": config_to_dict(cfg)["offline"]}, harness.__version__)
+                tracker = tracker_for(store, run_id, cfg)
+        except duckdb.IOException as exc:  # another process (a proxy still recording?) holds the file
+            raise OfflineDataError(f"can't write this run's metrics into {str(out / 'harness.duckdb')!r}: {exc}. "
+                                   "Stop the process that holds it, or give this run another experiment_name (and "
+                                   "--db for the recorded run)") from None
         log.info("%s: %d samples, %d steps (%d epochs of batches of %d), curve at %s", mode, len(samples),
                  total_steps, o.epochs, o.batch_size, out / "curve.png")
     if start > 0 and sync is not None:  # the engine serves the checkpoint's weights
@@ -136,7 +151,7 @@ def train_offline(cfg: TrainConfig, mode: Mode) -> dict[str, float]:
                 metrics.update(push_weights(model, sync, dist, version=step))
                 metrics.update(validate(rollouts, step, val_tasks, cfg) if dist.is_main else {})
             if (t.save_freq and step % t.save_freq == 0) or last:
-                save(out, step, model, optimizer, scheduler, {}, dist)
+                save(out, step, model, optimizer, scheduler, {"mode": mode, "plan": fingerprint}, dist)
             metrics["time/step_s"] = time.perf_counter() - started
             log_metrics(tracker, step, metrics)
         state = full_state_dict(model, dist)  # a collective
@@ -148,11 +163,48 @@ def train_offline(cfg: TrainConfig, mode: Mode) -> dict[str, float]:
     finally:
         wind_down(tracker, rollouts)
         if store is not None:
+            store.end_run(run_id)
             store.close()
     return metrics
 
 
 # ---------------------------------------------------------------------------------------------- the parts
+
+
+def _samples_or_error(cfg: TrainConfig, mode: Mode):
+    """The samples (_samples), or the error that says why there are none."""
+    from harness.tasks import TaskError
+    from trainer.chat_data import ChatDataError
+
+    try:
+        return _samples(cfg, mode)
+    except (OfflineDataError, ChatDataError, TaskError) as exc:
+        return exc
+
+
+def check_data(cfg: TrainConfig, mode: Mode) -> str | None:
+    """What is wrong with the offline data, or None: for the launcher of a multi-rank run, before the ranks start."""
+    found = _samples_or_error(cfg, mode)
+    return str(found) if isinstance(found, Exception) else None
+
+
+def _fingerprint(mode: str, samples: list[Sample], cfg: TrainConfig) -> str:
+    """What a checkpoint must have been trained on to be continued: the samples, their order's seed and batching."""
+    o = cfg.offline
+    items = [mode, o.epochs, o.batch_size, cfg.trainer.seed, [(s.episode_id, s.token_ids) for s in samples]]
+    return hashlib.sha256(json.dumps(items).encode()).hexdigest()[:16]
+
+
+def _ignored(cfg: TrainConfig) -> None:
+    """Say which keys of an RL config offline training does not use, when they are set."""
+    t = cfg.trainer
+    unused = [name for name, value, default in (("trainer.total_steps", t.total_steps, None),
+                                                  ("trainer.ppo_epochs", t.ppo_epochs, 1),
+                                                  ("trainer.mini_batch_size", t.mini_batch_size, None),
+                                                  ("trainer.tis_cap", t.tis_cap, None)) if value != default]
+    if unused:
+        log.info("offline training does not use %s: offline.epochs and offline.batch_size decide the steps, and pg's "
+                 "ratio is against the stored sampling logprobs", ", ".join(unused))
 
 
 def _samples(cfg: TrainConfig, mode: Mode):
@@ -164,7 +216,6 @@ def _samples(cfg: TrainConfig, mode: Mode):
     from transformers import AutoTokenizer
 
     from trainer.chat_data import chat_samples, read_chat_records
-    from trainer.offline_data import OfflineData, OfflineDataError
 
     o = cfg.offline
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)
@@ -225,7 +276,8 @@ def _step(model, rows: list[Sample], advantages: list[float], weights: list[torc
         else:
             loss = nll
         (loss * dist.world).backward()  # FSDP averages gradients over ranks: undo it, the weights are global
-        _add(stats, "offline/nll", nll.item())
+        if loss_kind == "sft":  # (pg scores at rollout.temperature: offline/data_nll is its NLL at temperature 1)
+            _add(stats, "offline/nll", nll.item())
     return {**_summed(stats, dist), "offline/tokens": float(batch_tokens)}
 
 

@@ -30,7 +30,7 @@ from harness.export import ExportError, episodes, group_of
 from harness.merge import merge_episode
 from harness.records import ENGINE, FINISHED, NONE, RETOKENIZED, Sample
 from harness.sql import Reader, SqlError
-from harness.store import EPISODE_CALLS, calls_of
+from harness.store import EPISODE_CALLS_NO_BODIES, calls_of
 from trainer import algorithms as algo
 from trainer.config import TrainConfig, run_dir
 from trainer.experience import trains
@@ -57,46 +57,33 @@ def database_of(cfg: TrainConfig) -> Path:
 
 
 def recorded_samples(cfg: TrainConfig) -> OfflineData:
-    """The samples of offline.run that offline.where chooses, each with its advantage (see the module docstring)."""
+    """The samples of offline.run that offline.where chooses, each with its advantage (see the module docstring).
+    Calls are read and merged a batch of episodes at a time, without their request and response bodies."""
     o = cfg.offline
     db = database_of(cfg)
-    try:
-        with Reader(db) as reader:
-            chosen = episodes(reader, o.run, o.where)
-            everyone = episodes(reader, o.run) if o.where and o.loss == "pg" else chosen
-            calls = {}
-            ids = [e["episode_id"] for e in chosen]
-            for start in range(0, len(ids), _BATCH):
-                result = reader.query(EPISODE_CALLS, [ids[start:start + _BATCH]])
-                calls.update(calls_of(result.columns, result.rows))
-    except (ExportError, SqlError) as exc:
-        raise OfflineDataError(f"offline.run {o.run!r} in {str(db)!r}: {exc}") from None
-    if not chosen:
-        raise OfflineDataError(f"offline.where {o.where!r} keeps none of run {o.run!r}'s episodes: loosen it "
-                               "(harness sql shows the run's rewards in episode_summary and judgements)")
-
     sources = (ENGINE, RETOKENIZED) if o.allow_retokenized else (ENGINE,)
-    advantage = _advantages(everyone, cfg) if o.loss == "pg" else {e["episode_id"]: 1.0 for e in chosen}
     samples, advantages = [], []
     counts = {"text_only_calls": 0, "retokenized_calls_left_out": 0, "frozen_role_samples": 0,
               "no_signal_samples": 0, "unjudged_episodes": 0}
-    for e in chosen:
-        episode_calls = calls.get(e["episode_id"], [])
-        counts["text_only_calls"] += sum(c.token_source == NONE for c in episode_calls)
-        counts["retokenized_calls_left_out"] += sum(c.token_source == RETOKENIZED and RETOKENIZED not in sources
-                                                    for c in episode_calls)
-        if e["episode_id"] not in advantage:
-            counts["unjudged_episodes"] += 1
-            continue
-        by_id = {c.call_id: c for c in episode_calls}
-        for sample in merge_episode(episode_calls, sources).samples:
-            if not trains(cfg, by_id[sample.call_ids[0]].extra.get("role")):
-                counts["frozen_role_samples"] += 1
-            elif advantage[e["episode_id"]] == 0.0:
-                counts["no_signal_samples"] += 1
+    try:
+        with Reader(db) as reader:
+            chosen = episodes(reader, o.run, o.where)
+            if not chosen:
+                raise OfflineDataError(f"offline.where {o.where!r} keeps none of run {o.run!r}'s episodes: loosen it "
+                                       "(harness sql shows the run's rewards in episode_summary and judgements)")
+            if o.loss == "pg":
+                advantage = _advantages(episodes(reader, o.run) if o.where else chosen, cfg)
             else:
-                samples.append(sample)
-                advantages.append(advantage[e["episode_id"]])
+                advantage = {e["episode_id"]: 1.0 for e in chosen}
+            for start in range(0, len(chosen), _BATCH):
+                ids = [e["episode_id"] for e in chosen[start:start + _BATCH]]
+                result = reader.query(EPISODE_CALLS_NO_BODIES, [ids])
+                calls = calls_of(result.columns, result.rows)
+                for episode_id in ids:
+                    _merge_into(samples, advantages, counts, calls.get(episode_id, []), advantage.get(episode_id),
+                                sources, cfg)
+    except (ExportError, SqlError) as exc:
+        raise OfflineDataError(f"offline.run {o.run!r} in {str(db)!r}: {exc}") from None
     if not samples:
         raise OfflineDataError(_nothing_to_train(o, len(chosen), counts))
     metrics = {"offline/episodes": len(chosen), "offline/samples": len(samples),
@@ -106,6 +93,26 @@ def recorded_samples(cfg: TrainConfig) -> OfflineData:
     log.info("run %s: %d of its episodes chosen, %d samples to train%s", o.run, len(chosen), len(samples),
              f"; left out: {left}" if left else "")
     return OfflineData(samples, advantages, metrics)
+
+
+def _merge_into(samples: list[Sample], advantages: list[float], counts: dict[str, int], calls: list,
+                advantage: float | None, sources: tuple[str, ...], cfg: TrainConfig) -> None:
+    """One episode's calls merged, its samples that train appended with its advantage; what is left out, counted."""
+    counts["text_only_calls"] += sum(c.token_source == NONE for c in calls)
+    counts["retokenized_calls_left_out"] += sum(c.token_source == RETOKENIZED and RETOKENIZED not in sources
+                                                for c in calls)
+    if advantage is None:
+        counts["unjudged_episodes"] += 1
+        return
+    by_id = {c.call_id: c for c in calls}
+    for sample in merge_episode(calls, sources).samples:
+        if not trains(cfg, by_id[sample.call_ids[0]].extra.get("role")):
+            counts["frozen_role_samples"] += 1
+        elif advantage == 0.0:
+            counts["no_signal_samples"] += 1
+        else:
+            samples.append(sample)
+            advantages.append(advantage)
 
 
 def _advantages(all_episodes: list[dict], cfg: TrainConfig) -> dict[str, float]:

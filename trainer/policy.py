@@ -153,13 +153,16 @@ def token_logprobs(model, batch: Batch, temperature: float = 1.0, with_entropy: 
     skips the output layer there: agent prompts are mostly context). A temperature of 0 means greedy sampling,
     whose logprobs vLLM reports from the unscaled logits: it counts as 1 here too.
 
-    The output layer runs on at most `chunk_tokens` positions at a time (see the module docstring).
+    The output layer runs on at most `chunk_tokens` positions at a time (see the module docstring). The model runs
+    where its parameters are; the results come back on the device `batch` is on (the loop's masks, weights and old
+    logprobs are there: on a GPU machine the batch stays in CPU memory and only the forward runs on the GPU).
     """
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature!r}")
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be a positive number of positions, got {chunk_tokens!r}")
     scale = 1.0 / temperature if temperature > 0 else 1.0
+    home = batch.token_ids.device
     batch = batch.to(_device_of(model))
     # Position t is predicted from the output at t - 1: select the predicting positions once, for both paths.
     keep = (batch.loss_mask[:, 1:] > 0) if loss_only else (batch.attention_mask[:, 1:] > 0)
@@ -182,8 +185,8 @@ def token_logprobs(model, batch: Batch, temperature: float = 1.0, with_entropy: 
                 pieces.append(checkpoint(_score, *args, use_reentrant=False))
             else:
                 pieces.append(_score(*args))
-    logprobs = _place(batch, keep, [p[0] for p in pieces])
-    entropy = _place(batch, keep, [p[1] for p in pieces]) if with_entropy else None
+    logprobs = _place(batch, keep, [p[0] for p in pieces]).to(home)
+    entropy = _place(batch, keep, [p[1] for p in pieces]).to(home) if with_entropy else None
     return logprobs, entropy
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from harness.engine import Engine, attach, start_vllm
 from harness.merge import Merged, merge_episode
-from harness.records import Call, EpisodeOutcome, Judgement, Sample, Task
+from harness.records import FINISHED, Call, EpisodeOutcome, Judgement, Sample, Task
 from harness.run import summarise_merges
 from harness.runner import RunConfig, Runner
 from harness.store import Store
@@ -53,6 +53,7 @@ class StepRollout:
     episodes: list[EpisodeResult]
     timings: dict[str, float]  # rollout_s (agents, judges included), judge_s (summed waits), merge_s
     merge: dict  # merge summary: ratio, drift rate, reasons (harness.run.summarise_merges)
+    baselines: dict[str, float] | None = None  # remax: task -> its greedy episode's reward (greedy_baselines)
 
 
 class Rollouts:
@@ -183,6 +184,15 @@ def start_rollouts(cfg: TrainConfig, out: Path) -> Rollouts:
         for e in (engine, *more):
             e.stop()
         raise
+
+
+def greedy_baselines(rollouts: Rollouts, step: int, tasks: list[Task], cfg: TrainConfig) -> dict[str, float]:
+    """ReMax's baselines: each task's reward when the policy decodes greedily, one episode per task (recorded as
+    run `<run>-greedy<step>`); a task whose greedy episode failed or was not judged has none."""
+    r = cfg.rollout
+    greedy = rollouts.collect(step, tasks, tag="greedy", repeat=1, sampling=SamplingOverrides(
+        temperature=0.0, top_p=1.0, max_tokens_cap=r.max_tokens, seed=sampling_seed(cfg)))
+    return {e.task_id: e.reward for e in greedy.episodes if e.status == FINISHED and e.reward is not None}
 
 
 def run_config(cfg: TrainConfig) -> RunConfig:

@@ -32,7 +32,8 @@ _KL_TYPES = {"k1": "kl", "k2": "mse", "k3": "low_var_kl", "abs": "abs"}
 # our advantage estimators: (verl's adv_estimator, norm_adv_by_std_in_grpo)
 _ESTIMATORS = {"grpo": ("grpo", True), "grpo_no_std": ("grpo", False), "drgrpo": ("grpo", False),
                "rloo": ("rloo", True), "reinforce_pp": ("reinforce_plus_plus", True),
-               "reinforce_pp_baseline": ("reinforce_plus_plus_baseline", True)}
+               "reinforce_pp_baseline": ("reinforce_plus_plus_baseline", True), "gae": ("gae", True),
+               "remax": ("remax", True)}
 
 
 def require_verl() -> None:
@@ -199,6 +200,23 @@ def verl_config(cfg: TrainConfig, files: VerlFiles):
     algorithm.use_kl_in_reward = t.use_kl_in_reward
     algorithm.kl_penalty = _KL_TYPES[t.kl_type]
     algorithm.kl_ctrl.kl_coef = t.kl_coef
+    algorithm.kl_ctrl.type = t.kl_ctrl
+    algorithm.kl_ctrl.target_kl = t.kl_target
+    algorithm.kl_ctrl.horizon = t.kl_horizon
+    if t.adv_estimator == "gae":  # verl's critic: the policy's architecture with a value head, as ours
+        critic = c.critic
+        critic.enable = True
+        critic.model.path = t.critic.model_path or cfg.model.path
+        critic.model.trust_remote_code = cfg.model.trust_remote_code
+        critic.optim.lr = t.critic.lr
+        critic.cliprange_value = t.critic.cliprange_value if t.critic.cliprange_value is not None else 1e9
+        critic.ppo_epochs = t.ppo_epochs
+        critic.ppo_mini_batch_size = t.mini_batch_size or r.batch_size
+        critic.ppo_micro_batch_size_per_gpu = v.micro_batch_size_per_gpu
+        critic.loss_agg_mode = t.loss_agg_mode
+        algorithm.gamma = t.critic.gamma
+        algorithm.lam = t.critic.lam
+        c.trainer.critic_warmup = t.critic.warmup_steps
     if t.tis_cap is not None:
         algorithm.rollout_correction.rollout_is = "token"
         algorithm.rollout_correction.rollout_is_threshold = t.tis_cap
