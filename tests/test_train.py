@@ -297,3 +297,60 @@ def test_asynchronous_rollouts_learn_and_train_nothing_staler_than_the_bound(eng
                        FROM calls c JOIN episode_outcomes o USING (episode_id))
         SELECT count(*) FROM spans v JOIN spans t ON v.val AND NOT t.val AND v.s < t.e AND t.s < v.e""")
     assert overlapping == [(0,)]  # no training call ran during validation (which samples otherwise)
+
+
+def _train_terse(engine, tiny_model_dir, tmp_path, *overrides: str) -> Path:
+    """`harness train examples/train/terse.yaml` on the session engine (its weights restored after); the run's db."""
+    try:
+        out = subprocess.run([sys.executable, "-m", "harness.cli", "train", str(ROOT / "examples/train/terse.yaml"),
+                              f"--set=model.path={tiny_model_dir}", f"--set=rollout.engine.url={engine.base_url}",
+                              f"--set=logging.run_dir={tmp_path}", "--set=logging.console=false",
+                              "--set=logging.curve_png=false", "--set=rollout.seed=0", f"--set={FAST}",
+                              *(f"--set={o}" for o in overrides)], capture_output=True, text=True, timeout=900)
+    finally:
+        WeightSync(engine.base_url, tmp_path / "restore").load(tiny_model_dir, 0)
+    assert out.returncode == 0, out.stderr[-4000:]
+    return tmp_path / "terse" / "harness.duckdb"
+
+
+def _rewards_by_step(db: Path) -> dict[int, list[float]]:
+    rows = db_rows(db, "SELECT CAST(split_part(run_id, '-train', 2) AS INTEGER), reward FROM rewards "
+                   "WHERE run_id LIKE '%-train%' AND reward IS NOT NULL")
+    out: dict[int, list[float]] = {}
+    for step, reward in rows:
+        out.setdefault(step, []).append(reward)
+    return out
+
+
+def test_gae_with_a_critic_learns_the_demo_task(engine, tiny_model_dir, tmp_path):
+    """adv_estimator gae: the critic starts at 0 (its head is zero), learns the returns, and its advantages teach
+    the policy; with critic.warmup_steps 1 the first step trains the critic alone."""
+    db = _train_terse(engine, tiny_model_dir, tmp_path, "trainer.adv_estimator=gae", "trainer.critic.lr=1e-3",
+                      "trainer.critic.warmup_steps=1", "trainer.total_steps=5")
+    metrics = dict(((s, n), v) for s, n, v in db_rows(db, "SELECT step, name, value FROM metrics"))
+    assert metrics[(1, "critic/values_mean")] == 0.0
+    assert (1, "actor/pg_loss") not in metrics and (2, "actor/pg_loss") in metrics  # the warm-up: critic only
+    assert metrics[(5, "critic/values_mean")] > 0.5 * metrics[(5, "critic/returns_mean")] > 0
+    assert (tmp_path / "terse" / "critic" / "checkpoints" / "step_5").is_dir()
+    rewards = _rewards_by_step(db)
+    assert len(rewards[1]) == len(rewards[5]) == 16
+    assert rewards.keys() == set(range(1, 6))
+    t = _welch_t(rewards[1] + rewards[2], rewards[5])
+    assert t > 3.0, f"{statistics.mean(rewards[1]):.3f} -> {statistics.mean(rewards[5]):.3f}, Welch t = {t:.2f}"
+
+
+def test_remax_learns_the_demo_task_against_greedy_episodes(engine, tiny_model_dir, tmp_path):
+    """adv_estimator remax: each step also runs every task once greedily (recorded as <run>-greedy<step>), and a
+    sample's advantage is its reward minus its task's greedy reward."""
+    db = _train_terse(engine, tiny_model_dir, tmp_path, "trainer.adv_estimator=remax", "trainer.lr=3e-2",
+                      "trainer.total_steps=5")
+    greedy = db_rows(db, "SELECT split_part(o.run_id, '-greedy', 2), o.task_id, r.reward FROM episode_outcomes o "
+                     "JOIN rewards r USING (episode_id) WHERE o.run_id LIKE '%-greedy%'")
+    assert len(greedy) == 5 * 4 and len({(s, task) for s, task, _ in greedy}) == 20  # one per task and step
+    metrics = dict(((s, n), v) for s, n, v in db_rows(db, "SELECT step, name, value FROM metrics"))
+    for step in range(1, 6):
+        baseline = statistics.mean(r for s, _, r in greedy if int(s) == step)
+        assert metrics[(step, "remax/baseline_mean")] == pytest.approx(baseline)
+    rewards = _rewards_by_step(db)
+    t = _welch_t(rewards[1], rewards[4] + rewards[5])
+    assert t > 3.0, f"{statistics.mean(rewards[1]):.3f} -> {statistics.mean(rewards[5]):.3f}, Welch t = {t:.2f}"
