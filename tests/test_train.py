@@ -22,6 +22,7 @@ import pytest
 from harness.sql import run_sql
 from proxy.scripted import Script
 from tests.support import ScriptedUpstream, db_rows
+from trainer.values import adaptive_kl_coef
 from trainer.weight_sync import WeightSync
 
 pytestmark = pytest.mark.engine
@@ -326,8 +327,17 @@ def test_gae_with_a_critic_learns_the_demo_task(engine, tiny_model_dir, tmp_path
     """adv_estimator gae: the critic starts at 0 (its head is zero), learns the returns, and its advantages teach
     the policy; with critic.warmup_steps 1 the first step trains the critic alone."""
     db = _train_terse(engine, tiny_model_dir, tmp_path, "trainer.adv_estimator=gae", "trainer.critic.lr=1e-3",
-                      "trainer.critic.warmup_steps=1", "trainer.total_steps=5")
+                      "trainer.critic.warmup_steps=1", "trainer.total_steps=5", "trainer.kl_coef=0.001",
+                      "trainer.use_kl_in_reward=true", "trainer.kl_ctrl=adaptive", "trainer.kl_target=0.01",
+                      "trainer.kl_horizon=64")
     metrics = dict(((s, n), v) for s, n, v in db_rows(db, "SELECT step, name, value FROM metrics"))
+    # the adaptive KL controller: each step's coefficient follows from the one before and the KL it measured
+    assert metrics[(1, "actor/kl_coef")] == pytest.approx(0.001)
+    for step in range(1, 5):
+        want = adaptive_kl_coef(metrics[(step, "actor/kl_coef")], metrics[(step, "actor/kl_in_reward")], 0.01, 64,
+                                int(metrics[(step, "samples/trained")]))
+        assert metrics[(step + 1, "actor/kl_coef")] == pytest.approx(want)
+    assert metrics[(5, "actor/kl_coef")] != pytest.approx(0.001)
     assert metrics[(1, "critic/values_mean")] == 0.0
     assert (1, "actor/pg_loss") not in metrics and (2, "actor/pg_loss") in metrics  # the warm-up: critic only
     assert metrics[(5, "critic/values_mean")] > 0.5 * metrics[(5, "critic/returns_mean")] > 0

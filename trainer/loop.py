@@ -145,7 +145,7 @@ def train(cfg: TrainConfig) -> dict[str, float]:
             old, ref = [old[i] for i in keep], [ref[i] for i in keep]
             if t.use_kl_in_reward and t.kl_ctrl == "adaptive":  # the next step's coefficient, from this one's KL
                 kl = mean_token_kl(rows, old, ref, t.kl_type) if rows else None
-                metrics["actor/kl_coef"] = kl_coef
+                metrics.update({"actor/kl_coef": kl_coef, "actor/kl_in_reward": kl})
                 kl_coef = kl_coef if kl is None else adaptive_kl_coef(kl_coef, kl, t.kl_target, t.kl_horizon, len(rows))
 
             # ------------------------------------------------ 4. PPO epochs over mini-batches (the critic's too)
