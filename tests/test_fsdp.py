@@ -206,3 +206,56 @@ def test_dist_is_a_frozen_record():
     dist = Dist(rank=0, world=1, local_rank=0, device=torch.device("cpu"), is_main=True)
     with pytest.raises(dataclasses.FrozenInstanceError):
         dist.rank = 1
+
+
+CRITIC_WORKER = textwrap.dedent(
+    '''
+    import random
+    import sys
+
+    import torch
+
+    from harness.records import Sample
+    from trainer.config import load_config
+    from trainer.critic import Critic
+    from trainer.fsdp import full_state_dict, init_distributed, shutdown
+
+    model_dir, out, config = sys.argv[1], sys.argv[2], sys.argv[3]
+    cfg = load_config(config, [f"model.path={model_dir}", "trainer.adv_estimator=gae", "trainer.critic.lr=1e-2",
+                               "trainer.ppo_epochs=2", "rollout.batch_size=2", "trainer.micro_batch_tokens=24"])
+    dist = init_distributed(device="cpu")
+    torch.manual_seed(0)
+    critic = Critic(cfg, dist, total_steps=10)
+    rng = random.Random(0)
+    rows = []
+    for i in range(5):  # 5 rows: rank 0 gets 3, rank 1 gets 2, in micro-batches of 24 tokens
+        n = 8 + 3 * i
+        mask = [0] * 3 + [rng.choice((0, 1)) for _ in range(n - 4)] + [1]
+        rows.append(Sample(f"e{i}", "r", [], [], [rng.randrange(2000) for _ in range(n)], mask, [0.0] * n))
+    returns = [torch.tensor(r.loss_mask, dtype=torch.float32) * (1.0 if i % 2 else -0.5) for i, r in enumerate(rows)]
+    values = critic.values(rows, 0)
+    stats = critic.update(rows, [f"task{i % 2}" for i in range(5)], returns, values, 0)
+    after = critic.values(rows, 0)
+    state = full_state_dict(critic.model, dist)
+    if dist.is_main:
+        torch.save({"stats": stats, "state": state, "after": after}, out)
+    shutdown()
+    '''
+)
+
+
+def test_the_critic_on_two_fsdp_ranks_makes_the_update_of_one_process(tmp_path, tiny_model_dir, monkeypatch):
+    import torch
+
+    script = tmp_path / "critic_worker.py"
+    script.write_text(CRITIC_WORKER)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    config = str(ROOT / "examples/train/terse.yaml")
+    assert launch(2, [str(script), str(tiny_model_dir), str(tmp_path / "two.pt"), config]) == 0
+    assert launch(1, [str(script), str(tiny_model_dir), str(tmp_path / "one.pt"), config]) == 0
+    two, one = (torch.load(tmp_path / name, weights_only=True) for name in ("two.pt", "one.pt"))
+    assert two["stats"]["critic/vf_loss"] == pytest.approx(one["stats"]["critic/vf_loss"], rel=1e-5)
+    assert one["stats"]["critic/vf_loss"] > 0
+    assert _max_rel(two["state"], one["state"]) <= 1e-5
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(two["after"], one["after"], strict=True))
+    assert any(v.abs().max() > 0 for v in one["after"])  # the zero head learned something

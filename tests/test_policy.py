@@ -118,6 +118,25 @@ def test_gradients_through_checkpointed_chunks_equal_the_plain_ones(policy):
     policy.zero_grad()
 
 
+def test_activations_kept_in_cpu_memory_give_the_same_gradients(policy):
+    """model.activation_offload: what the backward needs waits in CPU memory (torch's save_on_cpu); the arithmetic
+    is the same. (On this CPU-only machine the tensors were in CPU memory already: the path is what is tested.)"""
+    batch = collate([sample("a", 3, 6, first_id=100), sample("b", 2, 2, first_id=700)], pad_id=0)
+    grads, seen = [], []
+    for offload in (False, True):
+        policy.zero_grad()
+        packed = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t, seen=packed: seen.append(1) or t, lambda t: t):
+            logprobs, _ = token_logprobs(policy, batch, 0.7, loss_only=True, offload_activations=offload)
+        (logprobs * batch.loss_mask).sum().backward()
+        grads.append({n: p.grad.clone() for n, p in policy.named_parameters()})
+        seen.append(len(packed))
+    assert seen[0] > 0 and seen[1] < seen[0] / 2  # offloaded: save_on_cpu's own hooks took the decoder's tensors
+    for name in grads[0]:
+        assert torch.equal(grads[0][name], grads[1][name]), name
+    policy.zero_grad()
+
+
 # --- parity with the engine (engine tier) ----------------------------------------------------------------------------
 
 

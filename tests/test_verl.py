@@ -116,6 +116,17 @@ def test_gae_remax_and_the_adaptive_kl_controller_translate_to_verl_s_own(tmp_pa
     assert (a.kl_ctrl.type, a.kl_ctrl.kl_coef, a.kl_ctrl.target_kl, a.kl_ctrl.horizon) == ("adaptive", 0.02, 0.05, 500)
     assert (critic.optim.lr, critic.cliprange_value, critic.ppo_epochs, c.trainer.critic_warmup) == (2e-5, 0.3, 2, 3)
     assert critic.model.path == str(tiny_model_dir)
+    # long context: activation offload and Ulysses sequence parallelism, for the actor, the reference and the critic
+    _config(tmp_path, tiny_model_dir, "  trainer: {adv_estimator: gae}",
+            verl=small + ", ulysses_sequence_parallel_size: 2")
+    c = verl_config(load_config(tmp_path / "verl.yaml", ["model.gradient_checkpointing=true",
+                                                         "model.activation_offload=true"]), files)
+    validate_config(config=c, use_reference_policy=need_reference_policy(c), use_critic=need_critic(c))
+    model, actor = c.actor_rollout_ref.model, c.actor_rollout_ref.actor
+    assert (model.enable_gradient_checkpointing, model.enable_activation_offload) == (True, True)
+    assert (c.critic.model.enable_gradient_checkpointing, c.critic.model.enable_activation_offload) == (True, True)
+    assert (actor.ulysses_sequence_parallel_size, c.actor_rollout_ref.ref.ulysses_sequence_parallel_size,
+            c.critic.ulysses_sequence_parallel_size) == (2, 2, 2)
     c = verl_config(_config(tmp_path, tiny_model_dir, "  trainer: {adv_estimator: remax}", verl=small), files)
     validate_config(config=c, use_reference_policy=need_reference_policy(c), use_critic=need_critic(c))
     assert c.algorithm.adv_estimator == "remax" and not need_critic(c)

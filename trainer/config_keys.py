@@ -68,6 +68,8 @@ class ModelConfig:
         "auto", "dtype of the trainer's parameters; auto: float32 master weights (bf16 compute is "
         "trainer.fsdp.mixed_precision)")
     gradient_checkpointing: bool = _key(False, "recompute activations in the backward pass: less memory, more time")
+    activation_offload: bool = _key(False, "keep the activations saved for the backward pass in CPU memory (torch's "
+                                    "save_on_cpu; verl's enable_activation_offload): long sequences on a small GPU")
     trust_remote_code: bool = _key(False, "run the checkpoint's own modelling code (transformers' trust_remote_code)")
 
 
@@ -332,6 +334,8 @@ class VerlConfig:
     agent_workers: int = _key(8, "agent-loop worker processes; each runs its own recording proxy and DuckDB file",
                               ge=1)
     micro_batch_size_per_gpu: int = _key(4, "sequences per forward/backward pass on each GPU", ge=1)
+    ulysses_sequence_parallel_size: int = _key(1, "GPUs one sequence is split over (DeepSpeed-Ulysses sequence "
+                                               "parallelism, for the actor, the reference and the critic)", ge=1)
     overrides: list[str] = _key([], "any other verl setting as key=value in verl's own names, e.g. "
                                 "actor_rollout_ref.actor.use_dynamic_bsz=true; an unknown key is an error")
 

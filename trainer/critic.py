@@ -23,7 +23,7 @@ from harness.records import Sample
 from trainer.checkpoint import CHECKPOINTS, load, save
 from trainer.config import TrainConfig
 from trainer.fsdp import Dist, shard
-from trainer.policy import collate, load_policy, micro_batches
+from trainer.policy import activations, collate, load_policy, micro_batches
 from trainer.schedule import lr_factor
 from trainer.values import value_token_losses
 
@@ -54,7 +54,8 @@ class Critic:
     def _values(self, batch) -> torch.Tensor:
         """[B, T] values aligned with the tokens, on the batch's device; 0 at position 0 and outside the loss mask."""
         home, batch = batch.token_ids.device, batch.to(next(self.model.parameters()).device)
-        out = self.model(input_ids=batch.token_ids, attention_mask=batch.attention_mask, use_cache=False)
+        with activations(self.cfg.model.activation_offload and torch.is_grad_enabled()):
+            out = self.model(input_ids=batch.token_ids, attention_mask=batch.attention_mask, use_cache=False)
         values = out.logits[..., 0].float()
         shifted = torch.cat([torch.zeros_like(values[:, :1]), values[:, :-1]], dim=1)
         return torch.where(batch.loss_mask > 0, shifted, 0.0).to(home)

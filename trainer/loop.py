@@ -350,7 +350,8 @@ def _mini_batch(model, rows, advantages, old, ref, weights, filler: Sample, pad_
             mask = batch.loss_mask
             w = torch.zeros_like(mask)
             old_lp, adv = batch.engine_logprobs, torch.zeros_like(mask)
-        logprobs, entropy = token_logprobs(model, batch, cfg.rollout.temperature, with_entropy=True, loss_only=True)
+        logprobs, entropy = token_logprobs(model, batch, cfg.rollout.temperature, with_entropy=True, loss_only=True,
+                                           offload_activations=cfg.model.activation_offload)
         valid = float(mask.sum())
 
         tis = algo.truncated_importance_weights(old_lp, batch.engine_logprobs, mask, t.tis_cap) if t.tis_cap else 1.0

@@ -260,7 +260,8 @@ def _step(model, rows: list[Sample], advantages: list[float], weights: list[torc
         batch = collate([rows[i] for i in idx] if idx else [filler], pad_id, indices=idx)
         mask = batch.loss_mask
         w = _padded([weights[i] for i in idx], mask) if idx else torch.zeros_like(mask)
-        logprobs, _ = token_logprobs(model, batch, temperature, loss_only=True)
+        logprobs, _ = token_logprobs(model, batch, temperature, loss_only=True,
+                                     offload_activations=cfg.model.activation_offload)
         nll = -(logprobs * w).sum()
         if loss_kind == "pg":
             adv = torch.tensor([advantages[i] for i in idx] if idx else [0.0]).unsqueeze(-1) * mask

@@ -16,6 +16,7 @@ torch and transformers are imported here: `trainer` is the part of the project t
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -25,7 +26,7 @@ from torch.utils.checkpoint import checkpoint
 
 from harness.records import Sample
 
-__all__ = ["Batch", "collate", "load_policy", "micro_batches", "token_logprobs"]
+__all__ = ["Batch", "activations", "collate", "load_policy", "micro_batches", "token_logprobs"]
 
 # Models whose logits are not just output_layer(hidden): they take the plain (unchunked) path.
 _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
@@ -144,8 +145,17 @@ def load_policy(model_dir: str | Path, dtype: torch.dtype = torch.float32, gradi
     return model
 
 
+def activations(offload: bool):
+    """Where the activations a forward saves for its backward are kept: with `offload`, in CPU memory (pinned on a
+    GPU machine) until the backward needs them (model.activation_offload); otherwise where they were computed."""
+    if not offload:
+        return contextlib.nullcontext()
+    return torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available())
+
+
 def token_logprobs(model, batch: Batch, temperature: float = 1.0, with_entropy: bool = False, *,
-                   loss_only: bool = False, chunk_tokens: int = 1024) -> tuple[torch.Tensor, torch.Tensor | None]:
+                   loss_only: bool = False, chunk_tokens: int = 1024,
+                   offload_activations: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token logprobs (and entropies) of `batch` under `model`, from logits / temperature, in float32.
 
     logprobs[b, t] = log p(token_ids[b, t] | token_ids[b, :t]); entropy[b, t] is the entropy of that same
@@ -153,7 +163,8 @@ def token_logprobs(model, batch: Batch, temperature: float = 1.0, with_entropy: 
     skips the output layer there: agent prompts are mostly context). A temperature of 0 means greedy sampling,
     whose logprobs vLLM reports from the unscaled logits: it counts as 1 here too.
 
-    The output layer runs on at most `chunk_tokens` positions at a time (see the module docstring). The model runs
+    The output layer runs on at most `chunk_tokens` positions at a time (see the module docstring);
+    `offload_activations` keeps what the backward needs in CPU memory meanwhile (`activations`). The model runs
     where its parameters are; the results come back on the device `batch` is on (the loop's masks, weights and old
     logprobs are there: on a GPU machine the batch stays in CPU memory and only the forward runs on the GPU).
     """
@@ -167,24 +178,25 @@ def token_logprobs(model, batch: Batch, temperature: float = 1.0, with_entropy: 
     # Position t is predicted from the output at t - 1: select the predicting positions once, for both paths.
     keep = (batch.loss_mask[:, 1:] > 0) if loss_only else (batch.attention_mask[:, 1:] > 0)
     targets = batch.token_ids[:, 1:][keep]
-    head = _output_layer(model)
-    if head is None:  # logits are more than output_layer(hidden): compute them all, then select
-        logits = model(input_ids=batch.token_ids, attention_mask=batch.attention_mask, use_cache=False).logits
-        chosen = logits[:, :-1][keep]
-        del logits
-        pieces = [_score(chosen[s:s + chunk_tokens], targets[s:s + chunk_tokens], scale, with_entropy, None)
-                  for s in range(0, len(targets), chunk_tokens)]
-    else:
-        decoder = model.get_decoder()
-        hidden = decoder(input_ids=batch.token_ids, attention_mask=batch.attention_mask, use_cache=False)
-        chosen = hidden.last_hidden_state[:, :-1][keep]
-        pieces = []
-        for s in range(0, len(targets), chunk_tokens):
-            args = (chosen[s:s + chunk_tokens], targets[s:s + chunk_tokens], scale, with_entropy, head)
-            if torch.is_grad_enabled() and chosen.requires_grad:
-                pieces.append(checkpoint(_score, *args, use_reentrant=False))
-            else:
-                pieces.append(_score(*args))
+    with activations(offload_activations):
+        head = _output_layer(model)
+        if head is None:  # logits are more than output_layer(hidden): compute them all, then select
+            logits = model(input_ids=batch.token_ids, attention_mask=batch.attention_mask, use_cache=False).logits
+            chosen = logits[:, :-1][keep]
+            del logits
+            pieces = [_score(chosen[s:s + chunk_tokens], targets[s:s + chunk_tokens], scale, with_entropy, None)
+                      for s in range(0, len(targets), chunk_tokens)]
+        else:
+            decoder = model.get_decoder()
+            hidden = decoder(input_ids=batch.token_ids, attention_mask=batch.attention_mask, use_cache=False)
+            chosen = hidden.last_hidden_state[:, :-1][keep]
+            pieces = []
+            for s in range(0, len(targets), chunk_tokens):
+                args = (chosen[s:s + chunk_tokens], targets[s:s + chunk_tokens], scale, with_entropy, head)
+                if torch.is_grad_enabled() and chosen.requires_grad:
+                    pieces.append(checkpoint(_score, *args, use_reentrant=False))
+                else:
+                    pieces.append(_score(*args))
     logprobs = _place(batch, keep, [p[0] for p in pieces]).to(home)
     entropy = _place(batch, keep, [p[1] for p in pieces]).to(home) if with_entropy else None
     return logprobs, entropy

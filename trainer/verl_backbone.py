@@ -130,6 +130,7 @@ def verl_config(cfg: TrainConfig, files: VerlFiles):
     model.path = cfg.model.path
     model.trust_remote_code = cfg.model.trust_remote_code
     model.enable_gradient_checkpointing = cfg.model.gradient_checkpointing
+    model.enable_activation_offload = cfg.model.activation_offload
     if t.lora.rank > 0:  # verl's FSDP LoRA: peft adapters, served by its vLLM as ours are
         model.lora_rank = t.lora.rank
         model.lora_alpha = t.lora.alpha
@@ -192,6 +193,8 @@ def verl_config(cfg: TrainConfig, files: VerlFiles):
     actor.fsdp_config.optimizer_offload = t.fsdp.optimizer_offload
     c.actor_rollout_ref.ref.fsdp_config.param_offload = t.fsdp.param_offload
     c.actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu = v.micro_batch_size_per_gpu
+    actor.ulysses_sequence_parallel_size = v.ulysses_sequence_parallel_size
+    c.actor_rollout_ref.ref.ulysses_sequence_parallel_size = v.ulysses_sequence_parallel_size
     rollout.log_prob_micro_batch_size_per_gpu = v.micro_batch_size_per_gpu
 
     algorithm = c.algorithm
@@ -214,6 +217,9 @@ def verl_config(cfg: TrainConfig, files: VerlFiles):
         critic.ppo_mini_batch_size = t.mini_batch_size or r.batch_size
         critic.ppo_micro_batch_size_per_gpu = v.micro_batch_size_per_gpu
         critic.loss_agg_mode = t.loss_agg_mode
+        critic.ulysses_sequence_parallel_size = v.ulysses_sequence_parallel_size
+        critic.model.enable_gradient_checkpointing = cfg.model.gradient_checkpointing
+        critic.model.enable_activation_offload = cfg.model.activation_offload
         algorithm.gamma = t.critic.gamma
         algorithm.lam = t.critic.lam
         c.trainer.critic_warmup = t.critic.warmup_steps
