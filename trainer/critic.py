@@ -22,7 +22,7 @@ import torch
 from harness.records import Sample
 from trainer.checkpoint import CHECKPOINTS, load, save
 from trainer.config import TrainConfig
-from trainer.fsdp import Dist, shard
+from trainer.fsdp import Dist, metrics_over_ranks, shard
 from trainer.policy import activations, collate, load_policy, micro_batches
 from trainer.schedule import lr_factor
 from trainer.values import value_token_losses
@@ -91,6 +91,8 @@ class Critic:
                 stats = self._accumulate([rows[mini[j]] for j in mine], [returns[mini[j]] for j in mine],
                                          [old_values[mini[j]] for j in mine], [weights[j] for j in mine],
                                          rows[0], pad_id)
+                stats = metrics_over_ranks(stats, sum(sum(rows[mini[j]].loss_mask) for j in mine), dist,
+                                           ("critic/vf_loss",))
                 norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip or float("inf"))
                 self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)

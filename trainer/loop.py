@@ -45,7 +45,7 @@ from trainer.checkpoint import check_resume, find_resume, load, save
 from trainer.config import TrainConfig, config_to_dict, run_dir, save_resolved
 from trainer.critic import Critic
 from trainer.experience import Experience, advantages_of, experience_of, gae_of, mean, mean_token_kl
-from trainer.fsdp import Dist, full_state_dict, init_distributed, shard, shutdown
+from trainer.fsdp import Dist, full_state_dict, init_distributed, metrics_over_ranks, shard, shutdown
 from trainer.lora import ADAPTER_NAME, adapters_in_use, spec_of, with_adapter
 from trainer.policy import collate, load_policy, micro_batches, token_logprobs
 from trainer.rollout import Rollouts, greedy_baselines, sampling_seed, start_rollouts
@@ -289,6 +289,7 @@ def _update(model, optimizer, rows, tasks_of_rows, advantages, old, ref, pad_id:
             stats = _mini_batch(model, [rows[mini[j]] for j in mine], [advantages[mini[j]] for j in mine],
                                 [old[mini[j]] for j in mine], [ref[mini[j]] for j in mine],
                                 [weights[j] for j in mine], rows[0], pad_id, cfg, dist)
+            stats = metrics_over_ranks(stats, sum(sum(rows[mini[j]].loss_mask) for j in mine), dist, _SUMMED)
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip or float("inf"))
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -299,6 +300,9 @@ def _update(model, optimizer, rows, tasks_of_rows, advantages, old, ref, pad_id:
                 sums[key] = sums.get(key, 0.0) + value
             steps += 1
     return {key: value / steps for key, value in sums.items()} if steps else {}
+
+
+_SUMMED = ("actor/pg_loss", "actor/entropy", "actor/kl")  # weighted sums of a mini-batch's parts: add up over ranks
 
 
 def token_weights(rows: list[Sample], mode: str) -> list[torch.Tensor]:

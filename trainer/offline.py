@@ -40,7 +40,7 @@ from harness.tasks import read_tasks
 from trainer import algorithms as algo
 from trainer.checkpoint import check_resume, find_resume, load, save, save_hf
 from trainer.config import Mode, TrainConfig, config_to_dict, run_dir, save_resolved
-from trainer.fsdp import Dist, full_state_dict, init_distributed
+from trainer.fsdp import Dist, full_state_dict, init_distributed, metrics_over_ranks
 from trainer.loop import (
     broadcast,
     log_metrics,
@@ -279,7 +279,7 @@ def _step(model, rows: list[Sample], advantages: list[float], weights: list[torc
         (loss * dist.world).backward()  # FSDP averages gradients over ranks: undo it, the weights are global
         if loss_kind == "sft":  # (pg scores at rollout.temperature: offline/data_nll is its NLL at temperature 1)
             _add(stats, "offline/nll", nll.item())
-    return {**_summed(stats, dist), "offline/tokens": float(batch_tokens)}
+    return {**metrics_over_ranks(stats, 1.0, dist, summed=stats), "offline/tokens": float(batch_tokens)}
 
 
 @torch.no_grad()
@@ -329,13 +329,4 @@ def _all_reduce(values: torch.Tensor, dist: Dist) -> torch.Tensor:
 def _add(stats: dict[str, float], key: str, value: float) -> None:
     stats[key] = stats.get(key, 0.0) + value
 
-
-def _summed(stats: dict[str, float], dist: Dist) -> dict[str, float]:
-    """Each rank's parts of the batch's metrics, added over ranks (every part is already weighted by its share
-    of the whole batch)."""
-    if dist.world == 1 or not stats:
-        return stats
-    keys = sorted(stats)
-    total = _all_reduce(torch.tensor([stats[k] for k in keys], dtype=torch.float64), dist)
-    return dict(zip(keys, total.tolist(), strict=True))
 
