@@ -22,8 +22,8 @@ import torch
 from harness.records import Sample
 from trainer.checkpoint import CHECKPOINTS, load, save
 from trainer.config import TrainConfig
-from trainer.fsdp import Dist, metrics_over_ranks, shard
-from trainer.policy import activations, collate, load_policy, micro_batches
+from trainer.fsdp import Dist, metrics_over_ranks, most_over_ranks, shard
+from trainer.policy import activations, collate, load_policy, micro_batches, padded
 from trainer.schedule import lr_factor
 from trainer.values import value_token_losses
 
@@ -109,18 +109,14 @@ class Critic:
         with fewer micro-batches runs `filler` with weight 0, so FSDP's collectives pair up)."""
         t, dist = self.cfg.trainer, self.dist
         groups = micro_batches(rows, t.micro_batch_tokens) if rows else []
-        passes = len(groups)
-        if dist.world > 1:
-            most = torch.tensor([passes], device=dist.device)
-            torch.distributed.all_reduce(most, op=torch.distributed.ReduceOp.MAX)
-            passes = int(most.item())
+        passes = most_over_ranks(len(groups), dist)
         stats = {"critic/vf_loss": 0.0, "critic/vf_clipfrac": 0.0, "critic/abs_error": 0.0}
         total = max(sum(sum(r.loss_mask) for r in rows), 1)
         for n in range(passes):
             idx = groups[n] if n < len(groups) else []
             batch = collate([rows[i] for i in idx] if idx else [filler], pad_id, indices=idx or None)
             mask = batch.loss_mask
-            w, old, ret = (_padded([xs[i] for i in idx], mask) for xs in (weights, old_values, returns))
+            w, old, ret = (padded([xs[i] for i in idx], mask) for xs in (weights, old_values, returns))
             values = self._values(batch)
             per_token, clipped = value_token_losses(values, old, ret, t.critic.cliprange_value)
             loss = (per_token * w).sum()
@@ -144,10 +140,3 @@ class Critic:
                                     "it was not saved by an adv_estimator gae run; start fresh with trainer.resume "
                                     "disable")
         load(path, self.model, self.optimizer, self.scheduler, self.dist)
-
-
-def _padded(rows: list[torch.Tensor], mask: torch.Tensor) -> torch.Tensor:
-    out = torch.zeros_like(mask)
-    for i, row in enumerate(rows):
-        out[i, :len(row)] = row
-    return out

@@ -198,6 +198,19 @@ def all_reduce_mean(value: float, dist: Dist) -> float:
     return tensor.item() / dist.world
 
 
+def most_over_ranks(count: int, dist: Dist) -> int:
+    """The largest `count` over ranks (e.g. forward/backward passes: FSDP's collectives pair up only if every rank
+    runs as many). A collective when world > 1."""
+    if dist.world == 1:
+        return count
+    import torch
+    import torch.distributed
+
+    most = torch.tensor([count], device=dist.device)
+    torch.distributed.all_reduce(most, op=torch.distributed.ReduceOp.MAX)
+    return int(most.item())
+
+
 def metrics_over_ranks(stats: dict[str, float], weight: float, dist: Dist, summed=()) -> dict[str, float]:
     """Each rank's metrics of its share of a batch, combined (every rank gets them): those named in `summed` are
     parts of a whole (weighted sums) and add up; the others are this rank's means, averaged weighted by `weight`

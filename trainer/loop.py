@@ -45,9 +45,9 @@ from trainer.checkpoint import check_resume, find_resume, load, save
 from trainer.config import TrainConfig, config_to_dict, run_dir, save_resolved
 from trainer.critic import Critic
 from trainer.experience import Experience, advantages_of, experience_of, gae_of, mean, mean_token_kl
-from trainer.fsdp import Dist, full_state_dict, init_distributed, metrics_over_ranks, shard, shutdown
+from trainer.fsdp import Dist, full_state_dict, init_distributed, metrics_over_ranks, most_over_ranks, shard, shutdown
 from trainer.lora import ADAPTER_NAME, adapters_in_use, spec_of, with_adapter
-from trainer.policy import collate, load_policy, micro_batches, token_logprobs
+from trainer.policy import collate, load_policy, micro_batches, padded, token_logprobs
 from trainer.rollout import Rollouts, greedy_baselines, sampling_seed, start_rollouts
 from trainer.schedule import lr_factor, next_tasks
 from trainer.tracking import Tracker
@@ -336,19 +336,15 @@ def _mini_batch(model, rows, advantages, old, ref, weights, filler: Sample, pad_
     with fewer micro-batches runs `filler` with zero weight."""
     t = cfg.trainer
     groups = micro_batches(rows, t.micro_batch_tokens) if rows else []
-    passes = len(groups)
-    if dist.world > 1:
-        most = torch.tensor([passes], device=dist.device)
-        torch.distributed.all_reduce(most, op=torch.distributed.ReduceOp.MAX)
-        passes = int(most.item())
+    passes = most_over_ranks(len(groups), dist)
     stats: dict[str, float] = {}
     for n in range(passes):
         if n < len(groups):
             idx = groups[n]
             batch = collate([rows[i] for i in idx], pad_id, indices=idx)
             mask = batch.loss_mask
-            w = _pad([weights[i] for i in idx], mask)
-            old_lp, adv = _pad([old[i] for i in idx], mask), _pad_advantages([advantages[i] for i in idx], mask)
+            w = padded([weights[i] for i in idx], mask)
+            old_lp, adv = padded([old[i] for i in idx], mask), _pad_advantages([advantages[i] for i in idx], mask)
         else:
             batch = collate([filler], pad_id)
             mask = batch.loss_mask
@@ -365,7 +361,7 @@ def _mini_batch(model, rows, advantages, old, ref, weights, filler: Sample, pad_
         pg_stats = algo.policy_metrics(log_ratio, adv, mask, t.clip_low, t.clip_high, t.dual_clip)
         loss = pg_loss
         if t.kl_coef > 0:
-            kl = (algo.kl_penalty(logprobs, _pad([ref[i] for i in idx], mask), t.kl_type) * w).sum()
+            kl = (algo.kl_penalty(logprobs, padded([ref[i] for i in idx], mask), t.kl_type) * w).sum()
             if not t.use_kl_in_reward:  # else it is in the reward already; still measured
                 loss = loss + t.kl_coef * kl
             stats["actor/kl"] = stats.get("actor/kl", 0.0) + kl.item()
@@ -410,13 +406,6 @@ def validate(rollouts: Rollouts, step: int, tasks, cfg: TrainConfig) -> dict[str
 
 
 # ---------------------------------------------------------------------------------------------- small helpers
-
-
-def _pad(rows: list[torch.Tensor], mask: torch.Tensor) -> torch.Tensor:
-    out = torch.zeros_like(mask)
-    for i, row in enumerate(rows):
-        out[i, :len(row)] = row
-    return out
 
 
 def _pad_advantages(values: list, mask: torch.Tensor) -> torch.Tensor:

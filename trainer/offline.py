@@ -40,7 +40,7 @@ from harness.tasks import read_tasks
 from trainer import algorithms as algo
 from trainer.checkpoint import check_resume, find_resume, load, save, save_hf
 from trainer.config import Mode, TrainConfig, config_to_dict, run_dir, save_resolved
-from trainer.fsdp import Dist, full_state_dict, init_distributed, metrics_over_ranks
+from trainer.fsdp import Dist, full_state_dict, init_distributed, metrics_over_ranks, most_over_ranks
 from trainer.loop import (
     broadcast,
     log_metrics,
@@ -56,7 +56,7 @@ from trainer.loop import (
 )
 from trainer.lora import save_adapter
 from trainer.offline_data import OfflineData, OfflineDataError
-from trainer.policy import collate, micro_batches, token_logprobs
+from trainer.policy import collate, micro_batches, padded, token_logprobs
 from trainer.rollout import start_rollouts
 
 log = logging.getLogger("harness.train")
@@ -251,7 +251,7 @@ def _step(model, rows: list[Sample], advantages: list[float], weights: list[torc
     mine = list(range(dist.rank, len(rows), dist.world))
     groups = [[mine[j] for j in g] for g in micro_batches([rows[i] for i in mine], t.micro_batch_tokens)] if mine \
         else []
-    passes = _most(len(groups), dist)
+    passes = most_over_ranks(len(groups), dist)
     temperature = cfg.rollout.temperature if loss_kind == "pg" else 1.0
     batch_tokens = max(sum(sum(r.loss_mask) for r in rows), 1)
     stats: dict[str, float] = {}
@@ -259,7 +259,7 @@ def _step(model, rows: list[Sample], advantages: list[float], weights: list[torc
         idx = groups[n] if n < len(groups) else None
         batch = collate([rows[i] for i in idx] if idx else [filler], pad_id, indices=idx)
         mask = batch.loss_mask
-        w = _padded([weights[i] for i in idx], mask) if idx else torch.zeros_like(mask)
+        w = padded([weights[i] for i in idx], mask) if idx else torch.zeros_like(mask)
         logprobs, _ = token_logprobs(model, batch, temperature, loss_only=True,
                                      offload_activations=cfg.model.activation_offload)
         nll = -(logprobs * w).sum()
@@ -288,7 +288,7 @@ def _data_nll(model, samples: list[Sample], pad_id: int, cfg: TrainConfig, dist:
     mine = list(range(dist.rank, len(samples), dist.world))
     total = torch.zeros(2, dtype=torch.float64)
     groups = micro_batches([samples[i] for i in mine], cfg.trainer.micro_batch_tokens) if mine else []
-    for n in range(_most(len(groups), dist)):
+    for n in range(most_over_ranks(len(groups), dist)):
         idx = [mine[j] for j in groups[n]] if n < len(groups) else None
         batch = collate([samples[i] for i in idx] if idx else [samples[0]], pad_id, indices=idx)
         logprobs, _ = token_logprobs(model, batch, 1.0, loss_only=True)
@@ -300,22 +300,6 @@ def _data_nll(model, samples: list[Sample], pad_id: int, cfg: TrainConfig, dist:
 
 
 # ---------------------------------------------------------------------------------------------- small helpers
-
-
-def _padded(rows: list[torch.Tensor], mask: torch.Tensor) -> torch.Tensor:
-    out = torch.zeros_like(mask)
-    for i, row in enumerate(rows):
-        out[i, :len(row)] = row
-    return out
-
-
-def _most(passes: int, dist: Dist) -> int:
-    """The most forward/backward passes any rank runs."""
-    if dist.world == 1:
-        return passes
-    most = torch.tensor([passes], device=dist.device)
-    torch.distributed.all_reduce(most, op=torch.distributed.ReduceOp.MAX)
-    return int(most.item())
 
 
 def _all_reduce(values: torch.Tensor, dist: Dist) -> torch.Tensor:

@@ -26,7 +26,7 @@ from torch.utils.checkpoint import checkpoint
 
 from harness.records import Sample
 
-__all__ = ["Batch", "activations", "collate", "load_policy", "micro_batches", "token_logprobs"]
+__all__ = ["Batch", "activations", "collate", "load_policy", "micro_batches", "padded", "token_logprobs"]
 
 # Models whose logits are not just output_layer(hidden): they take the plain (unchunked) path.
 _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
@@ -102,6 +102,14 @@ def _check_sample(sample: Sample, index: int) -> None:
     if sample.loss_mask[0]:
         raise ValueError(f"sample {index} (episode {sample.episode_id!r}) marks its first token as sampled: "
                          "a first token has no context to be predicted from (a sample starts with a prompt)")
+
+
+def padded(rows: Sequence[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+    """Per-row values (each as long as its sample) right-padded with zeros into a tensor shaped like `like` [B, T]."""
+    out = torch.zeros_like(like)
+    for i, row in enumerate(rows):
+        out[i, :len(row)] = row
+    return out
 
 
 def micro_batches(samples: Sequence[Sample], max_tokens: int) -> list[list[int]]:
