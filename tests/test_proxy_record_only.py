@@ -148,6 +148,22 @@ def test_the_passthrough_forwards_the_query_string(tmp_path, record_only):
     assert db_rows(proxy.db_path, "SELECT count(*) FROM calls") == [(0,)]  # unrecorded, as every passthrough
 
 
+async def _call_with_query_key(handler, tmp_path):
+    """One chat call with a key in its query, through a record-only proxy in front of an upstream that answers
+    every path with `handler`: (the upstream, (status, body) the agent got, the proxy, closed)."""
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", handler)
+    engine = BackgroundApp(app)
+    proxy = _record_only(engine.url, tmp_path)
+    try:
+        answer = await _post(f"{proxy.url}/v1/chat/completions?{VERSION}&key={QUERY_SECRET}", CHAT,
+                             {"api-key": SECRET})
+    finally:
+        proxy.close()
+        engine.close()
+    return engine, answer, proxy
+
+
 async def test_a_query_key_quoted_in_an_upstream_error_is_not_recorded(tmp_path, caplog):
     """An upstream that redirects forever: aiohttp's error quotes the URL, query and all; what is recorded (and
     answered) has the key taken out."""
@@ -156,16 +172,7 @@ async def test_a_query_key_quoted_in_an_upstream_error_is_not_recorded(tmp_path,
     async def loop(request):
         raise web.HTTPTemporaryRedirect(str(request.rel_url))
 
-    app = web.Application()
-    app.router.add_route("*", "/{tail:.*}", loop)
-    engine = BackgroundApp(app)
-    proxy = _record_only(engine.url, tmp_path)
-    try:
-        status, raw = await _post(f"{proxy.url}/v1/chat/completions?{VERSION}&key={QUERY_SECRET}", CHAT,
-                                  {"api-key": SECRET})
-    finally:
-        proxy.close()
-        engine.close()
+    engine, (status, raw), proxy = await _call_with_query_key(loop, tmp_path)
     assert status == 502 and QUERY_SECRET.encode() not in raw
     (error,), = db_rows(proxy.db_path, "SELECT error FROM calls")
     assert error.endswith(f"url='{engine.url}/v1/chat/completions?{VERSION}&key=REDACTED'")  # aiohttp's words
@@ -181,16 +188,7 @@ async def test_an_upstream_error_body_that_echoes_the_query_key_is_recorded_with
         return web.json_response({"error": {"message": f"no deployment at {request.rel_url}", "type": "invalid"}},
                                  status=404)
 
-    app = web.Application()
-    app.router.add_route("*", "/{tail:.*}", refuse)
-    engine = BackgroundApp(app)
-    proxy = _record_only(engine.url, tmp_path)
-    try:
-        status, raw = await _post(f"{proxy.url}/v1/chat/completions?{VERSION}&key={QUERY_SECRET}", CHAT,
-                                  {"api-key": SECRET})
-    finally:
-        proxy.close()
-        engine.close()
+    _, (status, raw), proxy = await _call_with_query_key(refuse, tmp_path)
     assert status == 404 and QUERY_SECRET.encode() in raw  # the agent's own answer, as the upstream gave it
     (error, response), = db_rows(proxy.db_path, "SELECT error, response FROM calls")
     assert error.endswith(f"/v1/chat/completions?{VERSION}&key=REDACTED")
