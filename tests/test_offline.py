@@ -63,6 +63,17 @@ def _cli(verb: str, model: Path, out: Path, *args: str, timeout: int = 300) -> s
                           capture_output=True, text=True, timeout=timeout)
 
 
+def _refused(capsys, verb: str, model: Path, out: Path, *args: str) -> str:
+    """`harness VERB ...` run in this process, for a refusal that comes before any training: its error text."""
+    from harness.cli import main
+
+    rc = main([verb, str(TERSE_YAML), f"--set=model.path={model}", f"--set=logging.run_dir={out}",
+               "--set=experiment_name=offline", "--set=logging.console=false", "--set=logging.curve_png=false", *args])
+    err = capsys.readouterr().err
+    assert rc == 2 and "Traceback" not in err, err
+    return err
+
+
 def _metric(out: Path, name: str) -> dict[int, float]:
     return dict(db_rows(out / "offline" / "harness.duckdb", "SELECT step, value FROM metrics WHERE name = ? "
                         "ORDER BY step", [name]))
@@ -158,7 +169,7 @@ def test_sft_with_lora_trains_the_adapter_and_writes_it_as_vllm_loads_it(tiny_mo
     assert not (tmp_path / "offline" / "hf").exists()
 
 
-def test_a_checkpoint_is_continued_only_by_a_run_of_its_kind_over_its_data(tiny_model_dir, tmp_path):
+def test_a_checkpoint_is_continued_only_by_a_run_of_its_kind_over_its_data(tiny_model_dir, tmp_path, capsys):
     """runs/<experiment>/checkpoints is shared by harness train, --from-run and harness sft: a run continues a
     checkpoint only if the same kind of run over the same data wrote it."""
     data, other = tmp_path / "chat.jsonl", tmp_path / "other.jsonl"
@@ -169,28 +180,21 @@ def test_a_checkpoint_is_continued_only_by_a_run_of_its_kind_over_its_data(tiny_
     again = _cli("sft", tiny_model_dir, tmp_path, f"--data={data}", "--set=offline.batch_size=4")
     assert again.returncode == 0 and "continuing with step 4 of 3" in again.stderr  # done already: nothing to run
     assert sorted(_metric(tmp_path, "offline/nll")) == [1, 2, 3]
-    refused = _cli("sft", tiny_model_dir, tmp_path, f"--data={other}", "--set=offline.batch_size=4")
-    assert refused.returncode == 2 and "other data" in refused.stderr and "trainer.resume=disable" in refused.stderr
-    rl = _cli("train", tiny_model_dir, tmp_path)
-    assert rl.returncode == 2 and "a sft run" in rl.stderr and "Traceback" not in rl.stderr
-    fresh = _cli("sft", tiny_model_dir, tmp_path, f"--data={other}", "--set=offline.batch_size=4",
-                 "--set=trainer.resume=disable")
-    assert fresh.returncode == 0, fresh.stderr[-3000:]
+    refused = _refused(capsys, "sft", tiny_model_dir, tmp_path, f"--data={other}", "--set=offline.batch_size=4")
+    assert "other data" in refused and "trainer.resume=disable" in refused
+    assert "a sft run" in _refused(capsys, "train", tiny_model_dir, tmp_path)
 
 
-def test_sft_refuses_bad_input_with_what_to_do(tiny_model_dir, tmp_path):
-    missing = _cli("sft", tiny_model_dir, tmp_path)
-    assert missing.returncode == 2 and "offline.data" in missing.stderr
+def test_sft_refuses_bad_input_with_what_to_do(tiny_model_dir, tmp_path, capsys):
+    assert "offline.data" in _refused(capsys, "sft", tiny_model_dir, tmp_path)
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"prompt": "plain text", "completion": "more text"}) + "\n")
-    refused = _cli("sft", tiny_model_dir, tmp_path, f"--data={bad}")
-    assert refused.returncode == 2 and "record 0" in refused.stderr and "Traceback" not in refused.stderr
-    pg = _cli("sft", tiny_model_dir, tmp_path, f"--data={bad}", "--set=offline.loss=pg")
-    assert pg.returncode == 2 and "harness train --from-run" in pg.stderr
-    ranks = _cli("sft", tiny_model_dir, tmp_path, f"--data={bad}", "--set=trainer.fsdp.nprocs=2")
-    assert ranks.returncode == 2 and ranks.stderr.count("record 0") == 1  # said once, before any rank starts
-    stray = _cli("train", tiny_model_dir, tmp_path, "--where=reward >= 1")
-    assert stray.returncode == 2 and "--from-run" in stray.stderr
+    assert "record 0" in _refused(capsys, "sft", tiny_model_dir, tmp_path, f"--data={bad}")
+    pg = _refused(capsys, "sft", tiny_model_dir, tmp_path, f"--data={bad}", "--set=offline.loss=pg")
+    assert "harness train --from-run" in pg
+    ranks = _refused(capsys, "sft", tiny_model_dir, tmp_path, f"--data={bad}", "--set=trainer.fsdp.nprocs=2")
+    assert ranks.count("record 0") == 1  # said once, by the launcher, before any rank starts
+    assert "--from-run" in _refused(capsys, "train", tiny_model_dir, tmp_path, "--where=reward >= 1")
 
 
 # ---------------------------------------------------------------------------------------------- --from-run
@@ -255,33 +259,33 @@ def test_from_run_pg_weighs_tokens_by_trained_over_sampling_probability_and_says
     assert ratio < 0.1  # the tiny model finds the scripted tokens far less likely than exp(-0.5)
 
 
-def test_from_run_refuses_what_it_cannot_train_with_what_to_do(engine_ids_run, tiny_model_dir, tmp_path):
+def test_from_run_refuses_what_it_cannot_train_with_what_to_do(engine_ids_run, tiny_model_dir, tmp_path, capsys):
     db, run_id = engine_ids_run
-    unknown = _cli("train", tiny_model_dir, tmp_path, "--from-run=nope", f"--db={db}")
-    assert unknown.returncode == 2 and "'nope'" in unknown.stderr and run_id in unknown.stderr
-    none = _cli("train", tiny_model_dir, tmp_path, f"--from-run={run_id}", f"--db={db}", "--where=reward > 2")
-    assert none.returncode == 2 and "keeps none" in none.stderr
-    write = _cli("train", tiny_model_dir, tmp_path, f"--from-run={run_id}", f"--db={db}", "--where=1; DROP TABLE calls")
-    assert write.returncode == 2 and "Traceback" not in write.stderr
-    kl = _cli("train", tiny_model_dir, tmp_path, f"--from-run={run_id}", f"--db={db}", "--set=trainer.kl_coef=0.1")
-    assert kl.returncode == 2 and "trainer.kl_coef=0" in kl.stderr
+    unknown = _refused(capsys, "train", tiny_model_dir, tmp_path, "--from-run=nope", f"--db={db}")
+    assert "'nope'" in unknown and run_id in unknown
+    args = (f"--from-run={run_id}", f"--db={db}")
+    assert "keeps none" in _refused(capsys, "train", tiny_model_dir, tmp_path, *args, "--where=reward > 2")
+    _refused(capsys, "train", tiny_model_dir, tmp_path, *args, "--where=1; DROP TABLE calls")
+    kl = _refused(capsys, "train", tiny_model_dir, tmp_path, *args, "--set=trainer.kl_coef=0.1")
+    assert "trainer.kl_coef=0" in kl
+    gae = _refused(capsys, "train", tiny_model_dir, tmp_path, *args, "--set=offline.loss=pg",
+                   "--set=trainer.adv_estimator=gae")
+    assert "needs a critic" in gae
     assert db_rows(db, "SELECT count(*) FROM calls")[0][0] == 24  # nothing recorded was touched
 
 
-def test_text_only_calls_train_only_once_retokenized_and_explicitly_allowed(tiny_model_dir, tmp_path):
+def test_text_only_calls_train_only_once_retokenized_and_explicitly_allowed(tiny_model_dir, tmp_path, capsys):
     db, run_id = _scripted_run(tmp_path / "hosted", token_ids=False)
     args = (f"--from-run={run_id}", f"--db={db}")
-    text_only = _cli("train", tiny_model_dir, tmp_path / "a", *args)
-    assert text_only.returncode == 2 and "harness retokenize" in text_only.stderr
+    assert "harness retokenize" in _refused(capsys, "train", tiny_model_dir, tmp_path / "a", *args)
 
     retokenize = subprocess.run([sys.executable, "-m", "harness.cli", "retokenize", "--model", str(tiny_model_dir),
                                  "--db", str(db)], capture_output=True, text=True, timeout=120)
     assert retokenize.returncode == 0, retokenize.stderr
-    refused = _cli("train", tiny_model_dir, tmp_path / "b", *args)
-    assert refused.returncode == 2 and "offline.allow_retokenized: true" in refused.stderr
-    pg = _cli("train", tiny_model_dir, tmp_path / "c", *args, "--set=offline.allow_retokenized=true",
-              "--set=offline.loss=pg")
-    assert pg.returncode == 2 and "no sampling logprobs" in pg.stderr
+    assert "offline.allow_retokenized: true" in _refused(capsys, "train", tiny_model_dir, tmp_path / "b", *args)
+    pg = _refused(capsys, "train", tiny_model_dir, tmp_path / "c", *args, "--set=offline.allow_retokenized=true",
+                  "--set=offline.loss=pg")
+    assert "no sampling logprobs" in pg
 
     allowed = _cli("train", tiny_model_dir, tmp_path / "d", *args, "--set=offline.allow_retokenized=true")
     assert allowed.returncode == 0, allowed.stderr[-3000:]

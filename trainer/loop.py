@@ -59,8 +59,15 @@ log = logging.getLogger("harness.train")
 
 def train(cfg: TrainConfig) -> dict[str, float]:
     """Run the whole training; returns the last step's metrics."""
-    # ---------------------------------------------------------------------------------------------- setup
     dist = init_distributed()
+    try:
+        return _train(cfg, dist)
+    finally:
+        shutdown()  # also when the run stops before its first step (bad tasks, a checkpoint of another run)
+
+
+def _train(cfg: TrainConfig, dist: Dist) -> dict[str, float]:
+    # ---------------------------------------------------------------------------------------------- setup
     t = cfg.trainer
     seed = cfg.debug.seed if cfg.debug.enabled else t.seed
     seed_all(seed + dist.rank)

@@ -40,7 +40,7 @@ from harness.tasks import read_tasks
 from trainer import algorithms as algo
 from trainer.checkpoint import check_resume, find_resume, load, save, save_hf
 from trainer.config import Mode, TrainConfig, config_to_dict, run_dir, save_resolved
-from trainer.fsdp import Dist, full_state_dict, init_distributed, metrics_over_ranks, most_over_ranks
+from trainer.fsdp import Dist, full_state_dict, init_distributed, metrics_over_ranks, most_over_ranks, shutdown
 from trainer.loop import (
     broadcast,
     log_metrics,
@@ -66,8 +66,15 @@ _DISAGREE = 0.05  # mean |trainer - stored| logprob on step 1 above which pg war
 
 def train_offline(cfg: TrainConfig, mode: Mode) -> dict[str, float]:
     """Run `harness train --from-run` (mode from_run) or `harness sft` (mode sft); returns the last step's metrics."""
-    # ---------------------------------------------------------------------------------------------- setup
     dist = init_distributed()
+    try:
+        return _train(cfg, mode, dist)
+    finally:
+        shutdown()  # also when the data or a checkpoint is refused before the first step
+
+
+def _train(cfg: TrainConfig, mode: Mode, dist: Dist) -> dict[str, float]:
+    # ---------------------------------------------------------------------------------------------- setup
     t, o = cfg.trainer, cfg.offline
     seed_all(t.seed + dist.rank)
     out = run_dir(cfg)
