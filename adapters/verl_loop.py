@@ -40,6 +40,7 @@ from harness.limits import AGENT_MAX_PROCS, AGENT_MEMORY_MB
 from harness.records import Task
 from harness.runner import RunConfig
 from proxy.config import SamplingOverrides
+from proxy.guard import GuardConfig
 from trainer.rollout import EpisodeResult, Rollouts
 
 AGENT_NAME = "harness"  # the name the loop is registered under; the dataset's agent_name column says it
@@ -66,6 +67,9 @@ class LoopSettings:
     max_tokens: int | None = None  # cap on the agent's max_tokens per call
     memory_mb: int = AGENT_MEMORY_MB  # address-space cap of each agent process (harness/limits.py); 0: none
     max_procs: int = AGENT_MAX_PROCS  # processes and threads of each agent with its children (limits.py); 0: none
+    max_turns: int | None = None  # LLM calls an episode may make (proxy/guard.py); None: no limit
+    max_samples_per_episode: int | None = None  # samples an episode trains; the rest are marked, not trained
+    guard: dict = field(default_factory=dict)  # rollout.guard's keys (proxy/guard.py's GuardConfig, and penalty)
 
     @classmethod
     def from_mapping(cls, raw) -> LoopSettings:
@@ -205,7 +209,10 @@ class _Bridge:
         # In a thread: the proxy asks the TokenEngine (on this loop) for its model while it starts.
         self.rollouts = await loop.run_in_executor(
             self.pool, lambda: Rollouts(engine, run_dir, run, sampling=SamplingOverrides(),
-                                        token_exact=s.token_exact, tool_parser=s.tool_parser))
+                                        token_exact=s.token_exact, tool_parser=s.tool_parser,
+                                        guard=GuardConfig(**{k: v for k, v in s.guard.items() if k != "penalty"}),
+                                        max_turns=s.max_turns, max_samples=s.max_samples_per_episode,
+                                        penalty=s.guard.get("penalty")))
 
     def close(self) -> None:
         """Stop the proxy, then the judge pool (at process exit, or by whoever made the bridge). Idempotent."""

@@ -75,6 +75,7 @@ def samples_table(run_id: str, episodes: Sequence[tuple[str, Merged, float | Non
         "n_tokens": pa.array([len(s.token_ids) for s in samples], pa.int32()),
         "n_trainable": pa.array([sum(s.loss_mask) for s in samples], pa.int32()),
         "reward": pa.array([r for _, _, _, r in rows], pa.float64()),
+        "truncation": pa.array([s.truncation for s in samples], pa.list_(pa.string())),
         "merge_version": pa.array([MERGE_VERSION] * len(rows), pa.int32()),
         "created_at": timestamps([now] * len(rows)),
     })

@@ -89,6 +89,7 @@ def _add_run(verbs) -> None:
     options.add_role_args(p)
     options.add_record_only_args(p)
     options.add_transparent_args(p)
+    options.add_limit_args(p)
     p.set_defaults(func=_run)
 
 
@@ -126,6 +127,7 @@ def _run(args) -> int:
         if problem := options.record_only_error(args):
             raise ValueError(problem)
         interceptor, roles = options.interceptor(args, args.run_dir), options.role_rules(args)
+        limits = options.limits(args)
         if args.record_only:  # a hosted API: nothing to probe (it may want a key), every call goes on as sent
             engine = Engine(args.upstream[0].rstrip("/").removesuffix("/v1"), "", returns_token_ids=False)
         else:
@@ -142,7 +144,7 @@ def _run(args) -> int:
                                                  progress=not args.debug, interceptor=interceptor, roles=roles,
                                                  more_upstreams=tuple((args.upstream or [])[1:]),
                                                  record_only=args.record_only,
-                                                 upstream_key_env=args.upstream_key_env))
+                                                 upstream_key_env=args.upstream_key_env, limits=limits))
     except options.hop_errors(interceptor) as exc:  # the transparent hop could not start
         print(f"error: {exc}", file=sys.stderr)
         return 1

@@ -33,6 +33,28 @@ def role_rules(args):
                        parse_assignments(args.role_key_env, "--role-key-env"))
 
 
+def add_limit_args(p) -> None:
+    g = p.add_argument_group("limits and the degenerate-output guard (docs/training.md; findings: the flags view)")
+    g.add_argument("--max-turns", type=int, metavar="N",
+                   help="LLM calls an episode may make: the next gets a 400 (episode_ended) and the cut is recorded")
+    g.add_argument("--guard", action="store_true",
+                   help="flag completions that repeat themselves (share of repeated 4-grams over 0.5, 32 tokens "
+                   "or more) as degenerate")
+    g.add_argument("--guard-end-episode", action="store_true",
+                   help="with --guard: a degenerate completion ends its episode (its later calls get a 400)")
+
+
+def limits(args) -> dict:
+    """ProxyConfig's max_turns and guard from add_limit_args' options (ValueError for bad values)."""
+    from proxy.guard import GuardConfig
+
+    if args.max_turns is not None and args.max_turns < 1:
+        raise ValueError(f"--max-turns {args.max_turns} must be a positive number of calls per episode")
+    if args.guard_end_episode and not args.guard:
+        raise ValueError("--guard-end-episode acts on what the guard finds: add --guard")
+    return {"max_turns": args.max_turns, "guard": GuardConfig(enabled=args.guard, end_episode=args.guard_end_episode)}
+
+
 def add_record_only_args(p) -> None:
     g = p.add_argument_group("record-only (in front of a hosted API: docs/export.md)")
     g.add_argument("--record-only", action="store_true",

@@ -34,6 +34,7 @@ def add_parser(verbs) -> None:
     options.add_record_only_args(p)
     options.add_role_args(p)
     options.add_transparent_args(p)
+    options.add_limit_args(p)
     p.set_defaults(func=_serve)
 
 
@@ -60,7 +61,7 @@ def _serve(args) -> int:
             returns_token_ids=engine.returns_token_ids, host=args.host, port=args.port,
             auth_token=args.auth_token, auto_episodes=not args.strict_episodes, sampling=sampling,
             token_exact=not args.no_token_exact, tool_parser=args.tool_parser, roles=options.role_rules(args),
-            more_upstreams=tuple((args.upstream or [])[1:]), db_memory_mb=args.db_memory_mb,
+            more_upstreams=tuple((args.upstream or [])[1:]), db_memory_mb=args.db_memory_mb, **options.limits(args),
         )
 
         interceptor = options.interceptor(args, args.run_dir)
@@ -109,7 +110,7 @@ def _record_only(args, db: Path) -> int:
             upstream_url=args.upstream[0], db_path=db, returns_token_ids=False, token_exact=False,
             host=args.host, port=args.port, auth_token=args.auth_token, auto_episodes=not args.strict_episodes,
             db_memory_mb=args.db_memory_mb, roles=options.role_rules(args), record_only=True,
-            upstream_key_env=args.upstream_key_env)
+            upstream_key_env=args.upstream_key_env, **options.limits(args))
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

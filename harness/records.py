@@ -150,3 +150,4 @@ class Sample:
     loss_mask: list[int]  # 1 where the engine sampled the token, else 0
     logprobs: list[float]  # the engine's logprob where loss_mask is 1, else 0.0
     reward: float | None = None  # the episode's reward, when known (stored samples: the episode's judgement)
+    truncation: list[str] = field(default_factory=list)  # why it was cut short (max_tokens, max_turns...); [] if not

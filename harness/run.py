@@ -39,11 +39,12 @@ async def run_dataset(tasks: list[Task], config: RunConfig, engine: Engine, run_
                       token_exact: bool = True, tool_parser: str = "hermes",
                       progress: bool = True, interceptor=None, roles: tuple = (),
                       more_upstreams: tuple[str, ...] = (), record_only: bool = False,
-                      upstream_key_env: str | None = None) -> tuple[str, dict]:
+                      upstream_key_env: str | None = None, limits: dict | None = None) -> tuple[str, dict]:
     """Run every task `config.repeat` times through a fresh proxy; returns (run_id, report). With an
     `interceptor` (adapters.transparent.Interceptor, transparent mode), it is started in front of the proxy and
     each agent gets its environment too. `record_only`: the engine is any API, every call goes on as the agent
-    sent it, with the key in `upstream_key_env` (agents carry episode tokens; that variable is hidden from them)."""
+    sent it, with the key in `upstream_key_env` (agents carry episode tokens; that variable is hidden from them).
+    `limits`: ProxyConfig's max_turns and guard (harness/cli_options.py's limits)."""
     # A typo in the judge fails here, before any agent runs; judgements carry the judge's normalised name.
     judge_name = load_judge(config.judge).name if config.judge else "none"
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -51,7 +52,7 @@ async def run_dataset(tasks: list[Task], config: RunConfig, engine: Engine, run_
                                returns_token_ids=engine.returns_token_ids, db_path=run_dir / "harness.duckdb",
                                port=0, sampling=sampling or SamplingOverrides(), token_exact=token_exact,
                                tool_parser=tool_parser, roles=roles, more_upstreams=more_upstreams,
-                               record_only=record_only, upstream_key_env=upstream_key_env)
+                               record_only=record_only, upstream_key_env=upstream_key_env, **(limits or {}))
     hidden = (*key_env_names(roles), *([upstream_key_env] if upstream_key_env else []))
     config = replace(config, hidden_env=(*config.hidden_env, *hidden))
     server = ProxyServer(proxy_config)

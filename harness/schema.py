@@ -316,5 +316,18 @@ MIGRATIONS: list[tuple[str, str]] = [
         ALTER TABLE choices_unindexed RENAME TO choices;
         """,
     ),
+    (
+        # What cut or flagged a call (proxy/guard.py writes calls.extra.flags), one row each; and every sample's
+        # truncation reasons, so no truncated sample is silent. Samples merged before this migration have NULL.
+        "flags_and_sample_truncation",
+        """
+        ALTER TABLE samples ADD COLUMN truncation VARCHAR[];
+        CREATE VIEW flags AS
+        SELECT c.run_id, c.episode_id, c.call_id, c.call_index,
+               CAST(f->>'choice' AS INTEGER) AS choice_index, f->>'kind' AS kind, f->>'reason' AS reason,
+               CAST(f->>'value' AS DOUBLE) AS value, CAST(f->>'threshold' AS DOUBLE) AS threshold
+        FROM calls AS c, unnest(CAST(c.extra->'flags' AS JSON[])) AS t(f);
+        """,
+    ),
 ]
 SCHEMA_VERSION = len(MIGRATIONS)

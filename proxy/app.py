@@ -32,6 +32,7 @@ from proxy.engines import EPISODE_HEADER, Engines, healthy
 from proxy.episodes import Episodes
 from proxy.errors import ApiError, error_middleware, json_response, read_body
 from proxy.forwarding import Forwarded, forwarded, redact
+from proxy.guard import degenerate, ended_flag, flags_of, max_tokens_of
 from proxy.openapi import openapi
 from proxy.request import CHAT, COMPLETIONS, Prepared, prepare
 from proxy.roles import RoleRule, find_role
@@ -176,6 +177,12 @@ async def _numbered_call(request: web.Request, endpoint: str, wire: Wire | None,
     config, state = app[CONFIG], app[STATE]
     seed = _call_seed(state, episode_id, call_index)
     role, frozen = None, False
+    if (refusal := _refusal(app, episode_id, call_index)) is not None:
+        flag, exc = refusal
+        call = _rejected_call(state, call_index, episode_id, endpoint, exc, wire)
+        call.extra["flags"] = [flag]
+        app[RECORDER].record_call(call)
+        raise exc
     try:
         chat_raw = raw if wire is None else wire.translate(raw)  # another API: its request as a chat request
         prepared = prepare(endpoint, chat_raw, config, state.served_model, state.sampling, seed=seed)
@@ -265,9 +272,27 @@ async def _engine_failed(app: web.Application, cap: Capture, base: str) -> bool:
     return cap.status == ERROR and cap.http_status in (502, 503, 504) and not await healthy(app[SESSION], base)
 
 
+def _refusal(app: web.Application, episode_id: str, call_index: int) -> tuple[dict, ApiError] | None:
+    """Why a call of an episode that has ended is refused (its flag, its 400), or None: the call goes ahead."""
+    limit = app[CONFIG].max_turns
+    if limit is not None and call_index >= limit:
+        flag, why = ended_flag("max_turns", call_index + 1, limit), f"it made its max_turns {limit} calls"
+    elif (ended := app[EPISODES].ended(episode_id)) is not None:
+        flag, why = ended_flag(ended[0]), ended[1]
+    else:
+        return None
+    return flag, ApiError(400, f"episode {episode_id!r} has ended: {why}. The proxy refuses its later calls; start "
+                          "a new episode for new work", code="episode_ended")
+
+
 def _record(app: web.Application, cap: Capture, prepared: Prepared, hashes, base: str | None) -> None:
     config, state = app[CONFIG], app[STATE]
     call = cap.to_call()
+    if flags := flags_of(call, max_tokens_of(prepared.body), config.guard):
+        call.extra["flags"] = flags
+        if config.guard.end_episode and (reason := degenerate(flags)):
+            app[EPISODES].end(call.episode_id, "guard", f"the degenerate-output guard flagged call {call.call_index} "
+                              f"({reason})")
     if (base is not None and call.weight_version != state.weight_version
             and prepared.body.get("model") in (state.served_model, None)):  # new weights under the same name
         call.extra["weights_changed_to"] = state.weight_version  # its later tokens may come from them

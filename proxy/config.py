@@ -7,6 +7,7 @@ import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from proxy.guard import GuardConfig
 from proxy.roles import RoleRule
 
 
@@ -63,6 +64,10 @@ class ProxyConfig:
     # key sent instead (e.g. for agents `harness run` starts, which carry episode tokens).
     record_only: bool = False
     upstream_key_env: str | None = None
+    # Limits and the degenerate-output guard (proxy/guard.py): an episode's calls past max_turns are refused (400
+    # episode_ended), as are the later calls of an episode the guard ended; what was cut is flagged on its calls.
+    max_turns: int | None = None
+    guard: GuardConfig = field(default_factory=GuardConfig)
 
     def __post_init__(self):
         for url in (self.upstream_url, *self.more_upstreams):
@@ -73,6 +78,8 @@ class ProxyConfig:
                 f"binding to {self.host!r} exposes the proxy beyond this machine: set an auth token "
                 "(--auth-token or HARNESS_AUTH_TOKEN), or bind to 127.0.0.1"
             )
+        if self.max_turns is not None and self.max_turns < 1:
+            raise ValueError(f"max_turns {self.max_turns!r} must be a positive number of calls per episode, or None")
         if self.db_memory_mb < 16:
             raise ValueError(f"db_memory_mb {self.db_memory_mb!r} is too small for DuckDB: give at least 16 (MB)")
         if self.continuity_episodes < 1 or self.continuity_tokens < 1 or self.max_episodes < 1:

@@ -39,6 +39,7 @@ def check_episode_id(episode_id: str) -> str:
 class _State:
     next_index: int
     open_calls: int = 0  # calls started and not yet handed to the recorder
+    ended: tuple[str, str] | None = None  # (reason, why) once the proxy ended the episode (proxy/guard.py)
 
 
 class Episodes:
@@ -108,6 +109,18 @@ class Episodes:
         state.open_calls += 1
         state.next_index += 1
         return state.next_index - 1
+
+    def end(self, episode_id: str, reason: str, why: str) -> None:
+        """End an episode early (the guard found a degenerate completion): its later calls are refused. Held with
+        its numbering, so an episode forgotten since (past `max_states` others) is not ended any more."""
+        state = self._states.get(episode_id)
+        if state is not None and state.ended is None:
+            state.ended = (reason, why)
+
+    def ended(self, episode_id: str) -> tuple[str, str] | None:
+        """(reason, why) if the episode was ended early, else None."""
+        state = self._states.get(episode_id)
+        return state.ended if state is not None else None
 
     def end_call(self, episode_id: str) -> None:
         """The call was handed to the recorder (or never will be): its episode may be forgotten again."""

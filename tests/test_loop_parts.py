@@ -190,6 +190,40 @@ def test_named_roles_get_their_own_rewards_groups_and_frozen_roles_are_left_out(
     assert [exp.unit(i) for i in range(len(exp.samples))] == ["e1\0solver", "e2\0solver", "e3\0solver"]
 
 
+def test_the_guard_s_penalty_is_a_reward_to_learn_even_when_the_agent_failed_on_the_refusal():
+    """An episode the guard penalized (its agent crashed on the refused call) trains with the penalty, where a
+    failed episode is dropped; past max_samples_per_episode samples are marked, kept out, and counted."""
+    from dataclasses import replace
+
+    from harness.merge import Merged
+    from harness.records import CRASHED, FINISHED
+    from trainer.experience import experience_of
+    from trainer.rollout import EpisodeResult, StepRollout, _capped
+
+    def episode(eid: str, status: str, reward: float | None, **guard) -> EpisodeResult:
+        return EpisodeResult(eid, "task", status, reward, [_sample(eid, 6, 1)], None, 1, [[]], [None], {}, [0],
+                             **guard)
+
+    rollout = StepRollout([episode("ok", FINISHED, 0.5),
+                           episode("bad", CRASHED, -1.0, degenerate=2, penalized=True, ended="guard"),
+                           episode("crashed", CRASHED, None, ended="max_turns")],
+                          {"rollout_s": 0.0, "judge_s": 0.0, "merge_s": 0.0}, {})
+    exp = experience_of(rollout, _cfg("rollout.guard.enabled=true", "rollout.guard.penalty=-1"))
+    assert [exp.unit(i) for i in range(len(exp.samples))] == ["ok", "bad"]  # failed_episodes drop: "crashed" goes
+    assert exp.rewards == {"ok": 0.5, "bad": -1.0}
+    m = exp.metrics
+    assert (m["guard/degenerate"], m["guard/episodes"], m["guard/ended"], m["guard/penalized"]) == (2, 1, 1, 1)
+    assert (m["episodes/failed"], m["episodes/ended_max_turns"]) == (1, 1)
+    assert "guard/degenerate" not in experience_of(rollout, _cfg()).metrics  # the guard off: no guard metrics
+
+    samples = [replace(_sample("e", 5, k), truncation=["max_tokens"] if k == 2 else []) for k in range(3)]
+    merged = Merged(samples, [], 0, 0, 3, 2)
+    capped, over = _capped(merged, 1)
+    assert over == 2 and capped.samples[0] == samples[0]
+    assert [s.truncation for s in capped.samples] == [[], ["max_samples"], ["max_samples", "max_tokens"]]
+    assert _capped(merged, 3) == (merged, 0) and _capped(merged, None) == (merged, 0)
+
+
 # ---------------------------------------------------------------------------------------------- asynchronous rollouts
 
 

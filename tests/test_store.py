@@ -153,7 +153,8 @@ def test_calls_recorded_under_primary_keys_are_kept_when_the_keys_go(tmp_path: P
     path = tmp_path / "keyed.duckdb"
     con = duckdb.connect(str(path))
     con.execute("CREATE TABLE schema_migrations (version INTEGER, name VARCHAR, applied_at TIMESTAMP)")
-    for version, (name, sql) in enumerate(MIGRATIONS[:-1], start=1):
+    keys_go = [name for name, _ in MIGRATIONS].index("calls_without_primary_keys")
+    for version, (name, sql) in enumerate(MIGRATIONS[:keys_go], start=1):  # the file before the keys went
         con.execute(sql)
         con.execute("INSERT INTO schema_migrations VALUES (?, ?, now()::TIMESTAMP)", [version, name])
     con.close()

@@ -363,3 +363,37 @@ def test_remax_learns_the_demo_task_against_greedy_episodes(engine, tiny_model_d
     rewards = _rewards_by_step(db)
     t = _welch_t(rewards[1], rewards[3] + rewards[4])
     assert t > 3.0, f"{statistics.mean(rewards[1]):.3f} -> {statistics.mean(rewards[4]):.3f}, Welch t = {t:.2f}"
+
+
+def test_the_guard_penalizes_and_ends_degenerate_episodes_which_train_with_the_penalty(engine, tiny_model_dir,
+                                                                                       tmp_path):
+    """tests/agents/degenerate.py: half of each task's episodes pin one token (a degenerate reply), the other half
+    chat normally and answer "done" (exact_match: reward 1). With rollout.guard end_episode and penalty -1, the
+    degenerate reply ends its episode (the next call gets a 400, the agent fails) and the episode trains with
+    reward -1 instead of being dropped as failed. Each step counts what the guard did; the cuts are on the samples."""
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text("".join(json.dumps({"id": f"t{i}", "prompt": f"Tell me about {i}.", "answer": "done",
+                                         "degenerate": "odd", "turns": 2}) + "\n" for i in range(2)))
+    db = _train_terse(engine, tiny_model_dir, tmp_path, f"rollout.agent={ROOT / 'tests/agents/degenerate.py'}",
+                      f"data.train={tasks}", "task_judge.judge=exact_match", "rollout.guard.enabled=true",
+                      "rollout.guard.end_episode=true", "rollout.guard.penalty=-1", "trainer.total_steps=2",
+                      "rollout.batch_size=2")
+    metrics = dict(((s, n), v) for s, n, v in db_rows(db, "SELECT step, name, value FROM metrics"))
+    episodes = db_rows(db, """
+        SELECT CAST(split_part(o.run_id, '-train', 2) AS INTEGER), o.episode_id, o.status,
+               count(f.reason) FILTER (WHERE f.kind = 'degenerate'), count(f.reason) FILTER (WHERE f.reason = 'guard')
+        FROM episode_outcomes o LEFT JOIN flags f USING (episode_id) WHERE o.run_id LIKE '%-train%' GROUP BY ALL""")
+    assert len(episodes) == 2 * 8
+    odd = {e[1] for e in episodes if int(e[1].rsplit("-", 1)[1]) % 2}
+    assert {e[1] for e in episodes if e[3] > 0} == {e[1] for e in episodes if e[4] > 0} == odd  # caught, ended
+    assert {e[2] for e in episodes if e[1] in odd} == {"crashed"} and {e[2] for e in episodes if e[1] not in odd} \
+        == {"finished"}
+    for step in (1, 2):
+        assert (metrics[(step, "guard/episodes")], metrics[(step, "guard/ended")], metrics[(step, "guard/penalized")],
+                metrics[(step, "episodes/failed")]) == (4, 4, 4, 0)  # a penalized episode is not a failed one
+        assert metrics[(step, "samples/trained")] == 8  # both halves of every group learn
+    for episode_id, reward, truncation in db_rows(db, "SELECT episode_id, reward, truncation FROM samples"):
+        if episode_id in odd:
+            assert reward == -1.0 and truncation == ["guard", "max_tokens"]
+        else:
+            assert reward == 1.0 and "guard" not in truncation

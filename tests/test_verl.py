@@ -19,6 +19,7 @@ import aiohttp
 import numpy as np
 import pytest
 import torch
+import yaml
 
 from harness.tasks import read_tasks
 from tests.support import db_rows
@@ -130,6 +131,24 @@ def test_gae_remax_and_the_adaptive_kl_controller_translate_to_verl_s_own(tmp_pa
     c = verl_config(_config(tmp_path, tiny_model_dir, "  trainer: {adv_estimator: remax}", verl=small), files)
     validate_config(config=c, use_reference_policy=need_reference_policy(c), use_critic=need_critic(c))
     assert c.algorithm.adv_estimator == "remax" and not need_critic(c)
+
+
+@needs_verl
+def test_limits_and_the_guard_reach_the_agent_loop_s_proxy(tmp_path, tiny_model_dir):
+    """On the verl backbone our proxy runs inside verl's agent loop: max_turns, max_samples_per_episode and the
+    guard reach it through the loop's settings (the YAML entry verl hands each worker)."""
+    from adapters.verl_loop import LoopSettings
+    from proxy.guard import GuardConfig
+    from trainer.verl_backbone import loop_settings
+
+    _config(tmp_path, tiny_model_dir)
+    cfg = load_config(tmp_path / "verl.yaml", ["rollout.max_turns=6", "rollout.max_samples_per_episode=2",
+                                               "rollout.guard.enabled=true", "rollout.guard.ngram=3",
+                                               "rollout.guard.end_episode=true", "rollout.guard.penalty=-1"])
+    s = LoopSettings.from_mapping(yaml.safe_load(yaml.safe_dump(loop_settings(cfg, tmp_path))))
+    assert (s.max_turns, s.max_samples_per_episode, s.guard["penalty"]) == (6, 2, -1.0)
+    assert GuardConfig(**{k: v for k, v in s.guard.items() if k != "penalty"}) == GuardConfig(
+        enabled=True, ngram=3, end_episode=True)
 
 
 def test_without_verl_the_error_says_how_to_install_it(tmp_path, tiny_model_dir):

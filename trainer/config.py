@@ -401,6 +401,10 @@ def _check(cfg: TrainConfig, where: str, mode: Mode = "rl") -> None:
     if online and t.adv_estimator == "remax" and r.async_.max_staleness > 0:
         raise ConfigError("trainer.adv_estimator remax takes each task's greedy episode at the weights being trained "
                           "as the baseline: it runs with rollout.async.max_staleness 0")
+    g = r.guard
+    if not g.enabled and (g.end_episode or g.penalty is not None or g.length_cap or g.min_surprisal is not None):
+        raise ConfigError("rollout.guard.end_episode, penalty, length_cap and min_surprisal act on what the guard "
+                          "finds: set rollout.guard.enabled: true (or leave them out)")
     if t.kl_ctrl == "adaptive" and not t.use_kl_in_reward:
         raise ConfigError("trainer.kl_ctrl adaptive steers the KL penalty in the reward: set "
                           "trainer.use_kl_in_reward: true (and trainer.kl_coef > 0, its starting value)")

@@ -25,8 +25,8 @@ from typing import Any, Literal
 
 __all__ = ["TrainConfig", "ModelConfig", "DataConfig", "TaskJudgeConfig", "RolloutConfig", "ValidationSampling",
            "EngineConfig", "RolesConfig", "TrainerConfig", "VerlConfig", "FsdpConfig", "LoraConfig", "LoggingConfig",
-           "DebugConfig", "OfflineConfig", "CriticConfig", "AsyncConfig", "iter_keys", "key_name", "describe_config",
-           "ADV_ESTIMATORS", "LOSS_AGG_MODES", "KL_TYPES", "GROUP_ESTIMATORS"]
+           "DebugConfig", "OfflineConfig", "CriticConfig", "AsyncConfig", "GuardSettings", "iter_keys", "key_name",
+           "describe_config", "ADV_ESTIMATORS", "LOSS_AGG_MODES", "KL_TYPES", "GROUP_ESTIMATORS"]
 
 ROOT = "harness"
 AdvEstimator = Literal["grpo", "grpo_no_std", "drgrpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae",
@@ -132,6 +132,25 @@ class AsyncConfig:
 
 
 @dataclass(frozen=True)
+class GuardSettings:
+    """The degenerate-output guard: cheap checks of every completion, flagged in SQL (proxy/guard.py)."""
+
+    enabled: bool = _key(False, "check every completion for runaway repetition (and the checks below); findings "
+                         "are counted per step (guard/*) and rows of the `flags` view")
+    ngram: int = _key(4, "repetition is counted over n-grams of this many tokens", ge=1)
+    max_repeat: float = _key(0.5, "a completion whose share of n-grams repeating an earlier one exceeds this is "
+                             "degenerate (a loop scores near 1, ordinary text near 0)", ge=0, le=1)
+    min_tokens: int = _key(32, "completions shorter than this are never degenerate", ge=1)
+    min_surprisal: float | None = _key(None, "a completion whose mean -logprob per sampled token (nats) is below "
+                                       "this is degenerate: an entropy collapse; null: not checked", ge=0)
+    length_cap: bool = _key(False, "a completion cut by max_tokens is degenerate too")
+    end_episode: bool = _key(False, "a degenerate completion ends its episode: the proxy refuses its later calls "
+                             "(400 episode_ended), so the agent stops there")
+    penalty: float | None = _key(None, "the reward of an episode with a degenerate completion, instead of its "
+                                 "judge's (also when the agent failed on the refusal); null: the judge's reward")
+
+
+@dataclass(frozen=True)
 class RolloutConfig:
     """How episodes are produced: the agent, the group size, sampling, the engine."""
 
@@ -152,6 +171,12 @@ class RolloutConfig:
     temperature: float = _key(1.0, "training sampling temperature, replacing the agent's own", gt=0, le=10)
     top_p: float = _key(1.0, "training nucleus sampling threshold, replacing the agent's own", gt=0, le=1)
     max_tokens: int | None = _key(None, "cap on the agent's max_tokens per call; null: the agent's own", ge=1)
+    max_turns: int | None = _key(None, "LLM calls one episode may make: the proxy refuses the next (400 "
+                                 "episode_ended) and its samples record the cut (samples.truncation); null: no limit",
+                                 ge=1)
+    max_samples_per_episode: int | None = _key(None, "samples one episode may train (its merged timelines, in "
+                                               "order); the rest are stored with truncation max_samples and not "
+                                               "trained; null: all", ge=1)
     seed: int | None = _key(None, "seed the engine's sampling: each call gets a seed from this, its step, task, "
                             "repeat and call index, so a resumed run samples what an uninterrupted one would (exactly "
                             "so with concurrency 1: batching can change the engine's numerics); null: unseeded, "
@@ -166,6 +191,7 @@ class RolloutConfig:
                                     "of tunnelling it untouched")
     engines: int = _key(1, "engines started on model.path when engine.url is not set, all behind the one proxy, "
                         "which keeps each episode on one and moves calls off one that fails (docs/proxy.md)", ge=1)
+    guard: GuardSettings = _section(GuardSettings)
     validation: ValidationSampling = _section(ValidationSampling)
     engine: EngineConfig = _section(EngineConfig)
     async_: AsyncConfig = _section(AsyncConfig)  # the key is `async` (key_name)

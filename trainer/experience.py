@@ -48,7 +48,7 @@ def experience_of(rollout: StepRollout, cfg: TrainConfig) -> Experience:
     per_role: dict[str, int] = {}
     for e in rollout.episodes:
         reward = e.reward
-        if e.status != FINISHED or reward is None:
+        if (e.status != FINISHED or reward is None) and not e.penalized:  # the guard's penalty is a reward to learn
             failed += e.status != FINISHED
             unjudged += e.status == FINISHED and reward is None
             if cfg.trainer.failed_episodes == "drop" or (reward is None and e.status == FINISHED):
@@ -60,7 +60,7 @@ def experience_of(rollout: StepRollout, cfg: TrainConfig) -> Experience:
                 frozen += 1
                 continue
             unit = e.episode_id if role is None else f"{e.episode_id}\0{role}"
-            judged = e.status == FINISHED and e.reward is not None  # a failed episode's judge gives it nothing
+            judged = e.status == FINISHED and e.reward is not None and not e.penalized  # else the judge gives nothing
             rewards[unit] = e.role_rewards.get(role, reward) if judged else reward
             groups[unit] = e.task_id if role is None else f"{e.task_id}\0{role}"
             tasks[unit] = e.task_id
@@ -76,10 +76,18 @@ def experience_of(rollout: StepRollout, cfg: TrainConfig) -> Experience:
         "reward/min": min(all_rewards, default=None),
         "episodes/total": len(rollout.episodes), "episodes/failed": failed, "episodes/unjudged": unjudged,
         "episodes/truncated": sum(e.truncated > 0 for e in rollout.episodes),
+        "episodes/ended_max_turns": sum(e.ended == "max_turns" for e in rollout.episodes),
+        "samples/truncated": sum(bool(s.truncation) for e in rollout.episodes for s in e.samples),
+        "samples/over_max_samples": sum(e.over_max_samples for e in rollout.episodes),
         "merge/ratio": rollout.merge.get("merge_ratio"), "merge/drift_rate": rollout.merge.get("drift_rate"),
         "time/rollout_s": rollout.timings["rollout_s"], "time/judge_s": rollout.timings["judge_s"],
         "time/merge_s": rollout.timings["merge_s"],
     }
+    if cfg.rollout.guard.enabled:
+        metrics.update({"guard/degenerate": sum(e.degenerate for e in rollout.episodes),
+                        "guard/episodes": sum(e.degenerate > 0 for e in rollout.episodes),
+                        "guard/ended": sum(e.ended == "guard" for e in rollout.episodes),
+                        "guard/penalized": sum(e.penalized for e in rollout.episodes)})
     if frozen:
         metrics["samples/frozen_roles"] = frozen
     metrics.update({f"samples/role/{name}": n for name, n in per_role.items()})

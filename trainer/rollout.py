@@ -23,6 +23,7 @@ from harness.runner import RunConfig, Runner
 from harness.store import Store
 from proxy.app import EPISODES, RECORDER, STATE, STORE
 from proxy.config import ProxyConfig, SamplingOverrides
+from proxy.guard import DEGENERATE, GuardConfig
 from proxy.roles import RoleRule, key_env_names
 from proxy.server import ProxyServer
 from trainer.config import TrainConfig, role_rules
@@ -46,6 +47,10 @@ class EpisodeResult:
     sample_roles: list[str | None] = field(default_factory=list)  # per sample: its calls' role name (None: unnamed)
     role_rewards: dict[str, float] = field(default_factory=dict)  # the judge's per-role rewards, if it gave any
     sample_versions: list[int] = field(default_factory=list)  # per sample: the oldest weight version of its calls
+    degenerate: int = 0  # completions the degenerate-output guard flagged (proxy/guard.py)
+    penalized: bool = False  # the reward is rollout.guard.penalty, not the judge's
+    ended: str | None = None  # "max_turns" or "guard" when the proxy ended the episode early
+    over_max_samples: int = 0  # samples past rollout.max_samples_per_episode: stored, not trained
 
 
 @dataclass
@@ -61,8 +66,11 @@ class Rollouts:
 
     def __init__(self, engine: Engine, run_dir: Path, run: RunConfig, *, sampling: SamplingOverrides,
                  token_exact: bool = True, tool_parser: str = "hermes", roles: tuple[RoleRule, ...] = (),
-                 interceptor=None, more_engines: tuple[Engine, ...] = ()):
+                 interceptor=None, more_engines: tuple[Engine, ...] = (), guard: GuardConfig = GuardConfig(),
+                 max_turns: int | None = None, max_samples: int | None = None, penalty: float | None = None):
         self.engine = engine
+        self.max_samples = max_samples  # samples an episode trains; the rest are marked max_samples
+        self.penalty = penalty  # the reward of an episode with a degenerate completion (None: the judge's)
         self.more_engines = more_engines  # more engines of the same policy (proxy/engines.py)
         self.run_dir = run_dir
         self.run = replace(run, hidden_env=(*run.hidden_env, *key_env_names(roles)))
@@ -70,7 +78,8 @@ class Rollouts:
         config = ProxyConfig(upstream_url=engine.base_url, served_model=engine.served_model,
                              returns_token_ids=engine.returns_token_ids, db_path=run_dir / "harness.duckdb", port=0,
                              sampling=sampling, token_exact=token_exact, tool_parser=tool_parser, roles=roles,
-                             more_upstreams=tuple(e.base_url for e in more_engines))
+                             more_upstreams=tuple(e.base_url for e in more_engines), guard=guard,
+                             max_turns=max_turns)
         if not engine.returns_token_ids:
             raise ValueError(f"the engine at {engine.base_url} returns no token ids: training needs vLLM's ids")
         self.server = ProxyServer(config)
@@ -133,9 +142,14 @@ class Rollouts:
         results, items = [], []
         for o in outcomes:
             episode_calls = calls.get(o.episode_id, [])
-            merged = merge_episode(episode_calls)
+            merged, over = _capped(merge_episode(episode_calls), self.max_samples)
             judgement = judgements.get(o.episode_id)
             reward = judgement.reward if judgement is not None else None
+            flags = [(c.call_id, f) for c in episode_calls for f in c.extra.get("flags", ())]
+            degenerate = len({(call_id, f["choice"]) for call_id, f in flags if f["kind"] == DEGENERATE})
+            penalized = degenerate > 0 and self.penalty is not None
+            if penalized:  # the guard's reward replaces the judge's, per call and per role too
+                reward, judgement = self.penalty, None
             try:
                 call_rewards = call_rewards_of(judgement, o.episode_id)
             except ValueError as exc:  # a judge's mistake costs its per-call rewards, never the step
@@ -151,8 +165,11 @@ class Rollouts:
             by_id = {c.call_id: c for c in episode_calls}
             roles = [by_id[s.call_ids[0]].extra.get("role") if s.call_ids else None for s in merged.samples]
             versions = [min((by_id[c].weight_version for c in s.call_ids), default=0) for s in merged.samples]
-            results.append(EpisodeResult(o.episode_id, o.task_id, o.status, reward, merged.samples, merged,
-                                         truncated, spans, roles, role_rewards, versions))
+            ended = next((f["reason"] for _, f in flags if f["reason"] in ("max_turns", "guard")), None)
+            trained = len(merged.samples) - over
+            results.append(EpisodeResult(o.episode_id, o.task_id, o.status, reward, merged.samples[:trained], merged,
+                                         truncated, spans[:trained], roles[:trained], role_rewards, versions[:trained],
+                                         degenerate, penalized, ended, over))
             items.append((o.episode_id, merged, reward))
         self.store.add_merged_episodes(self.run_id, items)
         return results
@@ -171,6 +188,15 @@ class Rollouts:
         self.server.stop_thread()
 
 
+def _capped(merged: Merged, limit: int | None) -> tuple[Merged, int]:
+    """The merge with its samples past `limit` marked max_samples (stored, not trained), and how many those are."""
+    over = max(0, len(merged.samples) - limit) if limit is not None else 0
+    if not over:
+        return merged, 0
+    marked = [replace(s, truncation=sorted({*s.truncation, "max_samples"})) for s in merged.samples[limit:]]
+    return replace(merged, samples=merged.samples[:limit] + marked), over
+
+
 def start_rollouts(cfg: TrainConfig, out: Path) -> Rollouts:
     """The engines of a training run (attached or started) behind one recording proxy, as the config says."""
     engine, *more = start_engines(cfg, out)
@@ -179,7 +205,8 @@ def start_rollouts(cfg: TrainConfig, out: Path) -> Rollouts:
         return Rollouts(engine, out, run_config(cfg), sampling=SamplingOverrides(
             temperature=r.temperature, top_p=r.top_p, max_tokens_cap=r.max_tokens, seed=sampling_seed(cfg)),
             token_exact=r.token_exact, tool_parser=r.tool_parser, roles=role_rules(cfg),
-            interceptor=interceptor_for(r, out), more_engines=tuple(more))
+            interceptor=interceptor_for(r, out), more_engines=tuple(more), guard=guard_config(r),
+            max_turns=r.max_turns, max_samples=r.max_samples_per_episode, penalty=r.guard.penalty)
     except BaseException:
         for e in (engine, *more):
             e.stop()
@@ -193,6 +220,13 @@ def greedy_baselines(rollouts: Rollouts, step: int, tasks: list[Task], cfg: Trai
     greedy = rollouts.collect(step, tasks, tag="greedy", repeat=1, sampling=SamplingOverrides(
         temperature=0.0, top_p=1.0, max_tokens_cap=r.max_tokens, seed=sampling_seed(cfg)))
     return {e.task_id: e.reward for e in greedy.episodes if e.status == FINISHED and e.reward is not None}
+
+
+def guard_config(r) -> GuardConfig:
+    """The proxy's guard from rollout.guard (its penalty is the trainer's business)."""
+    g = r.guard
+    return GuardConfig(enabled=g.enabled, ngram=g.ngram, max_repeat=g.max_repeat, min_tokens=g.min_tokens,
+                       min_surprisal=g.min_surprisal, length_cap=g.length_cap, end_episode=g.end_episode)
 
 
 def run_config(cfg: TrainConfig) -> RunConfig:
