@@ -57,7 +57,8 @@ WHERE c.episode_id IN (SELECT unnest(?)) AND c.status = 'ok' AND c.endpoint = 'c
 ORDER BY c.episode_id, c.call_index, ch.choice_index
 """
 _SAMPLES = """
-SELECT sample_id, run_id, episode_id, role_key, token_ids, loss_mask, logprobs, n_trainable
+SELECT sample_id, run_id, episode_id, role_key, token_ids, loss_mask, logprobs, n_trainable,
+       coalesce(truncation, []) AS truncation
 FROM samples WHERE run_id IN (SELECT unnest(?)) AND episode_id IN (SELECT unnest(?))
 ORDER BY episode_id, sample_index
 """

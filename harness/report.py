@@ -46,8 +46,10 @@ def build_report(
     success_threshold: float = 1.0,
     episode_tokens: dict[str, tuple[int, int]] | None = None,
     call_latencies_ms: Sequence[float] = (),
+    flagged: dict[str, int] | None = None,
 ) -> dict:
-    """One run under one judge. `episode_tokens`: episode_id -> (prompt tokens, completion tokens)."""
+    """One run under one judge. `episode_tokens`: episode_id -> (prompt tokens, completion tokens); `flagged`:
+    "kind:reason" (the flags view) -> episodes with such a flag."""
     by_episode = {j.episode_id: j for j in judgements if j.judge == judge}
     rewards = [j.reward for j in by_episode.values() if j.reward is not None]
     per_task: dict[str, list[bool]] = {}
@@ -77,6 +79,7 @@ def build_report(
         "success_rate": successes / len(outcomes) if outcomes else None,
         "pass_at_k": pass_k,
         "failures": dict(sorted(failures.items())),
+        "flagged_episodes": dict(sorted((flagged or {}).items())),
         "prompt_tokens_per_episode": percentiles([t[0] for t in tokens.values()]),
         "completion_tokens_per_episode": percentiles([t[1] for t in tokens.values()]),
         "call_latency_ms": percentiles(call_latencies_ms),
@@ -104,6 +107,8 @@ def print_report(report: dict, run_id: str) -> None:
     for k, v in report["pass_at_k"].items():
         table.add_row(k, fmt(v))
     table.add_row("failures", ", ".join(f"{k}: {v}" for k, v in report["failures"].items()) or "none")
+    if report.get("flagged_episodes"):  # cut short (truncated:...) or found degenerate by the guard
+        table.add_row("episodes flagged", ", ".join(f"{k}: {v}" for k, v in report["flagged_episodes"].items()))
     for key, label in (("prompt_tokens_per_episode", "prompt tokens / episode"),
                        ("completion_tokens_per_episode", "completion tokens / episode"),
                        ("call_latency_ms", "call latency ms"), ("episode_duration_ms", "episode duration ms")):

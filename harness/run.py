@@ -94,9 +94,11 @@ def _report(store: Store, run_id: str, outcomes, judgements, judge: str, success
     tokens = store.query("SELECT episode_id, coalesce(sum(prompt_tokens), 0), coalesce(sum(completion_tokens), 0) "
                          "FROM calls WHERE run_id = ? GROUP BY 1", [run_id]).rows
     latencies = store.query("SELECT latency_ms FROM calls WHERE run_id = ? AND status = 'ok'", [run_id]).rows
+    flagged = store.query("SELECT kind || ':' || reason, count(DISTINCT episode_id) FROM flags WHERE run_id = ? "
+                          "GROUP BY 1", [run_id]).rows
     return build_report(outcomes, judgements, judge=judge, success_threshold=success_threshold,
                         episode_tokens={e: (int(p), int(c)) for e, p, c in tokens},
-                        call_latencies_ms=[r[0] for r in latencies])
+                        call_latencies_ms=[r[0] for r in latencies], flagged=dict(flagged))
 
 
 async def rejudge(db_path: Path, run_id: str | None, judge: str, *, success_threshold: float = 1.0,

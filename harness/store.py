@@ -340,7 +340,8 @@ class Store:
         """Stored samples as records, with their reward slot (what a trainer reads): those of one run and/or one
         episode, or all; ordered by run, episode and sample_index."""
         sql = ("SELECT episode_id, role_key, call_ids, choice_indices, token_ids, loss_mask, logprobs, reward, "
-               "coalesce(truncation, []) FROM samples WHERE (?::VARCHAR IS NULL OR run_id = ?) AND (?::VARCHAR IS NULL OR episode_id = ?) "
+               "coalesce(truncation, []) FROM samples "
+               "WHERE (?::VARCHAR IS NULL OR run_id = ?) AND (?::VARCHAR IS NULL OR episode_id = ?) "
                "ORDER BY run_id, episode_id, sample_index")
         with self.cursor() as cur:
             rows = cur.execute(sql, [run_id, run_id, episode_id, episode_id]).fetchall()

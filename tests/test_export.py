@@ -99,12 +99,15 @@ def test_token_records_carry_the_engine_ids_the_mask_and_the_trainer_s_grpo_adva
     done = _export(db, "--run", run_id, "--records", "tokens", "--format", "hf", "--out", str(out))
     assert done.returncode == 0, done.stderr
     rows = datasets.load_from_disk(str(out))
-    samples = db_rows(db, "SELECT sample_id, token_ids, loss_mask, logprobs FROM samples WHERE run_id = ?", [run_id])
+    samples = db_rows(db, "SELECT sample_id, token_ids, loss_mask, logprobs, truncation FROM samples "
+                      "WHERE run_id = ?", [run_id])
     assert len(rows) == len(samples) > 0
     by_id = {r["sample_id"]: r for r in rows}
-    for sample_id, ids, mask, logprobs in samples:
+    for sample_id, ids, mask, logprobs, truncation in samples:
         assert by_id[sample_id]["token_ids"] == ids and by_id[sample_id]["loss_mask"] == list(mask)
         assert by_id[sample_id]["logprobs"] == pytest.approx(logprobs)
+        # the scripted engine's 8-token replies end "length" at the terse agent's max_tokens 8
+        assert by_id[sample_id]["truncation"] == truncation == ["max_tokens"]
 
     episodes = db_rows(db, "SELECT episode_id, task_id, reward FROM rewards WHERE run_id = ? ORDER BY episode_id",
                        [run_id])

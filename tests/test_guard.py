@@ -164,3 +164,7 @@ def test_the_guard_ends_degenerate_episodes_and_leaves_normal_ones_alone(engine,
           AND NOT list_contains(s.truncation, f.reason)""")
     assert missing == []
     assert db_rows(db, "SELECT count(*) FROM samples WHERE len(truncation) = 0") == [(0,)]
+    [report] = [json.loads(p.read_text()) for p in (tmp_path / "run").glob("report-*.json")]
+    flagged = report["flagged_episodes"]
+    assert (flagged["degenerate:repetition"], flagged["truncated:guard"], flagged["truncated:max_turns"]) == (2, 2, 2)
+    assert "episodes flagged" in out.stdout
