@@ -273,8 +273,11 @@ async def _engine_failed(app: web.Application, cap: Capture, base: str) -> bool:
 
 
 def _refusal(app: web.Application, episode_id: str, call_index: int) -> tuple[dict, ApiError] | None:
-    """Why a call of an episode that has ended is refused (its flag, its 400), or None: the call goes ahead."""
+    """Why a call of an episode that has ended is refused (its flag, its 400), or None: the call goes ahead. The
+    default episode (calls that name none) is not an episode of one agent: it is never limited."""
     limit = app[CONFIG].max_turns
+    if episode_id == app[EPISODES].default_id:
+        return None
     if limit is not None and call_index >= limit:
         flag, why = ended_flag("max_turns", call_index + 1, limit), f"it made its max_turns {limit} calls"
     elif (ended := app[EPISODES].ended(episode_id)) is not None:

@@ -97,11 +97,14 @@ def test_the_proxy_refuses_calls_past_max_turns_and_every_cut_is_in_sql(upstream
             assert err.value.code == "episode_ended"
         other = openai.OpenAI(base_url=f"{proxy.url}/e/ep-b/v1", api_key="x", max_retries=0)
         other.chat.completions.create(model="gpt-4o-mini", messages=messages, max_tokens=8)  # its own count
+        loose = openai.OpenAI(base_url=f"{proxy.url}/v1", api_key="x", max_retries=0)  # no episode: never limited
+        for _ in range(3):
+            loose.chat.completions.create(model="gpt-4o-mini", messages=messages, max_tokens=8)
     finally:
         proxy.close()
-    assert len(upstream.engine.requests) == 3  # the refused calls never reached the engine
+    assert len(upstream.engine.requests) == 6  # the refused calls never reached the engine
     flags = db_rows(proxy.db_path, "SELECT episode_id, call_index, choice_index, kind, reason, value, threshold "
-                    "FROM flags ORDER BY episode_id, call_index")
+                    "FROM flags WHERE episode_id LIKE 'ep-%' ORDER BY episode_id, call_index")
     assert flags == [("ep-a", 0, 0, "truncated", "max_tokens", 8.0, 8.0),
                      ("ep-a", 1, 0, "truncated", "max_model_len", 8.0, None),
                      ("ep-a", 2, None, "truncated", "max_turns", 3.0, 2.0),
@@ -112,7 +115,8 @@ def test_the_proxy_refuses_calls_past_max_turns_and_every_cut_is_in_sql(upstream
     out = subprocess.run([sys.executable, "-m", "harness.cli", "merge", "--db", str(proxy.db_path)],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    samples = db_rows(proxy.db_path, "SELECT episode_id, truncation FROM samples ORDER BY episode_id, sample_index")
+    samples = db_rows(proxy.db_path, "SELECT episode_id, truncation FROM samples WHERE episode_id LIKE 'ep-%' "
+                      "ORDER BY episode_id, sample_index")
     # ep-a's second call re-sends the first prompt (no reply appended): it is a sibling of the first, not its child
     assert samples == [("ep-a", ["max_tokens", "max_turns"]), ("ep-a", ["max_model_len", "max_turns"]),
                        ("ep-b", ["max_tokens"])]
