@@ -236,7 +236,7 @@ def _add_sql(verbs) -> None:
         description="Run a read-only query over the recorded rollouts. Works on a closed database file and while a "
         "proxy is recording into it (the query then goes through the proxy). Tables: runs, episodes, calls, "
         "choices, tasks, episode_outcomes, judgements, reports, samples, merge_breaks, episode_merges, metrics; "
-        "views: completions, episode_summary, rewards, merge_metrics, merge_reasons, training_curve, roles. "
+        "views: completions, episode_summary, rewards, merge_metrics, merge_reasons, training_curve, roles, flags. "
         "See docs/schema.md.",
     )
     p.add_argument("query", help='e.g. "SELECT episode_id, count(*) FROM calls GROUP BY 1"')

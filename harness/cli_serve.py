@@ -48,6 +48,7 @@ def _serve(args) -> int:
         return _record_only(args, db)
     try:
         sampling = SamplingOverrides(args.temperature, args.top_p, args.max_tokens_cap)
+        limits = options.limits(args)  # before an engine starts
         engine = start_or_attach(model=args.model, upstream=(args.upstream or [None])[0], run_dir=args.run_dir,
                                  max_model_len=args.max_model_len)
     except (EngineError, ValueError) as exc:
@@ -61,7 +62,7 @@ def _serve(args) -> int:
             returns_token_ids=engine.returns_token_ids, host=args.host, port=args.port,
             auth_token=args.auth_token, auto_episodes=not args.strict_episodes, sampling=sampling,
             token_exact=not args.no_token_exact, tool_parser=args.tool_parser, roles=options.role_rules(args),
-            more_upstreams=tuple((args.upstream or [])[1:]), db_memory_mb=args.db_memory_mb, **options.limits(args),
+            more_upstreams=tuple((args.upstream or [])[1:]), db_memory_mb=args.db_memory_mb, **limits,
         )
 
         interceptor = options.interceptor(args, args.run_dir)

@@ -178,17 +178,21 @@ def _write(rows: Iterator[dict[str, Any]], path: Path, fmt: str) -> int:
     import pyarrow as pa
 
     try:
+        data = pa.Table.from_pylist(table)
+        if "truncation" in data.column_names:  # all [] would make it a list of nulls
+            data = data.set_column(data.column_names.index("truncation"), "truncation",
+                                   data.column("truncation").cast(pa.list_(pa.string())))
         if fmt == "parquet":
             import pyarrow.parquet as pq
 
-            pq.write_table(pa.Table.from_pylist(table), path)
+            pq.write_table(data, path)
         else:
             try:
                 import datasets
             except ImportError:
                 raise ExportError("--format hf needs the `datasets` package: pip install 'harness[data]', or "
                                   "export jsonl or parquet, which `datasets` also loads") from None
-            datasets.Dataset.from_list(table).save_to_disk(str(path))
+            datasets.Dataset(data).save_to_disk(str(path))
     except pa.ArrowException as exc:
         raise ExportError(f"the records do not fit one {fmt} schema ({exc}): export --format jsonl") from None
     return len(table)

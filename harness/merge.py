@@ -22,6 +22,7 @@ from __future__ import annotations
 from bisect import bisect
 from dataclasses import dataclass, field, replace
 
+from harness.flags import cuts
 from harness.records import ENGINE, OK, Break, Call, Sample
 
 __all__ = ["DRIFT", "FIRST_CALL", "HISTORY_CHANGED", "MERGE_VERSION", "N_BRANCH", "NEW_ROLE", "REASONS",
@@ -108,7 +109,8 @@ def merge_episode(calls: list[Call], sources: tuple[str, ...] = (ENGINE,)) -> Me
 
     `sources`: the calls.token_source values merged. Only the engine's own ids by default; training on ids a
     tokenizer made after the fact (`retokenized`) is an explicit choice of the caller (offline.allow_retokenized)."""
-    whole = sorted({f["reason"] for c in calls for f in _cuts(c) if f["choice"] is None})  # the episode was cut
+    flags = {c.call_id: cuts(c) for c in calls}  # what cut each call short (harness/flags.py)
+    whole = sorted({f["reason"] for fs in flags.values() for f in fs if f["choice"] is None})  # the whole episode
     calls = sorted((c for c in calls if mergeable(c, sources)), key=lambda c: c.call_index)
     roles: dict[str, _Role] = {}
     breaks: list[Break] = []
@@ -136,8 +138,8 @@ def merge_episode(calls: list[Call], sources: tuple[str, ...] = (ENGINE,)) -> Me
             first = False
             role.add(node)
         previous = call
-    cuts = {(c.call_id, f["choice"]): f["reason"] for c in calls for f in _cuts(c) if f["choice"] is not None}
-    samples = [_sample(leaf, whole, cuts) for root in roots for leaf in _leaves(root)]
+    cut_at = {(c.call_id, f["choice"]): f["reason"] for c in calls for f in flags[c.call_id] if f["choice"] is not None}
+    samples = [_sample(leaf, whole, cut_at) for root in roots for leaf in _leaves(root)]
     per_call = sum(len(c.prompt_ids) + len(ch.completion_ids) for c in calls for ch in c.choices
                    if ch.completion_ids is not None)
     return Merged(samples, breaks, per_call, sum(len(s.token_ids) for s in samples), len(calls), followups)
@@ -225,12 +227,7 @@ def _leaves(root: _Node) -> list[_Node]:
     return out
 
 
-def _cuts(call: Call) -> list[dict]:
-    """The call's truncation flags (extra.flags, written by the proxy: proxy/guard.py)."""
-    return [f for f in call.extra.get("flags", ()) if f.get("kind") == "truncated"]
-
-
-def _sample(leaf: _Node, whole: list[str], cuts: dict[tuple[str, int], str]) -> Sample:
+def _sample(leaf: _Node, whole: list[str], cut_at: dict[tuple[str, int], str]) -> Sample:
     path = []
     node: _Node | None = leaf
     while node is not None:
@@ -247,6 +244,6 @@ def _sample(leaf: _Node, whole: list[str], cuts: dict[tuple[str, int], str]) -> 
         mask += [1] * len(node.completion_ids)
         logprobs += node.logprobs
         covered = node.seq_len
-    truncation = sorted({*whole, *(cuts[key] for n in path if (key := (n.call.call_id, n.choice_index)) in cuts)})
+    truncation = sorted({*whole, *(cut_at[k] for n in path if (k := (n.call.call_id, n.choice_index)) in cut_at)})
     return Sample(leaf.call.episode_id, leaf.call.role_key, [n.call.call_id for n in path],
                   [n.choice_index for n in path], leaf.seq(), mask, logprobs, truncation=truncation)

@@ -20,6 +20,7 @@ import orjson
 from aiohttp import web
 
 from harness import __version__
+from harness.flags import max_tokens_of
 from harness.recorder import Recorder
 from harness.records import CANCELLED, ERROR, NONE, OK, Call
 from harness.store import Store
@@ -32,7 +33,7 @@ from proxy.engines import EPISODE_HEADER, Engines, healthy
 from proxy.episodes import Episodes
 from proxy.errors import ApiError, error_middleware, json_response, read_body
 from proxy.forwarding import Forwarded, forwarded, redact
-from proxy.guard import degenerate, ended_flag, flags_of, max_tokens_of
+from proxy.guard import GuardConfig, degenerate, ended_flag, flags_of
 from proxy.openapi import openapi
 from proxy.request import CHAT, COMPLETIONS, Prepared, prepare
 from proxy.roles import RoleRule, find_role
@@ -272,6 +273,9 @@ async def _engine_failed(app: web.Application, cap: Capture, base: str) -> bool:
     return cap.status == ERROR and cap.http_status in (502, 503, 504) and not await healthy(app[SESSION], base)
 
 
+_NO_GUARD = GuardConfig()
+
+
 def _refusal(app: web.Application, episode_id: str, call_index: int) -> tuple[dict, ApiError] | None:
     """Why a call of an episode that has ended is refused (its flag, its 400), or None: the call goes ahead. The
     default episode (calls that name none) is not an episode of one agent: it is never limited."""
@@ -291,9 +295,15 @@ def _refusal(app: web.Application, episode_id: str, call_index: int) -> tuple[di
 def _record(app: web.Application, cap: Capture, prepared: Prepared, hashes, base: str | None) -> None:
     config, state = app[CONFIG], app[STATE]
     call = cap.to_call()
-    if flags := flags_of(call, max_tokens_of(prepared.body), config.guard):
+    guard = config.guard if base is not None else _NO_GUARD  # a frozen role's fixed model is not the policy
+    try:
+        flags = flags_of(call, max_tokens_of(prepared.body), guard)
+    except Exception:  # a bug of ours costs the call its flags, never the call
+        log.exception("could not flag call %s of episode %s", call.call_index, call.episode_id)
+        flags = []
+    if flags:
         call.extra["flags"] = flags
-        if config.guard.end_episode and (reason := degenerate(flags)):
+        if guard.end_episode and (reason := degenerate(flags)):
             app[EPISODES].end(call.episode_id, "guard", f"the degenerate-output guard flagged call {call.call_index} "
                               f"({reason})")
     if (base is not None and call.weight_version != state.weight_version

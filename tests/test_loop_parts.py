@@ -213,7 +213,7 @@ def test_the_guard_s_penalty_is_a_reward_to_learn_even_when_the_agent_failed_on_
     assert exp.rewards == {"ok": 0.5, "bad": -1.0}
     m = exp.metrics
     assert (m["guard/degenerate"], m["guard/episodes"], m["guard/ended"], m["guard/penalized"]) == (2, 1, 1, 1)
-    assert (m["episodes/failed"], m["episodes/ended_max_turns"]) == (1, 1)
+    assert (m["episodes/failed"], m["episodes/ended_max_turns"]) == (2, 1)  # "bad" failed too, and still trains
     assert "guard/degenerate" not in experience_of(rollout, _cfg()).metrics  # the guard off: no guard metrics
 
     samples = [replace(_sample("e", 5, k), truncation=["max_tokens"] if k == 2 else []) for k in range(3)]

@@ -385,15 +385,25 @@ def test_the_guard_penalizes_and_ends_degenerate_episodes_which_train_with_the_p
         FROM episode_outcomes o LEFT JOIN flags f USING (episode_id) WHERE o.run_id LIKE '%-train%' GROUP BY ALL""")
     assert len(episodes) == 2 * 8
     odd = {e[1] for e in episodes if int(e[1].rsplit("-", 1)[1]) % 2}
-    assert {e[1] for e in episodes if e[3] > 0} == {e[1] for e in episodes if e[4] > 0} == odd  # caught, ended
-    assert {e[2] for e in episodes if e[1] in odd} == {"crashed"} and {e[2] for e in episodes if e[1] not in odd} \
-        == {"finished"}
-    for step in (1, 2):
-        assert (metrics[(step, "guard/episodes")], metrics[(step, "guard/ended")], metrics[(step, "guard/penalized")],
-                metrics[(step, "episodes/failed")]) == (4, 4, 4, 0)  # a penalized episode is not a failed one
-        assert metrics[(step, "samples/trained")] == 8  # both halves of every group learn
+    flagged = {e[1] for e in episodes if e[3] > 0}
+    ended = {e[1] for e in episodes if e[4] > 0}
+    assert odd <= ended <= flagged  # every degenerate episode caught and ended at its first reply
+    step1 = {e[1] for e in episodes if e[0] == 1}
+    assert flagged & step1 == odd & step1  # the initial weights' normal replies: none flagged
+    assert {e[2] for e in episodes if e[1] in ended} == {"crashed"}  # the refused call: the agent failed there
+    assert {e[2] for e in episodes if e[1] not in ended} == {"finished"}
+    for step in (1, 2):  # each step counts what the guard did
+        mine = [e for e in episodes if e[0] == step]
+        assert metrics[(step, "guard/episodes")] == metrics[(step, "guard/penalized")] == sum(e[3] > 0 for e in mine)
+        assert metrics[(step, "guard/ended")] == sum(e[4] > 0 for e in mine)
+        assert metrics[(step, "episodes/failed")] == sum(e[2] != "finished" for e in mine)
+    assert metrics[(1, "samples/trained")] == 8  # penalized failures train: both halves of every group learn
+    # the penalty is a judgement of its own (the rewards view, export and --from-run see what was trained)
+    guard = dict(db_rows(db, "SELECT episode_id, reward FROM rewards WHERE judge = 'guard'"))
+    assert guard == {e: -1.0 for e in flagged}
     for episode_id, reward, truncation in db_rows(db, "SELECT episode_id, reward, truncation FROM samples"):
-        if episode_id in odd:
-            assert reward == -1.0 and truncation == ["guard", "max_tokens"]
+        if episode_id in flagged:
+            assert reward == -1.0 and ("guard" in truncation) == (episode_id in ended)
+            assert episode_id not in odd or truncation == ["guard", "max_tokens"]  # the pinned token ran to 40
         else:
             assert reward == 1.0 and "guard" not in truncation

@@ -140,7 +140,8 @@ class GuardSettings:
     ngram: int = _key(4, "repetition is counted over n-grams of this many tokens", ge=1)
     max_repeat: float = _key(0.5, "a completion whose share of n-grams repeating an earlier one exceeds this is "
                              "degenerate (a loop scores near 1, ordinary text near 0)", ge=0, le=1)
-    min_tokens: int = _key(32, "completions shorter than this are never degenerate", ge=1)
+    min_tokens: int = _key(32, "completions shorter than this are never judged by repetition or surprisal "
+                           "(length_cap judges any length)", ge=1)
     min_surprisal: float | None = _key(None, "a completion whose mean -logprob per sampled token (nats) is below "
                                        "this is degenerate: an entropy collapse; null: not checked", ge=0)
     length_cap: bool = _key(False, "a completion cut by max_tokens is degenerate too")
@@ -174,9 +175,9 @@ class RolloutConfig:
     max_turns: int | None = _key(None, "LLM calls one episode may make: the proxy refuses the next (400 "
                                  "episode_ended) and its samples record the cut (samples.truncation); null: no limit",
                                  ge=1)
-    max_samples_per_episode: int | None = _key(None, "samples one episode may train (its merged timelines, in "
-                                               "order); the rest are stored with truncation max_samples and not "
-                                               "trained; null: all", ge=1)
+    max_samples_per_episode: int | None = _key(None, "samples one episode may train (its merged timelines, "
+                                               "every role's, in order); the rest are stored with truncation "
+                                               "max_samples and not trained; null: all", ge=1)
     seed: int | None = _key(None, "seed the engine's sampling: each call gets a seed from this, its step, task, "
                             "repeat and call index, so a resumed run samples what an uninterrupted one would (exactly "
                             "so with concurrency 1: batching can change the engine's numerics); null: unseeded, "

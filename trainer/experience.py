@@ -48,8 +48,8 @@ def experience_of(rollout: StepRollout, cfg: TrainConfig) -> Experience:
     per_role: dict[str, int] = {}
     for e in rollout.episodes:
         reward = e.reward
+        failed += e.status != FINISHED
         if (e.status != FINISHED or reward is None) and not e.penalized:  # the guard's penalty is a reward to learn
-            failed += e.status != FINISHED
             unjudged += e.status == FINISHED and reward is None
             if cfg.trainer.failed_episodes == "drop" or (reward is None and e.status == FINISHED):
                 continue

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from harness.engine import Engine, attach, start_vllm
 from harness.merge import Merged, merge_episode
-from harness.records import FINISHED, Call, EpisodeOutcome, Judgement, Sample, Task
+from harness.records import FINISHED, INFRA_ERROR, INTERRUPTED, Call, EpisodeOutcome, Judgement, Sample, Task
 from harness.run import summarise_merges
 from harness.runner import RunConfig, Runner
 from harness.store import Store
@@ -30,6 +30,7 @@ from trainer.config import TrainConfig, role_rules
 from trainer.lora import ENGINE_ENV, adapters_in_use, engine_args, spec_of
 
 log = logging.getLogger("harness.train")
+GUARD_JUDGE = "guard"  # the judge name of the guard's penalty in `judgements` (rollout.guard.penalty)
 
 
 @dataclass
@@ -106,7 +107,8 @@ class Rollouts:
     def collect(self, step: int, tasks: list[Task], *, tag: str = "train", repeat: int | None = None,
                 sampling: SamplingOverrides | None = None, judge_pool=None) -> StepRollout:
         """Run every task `repeat` times (the GRPO group), judge, merge; blocks until all episodes ended.
-        judge_pool: a JudgePool the caller keeps open across collects (else the Runner makes one per collect)."""
+        judge_pool: a JudgePool the caller keeps open across collects (else the Runner makes one per collect).
+        The guard's penalty is a training reward: validation episodes (tag "val") keep their judge's."""
         app = self.server.app
         state = app[STATE]
         state.sampling = sampling or self.sampling
@@ -132,23 +134,30 @@ class Rollouts:
         app[RECORDER].flush()
         position = {t.task_id: k for k, t in enumerate(tasks)}
         outcomes = sorted(runner.outcomes, key=lambda o: (position[o.task_id], o.repeat_index))  # not finish order
-        episodes = self._merge(outcomes, {j.episode_id: j for j in runner.judgements})
+        episodes = self._merge(outcomes, {j.episode_id: j for j in runner.judgements}, penalize=tag != "val")
         timings = {"rollout_s": rollout_s, "judge_s": runner.judge_s, "merge_s": time.perf_counter() - started}
         return StepRollout(episodes, timings, summarise_merges([e.merged for e in episodes]))
 
-    def _merge(self, outcomes: list[EpisodeOutcome], judgements: dict[str, Judgement]) -> list[EpisodeResult]:
+    def _merge(self, outcomes: list[EpisodeOutcome], judgements: dict[str, Judgement],
+               penalize: bool = True) -> list[EpisodeResult]:
         ids = [o.episode_id for o in outcomes]
         calls = self.store.load_episodes_calls(ids)
-        results, items = [], []
+        results, items, penalties = [], [], []
         for o in outcomes:
             episode_calls = calls.get(o.episode_id, [])
             merged, over = _capped(merge_episode(episode_calls), self.max_samples)
             judgement = judgements.get(o.episode_id)
             reward = judgement.reward if judgement is not None else None
             flags = [(c.call_id, f) for c in episode_calls for f in c.extra.get("flags", ())]
+            found = sorted({f["reason"] for _, f in flags if f["kind"] == DEGENERATE})
             degenerate = len({(call_id, f["choice"]) for call_id, f in flags if f["kind"] == DEGENERATE})
-            penalized = degenerate > 0 and self.penalty is not None
-            if penalized:  # the guard's reward replaces the judge's, per call and per role too
+            # the guard's reward replaces the judge's (per call and per role too), unless the episode's end was not
+            # the agent's doing (the engine unreachable, the run stopped)
+            penalized = (penalize and degenerate > 0 and self.penalty is not None
+                         and o.status not in (INFRA_ERROR, INTERRUPTED))
+            if penalized:
+                penalties.append(Judgement(o.episode_id, GUARD_JUDGE, GUARD_JUDGE, self.penalty,
+                                           {"degenerate": found, "judge_reward": reward}, None, time.time()))
                 reward, judgement = self.penalty, None
             try:
                 call_rewards = call_rewards_of(judgement, o.episode_id)
@@ -172,6 +181,7 @@ class Rollouts:
                                          degenerate, penalized, ended, over))
             items.append((o.episode_id, merged, reward))
         self.store.add_merged_episodes(self.run_id, items)
+        self.store.add_judgements(penalties)  # the rewards view, export and --from-run see what was trained
         return results
 
     def stop(self) -> None:
