@@ -65,6 +65,8 @@ def test_each_truncation_is_named_and_the_guard_flags_only_what_crosses_its_thre
                     error="engine answered 400: This model's maximum context length is 512 tokens. However, ...")
     assert flags_of(refused, 8, GuardConfig()) == [{"choice": None, "kind": "truncated", "reason": "max_model_len",
                                                    "value": None, "threshold": None}]
+    echo = Choice(0, varied, [None, *[-0.01] * 39], "stop", None)  # /v1/completions with echo: no first logprob
+    assert [f["reason"] for f in flags_of(_call(2, [1], echo), None, on)] == ["low_surprisal"]
     with pytest.raises(ValueError, match="max_repeat 1.5"):
         GuardConfig(max_repeat=1.5)
 
@@ -79,6 +81,9 @@ def test_a_sample_lists_the_cuts_on_its_own_path_and_those_of_its_whole_episode(
         {"choice": None, "kind": "truncated", "reason": "max_turns", "value": 3, "threshold": 2}])
     merged = merge_episode([c0, c1, refused])
     assert [s.truncation for s in merged.samples] == [["max_turns"], ["max_tokens", "max_turns"]]
+    # recorded before the proxy flagged calls: a reply that ran out is `length` (its cause was not recorded)
+    old = _call(0, [1, 2], _choice(0, [10, 11], "length"))
+    assert [s.truncation for s in merge_episode([old]).samples] == [["length"]]
 
 
 def test_the_proxy_refuses_calls_past_max_turns_and_every_cut_is_in_sql(upstream, tmp_path):
