@@ -160,6 +160,7 @@ class Viewer:
         calls = self.query("""
             SELECT c.call_id, c.call_index, c.status, c.http_status, c.started_at, c.latency_ms, c.requested_model,
                    c.extra->>'role' AS role, c.stream, c.request, c.response, c.extra->'continuity' AS continuity,
+                   c.extra->'flags' AS flags,
                    c.error, list({'index': ch.choice_index, 'text': ch.text, 'tool_calls': ch.tool_calls,
                                   'finish_reason': ch.finish_reason} ORDER BY ch.choice_index)
                               FILTER (WHERE ch.call_id IS NOT NULL) AS choices
@@ -168,12 +169,12 @@ class Viewer:
         if not found and not calls:
             raise ApiError(404, f"no episode {episode_id!r} in {self.db}", code="episode_not_found")
         for call in calls:
-            for key in ("request", "response", "continuity"):
+            for key in ("request", "response", "continuity", "flags"):
                 call[key] = _json(call[key])
             for choice in call["choices"] or ():
                 choice["tool_calls"] = _json(choice["tool_calls"])
         samples = self.query("""SELECT sample_id, sample_index, role_key, n_tokens, n_trainable, reward, token_ids,
-                                       loss_mask, logprobs FROM samples WHERE episode_id = ?
+                                       loss_mask, logprobs, truncation FROM samples WHERE episode_id = ?
                                 QUALIFY row_number() OVER (PARTITION BY sample_index ORDER BY created_at DESC) = 1
                                 ORDER BY sample_index""", [episode_id])
         for sample in samples:

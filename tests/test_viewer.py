@@ -95,6 +95,10 @@ def test_an_episode_whole(view):
     assert [c["call_index"] for c in calls] == [0, 1]
     assert calls[0]["request"]["messages"][1]["content"] == "What is the capital of France?"
     assert calls[0]["choices"][0]["text"] == calls[0]["response"]["choices"][0]["message"]["content"]
+    # the scripted engine's 8-token replies run into the terse agent's max_tokens 8: each call and sample says so
+    assert [c["flags"] for c in calls] == [[{"choice": 0, "kind": "truncated", "reason": "max_tokens", "value": 8,
+                                             "threshold": 8}]] * 2
+    assert {tuple(s["truncation"]) for s in body["samples"]} == {("max_tokens",)}
     stored = db_rows(db, "SELECT sample_index, token_ids, loss_mask, logprobs FROM samples WHERE episode_id = ? "
                      "ORDER BY sample_index", [episode_id])
     assert len(body["samples"]) == len(stored) > 0

@@ -447,7 +447,8 @@ function legend() {
 function sampleView(s) {
   const head = el("div", { class: "sample-head" },
     el("strong", { text: s.role_key ?? "sample" }),
-    ` · #${s.sample_index} · ${fmtNum(s.n_tokens)} tokens · ${fmtNum(s.n_trainable)} trainable · reward ${fmtNum(s.reward)}`);
+    ` · #${s.sample_index} · ${fmtNum(s.n_tokens)} tokens · ${fmtNum(s.n_trainable)} trainable · reward ${fmtNum(s.reward)}`,
+    s.truncation && s.truncation.length ? el("span", { class: "sample-cut", text: ` · cut: ${s.truncation.join(", ")}` }) : null);
   const toks = el("div", { class: "tokens" });
   const frag = document.createDocumentFragment();
   for (const t of s.tokens || []) frag.append(tokenSpan(t));
@@ -510,10 +511,23 @@ function callView(c) {
   return el("div", { class: c.error ? "call call-failed" : "call", "data-call-index": c.call_index },
     head,
     c.error ? el("div", { class: "call-error", text: c.error }) : null,
+    flagsView(c.flags),
     jsonDetails("request", c.request),
     jsonDetails("response", c.response),
     c.continuity ? jsonDetails("continuity", c.continuity) : null,
     (c.choices || []).map(choiceView));
+}
+
+// What cut the call short or what the degenerate-output guard found (docs/schema.md: the flags view).
+function flagsView(flags) {
+  if (!Array.isArray(flags) || !flags.length) return null;
+  const text = flags.map((f) => {
+    const where = f.choice === null || f.choice === undefined ? "episode" : `choice ${f.choice}`;
+    const measured = f.value === null || f.value === undefined ? ""
+      : ` ${fmtNum(f.value)}${f.threshold === null || f.threshold === undefined ? "" : ` (limit ${fmtNum(f.threshold)})`}`;
+    return `${f.kind} ${f.reason}${measured} · ${where}`;
+  });
+  return el("div", { class: "call-flags", text: `flags: ${text.join("; ")}` });
 }
 
 function jsonDetails(label, value) {
