@@ -1,8 +1,9 @@
 """`harness train config.yaml`: one YAML file with the root `harness:`, read into a typed TrainConfig.
 
 The keys, their defaults and help are declared in trainer/config_keys.py; this module reads the YAML into them,
-applies `--set section.key=value` overrides, resolves paths and checks values, with errors that name the key, the
-value and what to write instead (an AgentJet key name is pointed at its harness name, `_AGENTJET_NAMES`).
+applies `--set section.key=value` overrides and resolves paths; trainer/config_checks.py checks the values. Errors
+name the key, the value and what to write instead (an AgentJet key name is pointed at its harness name,
+`_AGENTJET_NAMES`).
 
 Paths resolve relative to where they were written: the config file's directory for values in the file, the current
 directory for `--set` overrides and for defaults. The resolved config holds absolute paths and loads back equal.
@@ -19,15 +20,15 @@ import dataclasses
 import difflib
 import os
 import re
-import shlex
 import sys
 import typing
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 
+from trainer.config_checks import ConfigError, Mode, check, role_rules
 from trainer.config_keys import (
     ADV_ESTIMATORS,
     GROUP_ESTIMATORS,
@@ -46,18 +47,16 @@ from trainer.config_keys import (
     TrainerConfig,
     ValidationSampling,
     describe_config,
-    in_range,
     iter_keys,
     key_name,
     optional_inner,
-    range_text,
     type_text,
 )
 
-__all__ = ["ConfigError", "load_config", "config_to_dict", "save_resolved", "describe_config", "run_dir", "iter_keys",
-           "Mode", "TrainConfig", "ModelConfig", "DataConfig", "TaskJudgeConfig", "RolloutConfig", "ValidationSampling",
-           "EngineConfig", "TrainerConfig", "FsdpConfig", "LoggingConfig", "DebugConfig", "ADV_ESTIMATORS",
-           "LOSS_AGG_MODES", "KL_TYPES", "GROUP_ESTIMATORS"]
+__all__ = ["ConfigError", "role_rules", "load_config", "config_to_dict", "save_resolved", "describe_config",
+           "run_dir", "iter_keys", "Mode", "TrainConfig", "ModelConfig", "DataConfig", "TaskJudgeConfig",
+           "RolloutConfig", "ValidationSampling", "EngineConfig", "TrainerConfig", "FsdpConfig", "LoggingConfig",
+           "DebugConfig", "ADV_ESTIMATORS", "LOSS_AGG_MODES", "KL_TYPES", "GROUP_ESTIMATORS"]
 
 RESOLVED_NAME = "config.resolved.yaml"
 
@@ -74,15 +73,8 @@ _AGENTJET_NAMES = {
 }
 
 
-class ConfigError(ValueError):
-    """A config that can't be used; the message names the key, the value and what to do."""
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # Loading
-
-
-Mode = Literal["rl", "from_run", "sft"]
 
 
 def load_config(path: str | Path, overrides: Sequence[str] = (), mode: Mode = "rl") -> TrainConfig:
@@ -100,7 +92,7 @@ def load_config(path: str | Path, overrides: Sequence[str] = (), mode: Mode = "r
     if rollout.get("cwd") is None:
         rollout["cwd"] = str(path.resolve().parent)
     cfg = _build(TrainConfig, values)
-    _check(cfg, path.name, "from_run" if mode == "rl" and cfg.offline.run else mode)
+    check(cfg, path.name, "from_run" if mode == "rl" and cfg.offline.run else mode)
     return cfg
 
 
@@ -346,145 +338,6 @@ def _build(cls: type, values: dict) -> Any:
     return cls(**kwargs)
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Checks
-
-
-def _check(cfg: TrainConfig, where: str, mode: Mode = "rl") -> None:
-    online = mode == "rl"
-    for key, f, _, value in _leaves(cfg):
-        meta = f.metadata
-        if meta["required"] and value is None and (online or key != "data.train"):
-            raise ConfigError(f"{key} is required ({meta['help']}): set it in {where} or with --set {key}=...")
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and not in_range(value, meta):
-            raise ConfigError(f"{key} must be {range_text(meta)}, got {value!r}")
-    r, t = cfg.rollout, cfg.trainer
-    if not online:
-        _check_offline(cfg, where, mode)
-    problems = [
-        (r.agent is None and r.command is None and (online or cfg.data.validation is not None),
-         f"rollout.agent (a Python file) or rollout.command (any command) is required"
-         f"{'' if online else ' to validate on data.validation'}: set one in {where}"),
-        (r.agent is not None and r.command is not None, "give rollout.agent or rollout.command, not both"),
-        (r.agent is not None and not Path(r.agent).is_file(),
-         f"rollout.agent {r.agent!r} is not a file: fix the path (relative to the config file's directory)"),
-        (r.command is not None and not _split_ok(r.command),
-         f"rollout.command {r.command!r} is not a command a shell could split: check its quotes"),
-        (online and t.adv_estimator in GROUP_ESTIMATORS and r.num_repeat < 2,
-         f"rollout.num_repeat must be >= 2 for trainer.adv_estimator {t.adv_estimator!r} (it compares the episodes "
-         f"of a group), got {r.num_repeat}; or use adv_estimator 'reinforce_pp'"),
-        (online and t.mini_batch_size is not None and r.batch_size % t.mini_batch_size != 0,
-         f"trainer.mini_batch_size {t.mini_batch_size} must divide rollout.batch_size {r.batch_size}"),
-        (len(t.betas) != 2 or not all(0 <= b < 1 for b in t.betas),
-         f"trainer.betas must be two numbers in [0, 1), got {t.betas!r}"),
-        (t.use_kl_in_reward and t.kl_coef == 0, "trainer.use_kl_in_reward needs trainer.kl_coef > 0"),
-        (t.val_before_train and cfg.data.validation is None,
-         "trainer.val_before_train needs validation tasks: set data.validation"),
-        (r.validation.n > 1 and r.validation.temperature == 0,
-         f"rollout.validation.n {r.validation.n} with temperature 0 repeats one greedy episode: set "
-         "rollout.validation.temperature > 0, or n: 1"),
-        (t.resume not in ("auto", "disable") and not Path(t.resume).exists(),
-         f"trainer.resume {t.resume!r} does not exist: use auto, disable, or a checkpoint directory"),
-        (not re.fullmatch(r"[\w.-]+", cfg.experiment_name) or cfg.experiment_name in (".", ".."),
-         f"experiment_name {cfg.experiment_name!r} must be a directory name: letters, digits, '.', '-', '_'"),
-        (r.engine.url is not None and not r.engine.url.startswith(("http://", "https://")),
-         f"rollout.engine.url {r.engine.url!r} must start with http:// or https://"),
-        (r.engine.more_urls and r.engine.url is None,
-         "rollout.engine.more_urls needs rollout.engine.url (the first engine to attach to)"),
-        (r.engine.url is not None and r.engines > 1,
-         "rollout.engines starts engines; with rollout.engine.url, list the other running ones in "
-         "rollout.engine.more_urls instead"),
-    ]
-    for failed, message in problems:
-        if failed:
-            raise ConfigError(message)
-    if online and t.adv_estimator == "remax" and r.async_.max_staleness > 0:
-        raise ConfigError("trainer.adv_estimator remax takes each task's greedy episode at the weights being trained "
-                          "as the baseline: it runs with rollout.async.max_staleness 0")
-    g = r.guard
-    if not g.enabled and (g.end_episode or g.penalty is not None or g.length_cap or g.min_surprisal is not None):
-        raise ConfigError("rollout.guard.end_episode, penalty, length_cap and min_surprisal act on what the guard "
-                          "finds: set rollout.guard.enabled: true (or leave them out)")
-    if t.kl_ctrl == "adaptive" and not t.use_kl_in_reward:
-        raise ConfigError("trainer.kl_ctrl adaptive steers the KL penalty in the reward: set "
-                          "trainer.use_kl_in_reward: true (and trainer.kl_coef > 0, its starting value)")
-    if online and r.async_.max_staleness > 0 and t.tis_cap is None:
-        raise ConfigError(f"rollout.async.max_staleness {r.async_.max_staleness} trains on episodes sampled with older "
-                          "weights: set trainer.tis_cap (e.g. 2.0), so their tokens are weighted by how likely the "
-                          "trained weights find them against the engine's logprobs when they were sampled")
-    if t.lora.rank > 0:
-        from trainer.lora import LoraSpec
-
-        try:
-            LoraSpec(t.lora.rank, t.lora.alpha, tuple(t.lora.target_modules), t.lora.dropout)
-        except ValueError as exc:
-            raise ConfigError(f"trainer.lora: {exc}") from None
-    from proxy.tool_parsers import known_parsers
-
-    if r.tool_parser not in known_parsers():
-        raise ConfigError(f"rollout.tool_parser must be one of {', '.join(known_parsers())}, got {r.tool_parser!r}")
-    _check_roles(cfg)
-
-
-def _check_offline(cfg: TrainConfig, where: str, mode: Mode) -> None:
-    o, t = cfg.offline, cfg.trainer
-    command = "harness train --from-run" if mode == "from_run" else "harness sft"
-    problems = [
-        (mode == "from_run" and not o.run, f"harness train --from-run needs a run id: give --from-run RUN (or set "
-         f"offline.run in {where}); `harness sql \"SELECT DISTINCT run_id FROM episode_summary\"` lists them"),
-        (mode == "sft" and not o.data, f"harness sft needs chat records: set offline.data in {where} (e.g. a file "
-         "`harness export --run RUN --out chat.jsonl` wrote)"),
-        (mode == "sft" and o.loss != "sft", f"harness sft trains on chat data, which has no rewards or sampling "
-         f"logprobs: offline.loss {o.loss!r} needs a recorded run (harness train --from-run RUN)"),
-        (o.loss == "pg" and t.adv_estimator in ("gae", "remax"), f"offline.loss pg compares each episode with its "
-         f"recorded group; trainer.adv_estimator {t.adv_estimator!r} needs a critic or greedy episodes at the "
-         "trained weights: choose grpo, grpo_no_std, drgrpo, rloo, reinforce_pp or reinforce_pp_baseline"),
-        (o.loss == "pg" and o.allow_retokenized, "offline.allow_retokenized needs offline.loss sft: retokenized "
-         "calls have no sampling logprobs for pg's importance ratio"),
-        (t.kl_coef > 0 or t.entropy_coef > 0, f"{command} has no reference model or entropy term: set "
-         "trainer.kl_coef=0 and trainer.entropy_coef=0 (e.g. --set trainer.kl_coef=0)"),
-        (cfg.backbone != "harness", f"{command} runs on backbone harness; got backbone {cfg.backbone!r}"),
-    ]
-    for failed, message in problems:
-        if failed:
-            raise ConfigError(message)
-
-
-def role_rules(cfg: TrainConfig):
-    """The proxy's role rules (proxy/roles.py) from the roles section."""
-    from proxy.roles import parse_rules
-
-    roles = cfg.roles
-    return parse_rules(roles.match, roles.upstream, roles.upstream_model, roles.upstream_key_env)
-
-
-def _check_roles(cfg: TrainConfig) -> None:
-    roles = cfg.roles
-    try:
-        role_rules(cfg)
-    except ValueError as exc:
-        raise ConfigError(f"roles: {exc}") from None
-    unknown = [name for name in roles.train if name not in roles.match]
-    if unknown:
-        raise ConfigError(f"roles.train names {unknown[0]!r}, which roles.match does not define: add "
-                          f"roles.match.{unknown[0]}: model:NAME (or system:REGEX, key:FINGERPRINT)")
-    frozen = [name for name in roles.train if name in roles.upstream]
-    if frozen:
-        raise ConfigError(f"role {frozen[0]!r} is in roles.train but served by roles.upstream "
-                          f"{roles.upstream[frozen[0]]!r}: a role that learns must be served by the policy engine")
-    if roles.train and not set(roles.train) - set(roles.upstream):
-        raise ConfigError("roles.train names no role the policy serves")
-    if (cfg.rollout.llm_hosts or cfg.rollout.refuse_other_hosts) and not cfg.rollout.transparent:
-        raise ConfigError("rollout.llm_hosts and rollout.refuse_other_hosts need rollout.transparent: true")
-
-
-def _split_ok(command: str) -> bool:
-    try:
-        return bool(shlex.split(command))
-    except ValueError:
-        return False
-
-
 def _suggest(name: str, prefix: str, fields: dict) -> str:
     """What to write instead of the unknown key `name` in section `prefix`."""
     if name in _AGENTJET_NAMES:
@@ -496,16 +349,6 @@ def _suggest(name: str, prefix: str, fields: dict) -> str:
     if close:
         return f"did you mean {prefix + close[0]!r}?"
     return f"the keys of {prefix.rstrip('.') or ROOT} are {', '.join(fields)}"
-
-
-def _leaves(cfg: Any, prefix: str = "") -> Iterator[tuple[str, dataclasses.Field, Any, Any]]:
-    hints = typing.get_type_hints(type(cfg))
-    for f in dataclasses.fields(cfg):
-        value = getattr(cfg, f.name)
-        if dataclasses.is_dataclass(value):
-            yield from _leaves(value, f"{prefix}{key_name(f)}.")
-        else:
-            yield prefix + key_name(f), f, hints[f.name], value
 
 
 if __name__ == "__main__":  # python -m trainer.config [--markdown]: the key reference, as docs/training.md holds it
