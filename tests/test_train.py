@@ -373,11 +373,11 @@ def test_the_guard_penalizes_and_ends_degenerate_episodes_which_train_with_the_p
     reward -1 instead of being dropped as failed. Each step counts what the guard did; the cuts are on the samples."""
     tasks = tmp_path / "tasks.jsonl"
     tasks.write_text("".join(json.dumps({"id": f"t{i}", "prompt": f"Tell me about {i}.", "answer": "done",
-                                         "degenerate": "odd", "turns": 2}) + "\n" for i in range(2)))
+                                         "degenerate": "odd", "turns": 2, "fresh": True}) + "\n" for i in range(2)))
     db = _train_terse(engine, tiny_model_dir, tmp_path, f"rollout.agent={ROOT / 'tests/agents/degenerate.py'}",
                       f"data.train={tasks}", "task_judge.judge=exact_match", "rollout.guard.enabled=true",
                       "rollout.guard.end_episode=true", "rollout.guard.penalty=-1", "trainer.total_steps=2",
-                      "rollout.batch_size=2")
+                      "rollout.batch_size=2", "rollout.max_samples_per_episode=1")
     metrics = dict(((s, n), v) for s, n, v in db_rows(db, "SELECT step, name, value FROM metrics"))
     episodes = db_rows(db, """
         SELECT CAST(split_part(o.run_id, '-train', 2) AS INTEGER), o.episode_id, o.status,
@@ -397,6 +397,8 @@ def test_the_guard_penalizes_and_ends_degenerate_episodes_which_train_with_the_p
         assert metrics[(step, "guard/episodes")] == metrics[(step, "guard/penalized")] == sum(e[3] > 0 for e in mine)
         assert metrics[(step, "guard/ended")] == sum(e[4] > 0 for e in mine)
         assert metrics[(step, "episodes/failed")] == sum(e[2] != "finished" for e in mine)
+        # a finished episode's two fresh conversations are two samples: the second is past max_samples_per_episode
+        assert metrics[(step, "samples/over_max_samples")] == sum(e[2] == "finished" for e in mine)
     assert metrics[(1, "samples/trained")] == 8  # penalized failures train: both halves of every group learn
     # the penalty is a judgement of its own (the rewards view, export and --from-run see what was trained)
     guard = dict(db_rows(db, "SELECT episode_id, reward FROM rewards WHERE judge = 'guard'"))
@@ -407,3 +409,6 @@ def test_the_guard_penalizes_and_ends_degenerate_episodes_which_train_with_the_p
             assert episode_id not in odd or truncation == ["guard", "max_tokens"]  # the pinned token ran to 40
         else:
             assert reward == 1.0 and "guard" not in truncation
+    over = db_rows(db, "SELECT episode_id, list(sample_index ORDER BY sample_index) FROM samples "
+                   "WHERE list_contains(truncation, 'max_samples') GROUP BY 1")
+    assert dict(over) == {e[1]: [1] for e in episodes if e[2] == "finished"}  # stored, marked, not trained

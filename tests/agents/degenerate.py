@@ -3,7 +3,8 @@ model repeats it until max_tokens; otherwise it chats normally. `turns` calls pe
 one streamed; the answer is always "done".
 
 The task's "degenerate": true (every episode), false (none), or "odd" (episodes whose repeat index is odd: half of
-each GRPO group)."""
+each GRPO group). With "fresh": true, every turn starts a new conversation, so each call is a sample of its own.
+"""
 
 import json
 import os
@@ -24,4 +25,6 @@ for turn in range(task.get("turns", 4)):
     text = "".join(c.choices[0].delta.content or "" for c in reply if c.choices) if stream else \
         reply.choices[0].message.content
     messages += [{"role": "assistant", "content": text}, {"role": "user", "content": "go on"}]
+    if task.get("fresh"):
+        messages = [{"role": "user", "content": f"{task['prompt']} ({turn + 1})"}]
 print(json.dumps({"answer": "done"}))
