@@ -40,8 +40,7 @@ from harness.limits import AGENT_MAX_PROCS, AGENT_MEMORY_MB
 from harness.records import Task
 from harness.runner import RunConfig
 from proxy.config import SamplingOverrides
-from proxy.guard import GuardConfig
-from trainer.rollout import EpisodeResult, Rollouts
+from trainer.rollout import EpisodeResult, Rollouts, guard_of
 
 AGENT_NAME = "harness"  # the name the loop is registered under; the dataset's agent_name column says it
 
@@ -210,7 +209,7 @@ class _Bridge:
         self.rollouts = await loop.run_in_executor(
             self.pool, lambda: Rollouts(engine, run_dir, run, sampling=SamplingOverrides(),
                                         token_exact=s.token_exact, tool_parser=s.tool_parser,
-                                        guard=GuardConfig(**{k: v for k, v in s.guard.items() if k != "penalty"}),
+                                        guard=guard_of(s.guard),
                                         max_turns=s.max_turns, max_samples=s.max_samples_per_episode,
                                         penalty=s.guard.get("penalty")))
 

@@ -139,6 +139,7 @@ def test_limits_and_the_guard_reach_the_agent_loop_s_proxy(tmp_path, tiny_model_
     guard reach it through the loop's settings (the YAML entry verl hands each worker)."""
     from adapters.verl_loop import LoopSettings
     from proxy.guard import GuardConfig
+    from trainer.rollout import guard_of
     from trainer.verl_backbone import loop_settings
 
     _config(tmp_path, tiny_model_dir)
@@ -147,8 +148,7 @@ def test_limits_and_the_guard_reach_the_agent_loop_s_proxy(tmp_path, tiny_model_
                                                "rollout.guard.end_episode=true", "rollout.guard.penalty=-1"])
     s = LoopSettings.from_mapping(yaml.safe_load(yaml.safe_dump(loop_settings(cfg, tmp_path))))
     assert (s.max_turns, s.max_samples_per_episode, s.guard["penalty"]) == (6, 2, -1.0)
-    assert GuardConfig(**{k: v for k, v in s.guard.items() if k != "penalty"}) == GuardConfig(
-        enabled=True, ngram=3, end_episode=True)
+    assert guard_of(s.guard) == GuardConfig(enabled=True, ngram=3, end_episode=True)
 
 
 def test_without_verl_the_error_says_how_to_install_it(tmp_path, tiny_model_dir):

@@ -10,6 +10,7 @@ a run of its own in `episode_outcomes` (`<run>-train00003`), so the usual SQL wo
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field, replace
@@ -215,7 +216,7 @@ def start_rollouts(cfg: TrainConfig, out: Path) -> Rollouts:
         return Rollouts(engine, out, run_config(cfg), sampling=SamplingOverrides(
             temperature=r.temperature, top_p=r.top_p, max_tokens_cap=r.max_tokens, seed=sampling_seed(cfg)),
             token_exact=r.token_exact, tool_parser=r.tool_parser, roles=role_rules(cfg),
-            interceptor=interceptor_for(r, out), more_engines=tuple(more), guard=guard_config(r),
+            interceptor=interceptor_for(r, out), more_engines=tuple(more), guard=guard_of(dataclasses.asdict(r.guard)),
             max_turns=r.max_turns, max_samples=r.max_samples_per_episode, penalty=r.guard.penalty)
     except BaseException:
         for e in (engine, *more):
@@ -232,11 +233,9 @@ def greedy_baselines(rollouts: Rollouts, step: int, tasks: list[Task], cfg: Trai
     return {e.task_id: e.reward for e in greedy.episodes if e.status == FINISHED and e.reward is not None}
 
 
-def guard_config(r) -> GuardConfig:
-    """The proxy's guard from rollout.guard (its penalty is the trainer's business)."""
-    g = r.guard
-    return GuardConfig(enabled=g.enabled, ngram=g.ngram, max_repeat=g.max_repeat, min_tokens=g.min_tokens,
-                       min_surprisal=g.min_surprisal, length_cap=g.length_cap, end_episode=g.end_episode)
+def guard_of(settings: dict) -> GuardConfig:
+    """The proxy's guard from rollout.guard's keys, as a mapping (the penalty is the trainer's business)."""
+    return GuardConfig(**{k: v for k, v in settings.items() if k != "penalty"})
 
 
 def run_config(cfg: TrainConfig) -> RunConfig:
