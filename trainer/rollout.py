@@ -265,7 +265,8 @@ def start_engines(cfg: TrainConfig, out: Path) -> list[Engine]:
     try:
         for k in range(cfg.rollout.engines):
             started.append(start_vllm(cfg.model.path, out / "logs" / (f"engine{k}" if k else ""),
-                                      max_model_len=e.max_model_len, extra_args=extra, env=env))
+                                      max_model_len=e.max_model_len, extra_args=extra, env=env,
+                                      share=(k, cfg.rollout.engines) if cfg.rollout.engines > 1 else None))
     except BaseException:
         for engine in started:
             engine.stop()
