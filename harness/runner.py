@@ -232,6 +232,7 @@ class Runner:
         task_json, debug = json.dumps(agent_task), self.config.debug
         env = {**({"PYTHONUNBUFFERED": "1"} if debug else {}), **os.environ, **self.config.env,
                "OPENAI_BASE_URL": f"{self.proxy_url}/e/{episode_id}/v1", "OPENAI_API_KEY": api_key,
+               "AZURE_OPENAI_ENDPOINT": f"{self.proxy_url}/e/{episode_id}", "AZURE_OPENAI_API_KEY": api_key,
                "HARNESS_TASK": task_json, "HARNESS_EPISODE_ID": episode_id}
         if self.episode_env is not None:
             env.update(self.episode_env(episode_id, api_key))

@@ -14,10 +14,12 @@ import logging
 import os
 import time
 import uuid
+from urllib.parse import quote
 
 import aiohttp
 import orjson
 from aiohttp import web
+from yarl import URL
 
 from harness import __version__
 from harness.flags import max_tokens_of
@@ -63,6 +65,9 @@ def create_app(config: ProxyConfig) -> web.Application:
         app.router.add_get(prefix + "/models", models)
         app.router.add_post(prefix + "/responses", responses)
         app.router.add_post(prefix + "/messages", messages)
+    for prefix in ("", "/e/{episode}"):  # Azure OpenAI's deployment URLs, where AzureOpenAI sends chat calls
+        app.router.add_post(prefix + "/openai/deployments/{deployment}/chat/completions", chat_completions)
+        app.router.add_post(prefix + "/openai/deployments/{deployment}/completions", completions)
     for prefix in ("/v1", "/e/{episode}/v1"):  # after every route above: what the proxy does not serve itself
         app.router.add_get(prefix + "/{tail:.+}", passthrough)
         app.router.add_post(prefix + "/{tail:.+}", passthrough)
@@ -160,6 +165,8 @@ async def _llm_call(request: web.Request, endpoint: str, wire: Wire | None = Non
                        code="storage_full")
     episode_id = await episodes.resolve(request.match_info.get("episode"), api_key)
     raw = await read_body(request)
+    if (deployment := request.match_info.get("deployment")) is not None:
+        raw = _with_model(raw, deployment)
     call_index = await episodes.start_call(episode_id)
     try:
         fwd = forwarded(request, api_key)
@@ -168,6 +175,16 @@ async def _llm_call(request: web.Request, endpoint: str, wire: Wire | None = Non
         return await _numbered_call(request, endpoint, wire, episode_id, call_index, raw, fwd)
     finally:
         episodes.end_call(episode_id)
+
+
+def _with_model(raw: bytes, deployment: str) -> bytes:
+    """An Azure deployment URL's body: the deployment names the model when the body does not (AzureOpenAI sends
+    both; a bare request may send only the URL's)."""
+    try:
+        body = orjson.loads(raw)
+        return orjson.dumps({"model": deployment, **body}) if isinstance(body, dict) and "model" not in body else raw
+    except (orjson.JSONDecodeError, orjson.JSONEncodeError):
+        return raw  # prepare() says what is wrong with it
 
 
 async def _numbered_call(request: web.Request, endpoint: str, wire: Wire | None, episode_id: str, call_index: int,
@@ -245,6 +262,8 @@ async def _plan_call(app: web.Application, prepared: Prepared, episode_id: str, 
         return cap, url, None, None
     url = f"{base}/v1/{route}"
     if app[CONFIG].record_only:  # not our engine: the agent's key and query string go along, nothing of ours
+        if fwd.deployment is not None:  # an Azure deployment URL goes to the same path on the upstream's host
+            url = f"{URL(base).origin()}/openai/deployments/{quote(fwd.deployment, safe='')}/{route}"
         cap.upstream_headers.update(fwd.headers)
         cap.upstream_query = fwd.query
     else:

@@ -6,7 +6,8 @@ takes it from `forwarded()`:
   The proxy's own tokens (auth_token, episode tokens) never go on: for them, or no key, the key in
   `upstream_key_env` is sent instead, in the same header;
 - `OpenAI-Organization` and `OpenAI-Project`;
-- the query string, byte for byte as the agent sent it (Azure's `?api-version=...`).
+- the query string, byte for byte as the agent sent it (Azure's `?api-version=...`);
+- an Azure deployment URL's path (`/openai/deployments/<name>/chat/completions`), on the upstream's host.
 
 Neither key nor query string is recorded or logged. An error message built from an upstream URL goes through
 `redact()` first, since some APIs take a key in the query (`?key=...`).
@@ -30,6 +31,7 @@ _FORWARDED = ("OpenAI-Organization", "OpenAI-Project")
 class Forwarded:
     headers: dict[str, str] = field(default_factory=dict)
     query: str = ""  # the agent's query string as sent (still percent-encoded); "" for none
+    deployment: str | None = None  # the Azure deployment the URL named (/openai/deployments/<name>/...)
 
     def url(self, url: str) -> str | URL:
         return with_query(url, self.query)
@@ -52,7 +54,7 @@ def forwarded(request: web.Request, api_key: str | None) -> Forwarded:
             headers["api-key"] = key
         else:
             headers["Authorization"] = f"Bearer {key}"
-    return Forwarded(headers, request.rel_url.raw_query_string)
+    return Forwarded(headers, request.rel_url.raw_query_string, request.match_info.get("deployment"))
 
 
 def with_query(url: str, query: str) -> str | URL:

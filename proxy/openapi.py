@@ -129,6 +129,13 @@ def openapi() -> dict:
         per_episode["post"]["parameters"] = [episode]
         per_episode["post"]["summary"] += " into episode {episode}"
         paths[f"/e/{{episode}}/v1/{route}"] = per_episode
+    deployment = {"name": "deployment", "in": "path", "required": True, "schema": {"type": "string"}}
+    for route in ("chat/completions", "completions"):  # Azure OpenAI's deployment URLs
+        for prefix, parameters in (("", [deployment]), ("/e/{episode}", [episode, deployment])):
+            azure = _llm(route)
+            azure["post"]["parameters"] = parameters
+            azure["post"]["summary"] += " (Azure OpenAI's URL; the deployment names the model when the body does not)"
+            paths[f"{prefix}/openai/deployments/{{deployment}}/{route}"] = azure
     models = {"get": {"summary": "the engine's models, passed through",
                       "responses": {"200": _json({"type": "object"}, "the model list"),
                                     **_errors(_ERROR, "502", "503", "504")}}}

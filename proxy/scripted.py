@@ -46,6 +46,8 @@ class ScriptedEngine:
         self.app = web.Application()
         self.app.router.add_post("/v1/chat/completions", self._chat)
         self.app.router.add_post("/v1/completions", self._completions)
+        self.app.router.add_post("/openai/deployments/{deployment}/chat/completions", self._chat)  # Azure's URLs
+        self.app.router.add_post("/openai/deployments/{deployment}/completions", self._completions)
         self.app.router.add_get("/v1/models", self._models)
         self.app.router.add_get("/health", self._health)
         self._runner: web.AppRunner | None = None

@@ -18,6 +18,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,6 +46,8 @@ class Client:
 
 MATRIX = {
     "openai_sdk": Client(("python", "openai_sdk_agent.py"), "gpt-4o-mini", (False, True), ("openai",)),
+    # AzureOpenAI: the same calls to /e/<episode>/openai/deployments/gpt-4o-mini/chat/completions, key in api-key
+    "azure_openai": Client(("python", "azure_openai_agent.py"), "gpt-4o-mini", (False, True), ("openai",)),
     "langchain": Client(("python", "langchain_agent.py"), "gpt-4o", (False, True), ("langchain_openai",)),
     # Runner.run_sync does not stream; a third call only if the model calls the tool again.
     "openai_agents": Client(("python", "agents_sdk_agent.py"), "gpt-4.1-mini", (False, False), ("agents",), 1),
@@ -84,6 +87,7 @@ def _run_agent(proxy: RunningProxy, command: list[str], episode: str) -> dict:
     """Run the agent as `harness run` would; returns its answer line, parsed."""
     task = json.dumps(TASK)
     env = {**os.environ, "OPENAI_BASE_URL": f"{proxy.url}/e/{episode}/v1", "OPENAI_API_KEY": "sk-test",
+           "AZURE_OPENAI_ENDPOINT": f"{proxy.url}/e/{episode}", "AZURE_OPENAI_API_KEY": "sk-test",
            "HARNESS_TASK": task, "HARNESS_EPISODE_ID": episode, "NO_PROXY": "127.0.0.1,localhost"}
     out = subprocess.run(command, input=task, env=env, capture_output=True, text=True, timeout=180, cwd=ROOT)
     assert out.returncode == 0, f"exit {out.returncode}\nstdout: {out.stdout[-2000:]}\nstderr: {out.stderr[-3000:]}"
@@ -182,3 +186,16 @@ def test_agents_sdk_default_responses_model_recorded_end_to_end(request, tmp_pat
     arguments = json.loads(call["function"]["arguments"])
     assert set(arguments) == {"a", "b"}
     assert answer["answer"] == str(arguments["a"] + arguments["b"])  # the SDK ran the recorded call: its answer
+
+
+def test_harness_run_points_an_agent_written_for_azure_at_its_episode(upstream, tmp_path):
+    """`harness run` sets AZURE_OPENAI_ENDPOINT and AZURE_OPENAI_API_KEY next to OPENAI_BASE_URL: an unmodified
+    AzureOpenAI agent's calls (to Azure's deployment URLs, with the episode token in `api-key`) land in its
+    episode."""
+    out = subprocess.run([sys.executable, "-m", "harness.cli", "run", str(CLIENTS / "azure_openai_agent.py"), "--data",
+                          str(CLIENTS / "tasks.jsonl"), "--upstream", upstream.url, "--run-dir", str(tmp_path)],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = db_rows(tmp_path / "harness.duckdb", "SELECT o.status, list(c.requested_model ORDER BY c.call_index) "
+                   "FROM episode_outcomes o LEFT JOIN calls c USING (episode_id) GROUP BY o.episode_id, o.status")
+    assert rows == [("finished", ["gpt-4o-mini", "gpt-4o-mini"])] * 3, rows

@@ -218,10 +218,12 @@ def test_the_guard_s_penalty_is_a_reward_to_learn_even_when_the_agent_failed_on_
 
     samples = [replace(_sample("e", 5, k), truncation=["max_tokens"] if k == 2 else []) for k in range(3)]
     merged = Merged(samples, [], 0, 0, 3, 2)
-    capped, over = _capped(merged, 1)
+    capped, over = _capped(merged, 1, [True] * 3)
     assert over == 2 and capped.samples[0] == samples[0]
     assert [s.truncation for s in capped.samples] == [[], ["max_samples"], ["max_samples", "max_tokens"]]
-    assert _capped(merged, 3) == (merged, 0) and _capped(merged, None) == (merged, 0)
+    assert _capped(merged, 3, [True] * 3) == (merged, 0) and _capped(merged, None, [True] * 3) == (merged, 0)
+    capped, over = _capped(merged, 1, [False, True, True])  # a frozen role's sample neither counts nor is marked
+    assert over == 1 and [s.truncation for s in capped.samples] == [[], [], ["max_samples", "max_tokens"]]
 
 
 # ---------------------------------------------------------------------------------------------- asynchronous rollouts

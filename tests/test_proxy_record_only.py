@@ -78,6 +78,65 @@ async def test_azure_style_calls_reach_the_upstream_with_their_query_string_and_
     _no_secret_written(tmp_path, caplog, SECRET, QUERY_SECRET, "a%2Bb")  # nor the query string at all
 
 
+async def test_azure_deployment_urls_are_recorded_and_go_to_the_same_path_on_the_upstream_s_host(upstream, tmp_path,
+                                                                                                caplog):
+    """AzureOpenAI(azure_endpoint=the proxy) sends chat calls to /openai/deployments/<name>/chat/completions: in
+    record-only mode they are recorded and go to that path on the upstream's host (given as the resource, or its
+    /openai/v1 API), with the query string and the api-key; a body without a model is recorded under the
+    deployment's name."""
+    caplog.set_level("DEBUG")
+    upstream.script.token_ids = False
+    targets = []
+    for k, given in enumerate((upstream.url, upstream.url + "/openai/v1")):
+        (tmp_path / str(k)).mkdir()
+        proxy = _record_only(given, tmp_path / str(k))
+        try:
+            client = openai.AsyncAzureOpenAI(azure_endpoint=proxy.url + "/e/az-2", api_key=SECRET,
+                                             api_version="2024-10-21", max_retries=0)
+            answer = await client.chat.completions.create(model="gpt-4o", messages=CHAT["messages"])
+            assert answer.choices[0].message.content.startswith("w1000")
+            stream = await client.chat.completions.create(model="gpt-4o", messages=CHAT["messages"], stream=True)
+            assert [c async for c in stream]
+            await client.close()
+            bare = {k: v for k, v in CHAT.items() if k != "model"}
+            status, raw = await _post(f"{proxy.url}/openai/deployments/my-dep/chat/completions?{VERSION}", bare,
+                                      {"api-key": SECRET})
+            assert status == 200, raw
+            status, raw = await _post(f"{proxy.url}/openai/deployments/my-dep/completions?{VERSION}",
+                                      {"prompt": "hi"}, {"api-key": SECRET})
+            assert status == 200, raw
+        finally:
+            proxy.close()
+        rows = db_rows(proxy.db_path, "SELECT episode_id, endpoint, stream, requested_model, status FROM calls "
+                       "ORDER BY started_at")
+        assert rows == [("az-2", "chat", False, "gpt-4o", "ok"), ("az-2", "chat", True, "gpt-4o", "ok"),
+                        (rows[2][0], "chat", False, "my-dep", "ok"), (rows[2][0], "completions", False, "my-dep", "ok")]
+        targets.append(upstream.engine.targets[-4:])
+    deployment = "/openai/deployments/{}/{}?" + VERSION
+    assert targets == [[deployment.format("gpt-4o", "chat/completions")] * 2
+                       + [deployment.format("my-dep", "chat/completions"), deployment.format("my-dep", "completions")]
+                       ] * 2
+    assert all(h.get("api-key") == SECRET and "Authorization" not in h for h in upstream.engine.headers)
+    assert upstream.engine.requests[-2]["model"] == "my-dep"  # the deployment's name, added to the body
+    _no_secret_written(tmp_path, caplog, SECRET)
+
+
+async def test_outside_record_only_azure_deployment_urls_serve_the_policy(upstream, tmp_path):
+    proxy = RunningProxy(upstream.url, tmp_path / "rec.duckdb", served_model="scripted-model")
+    try:
+        client = openai.AsyncAzureOpenAI(azure_endpoint=proxy.url + "/e/az-3", api_key="sk-x",
+                                         api_version="2024-10-21", max_retries=0)
+        answer = await client.chat.completions.create(model="gpt-4o-mini", messages=CHAT["messages"])
+        await client.close()
+    finally:
+        proxy.close()
+    assert answer.model == "gpt-4o-mini"  # answered under the name asked for
+    assert upstream.engine.targets == ["/v1/chat/completions"] and upstream.engine.requests[0]["model"] == \
+        "scripted-model"
+    assert db_rows(proxy.db_path, "SELECT episode_id, requested_model, token_source FROM calls") == [
+        ("az-3", "gpt-4o-mini", "engine")]
+
+
 @pytest.mark.parametrize("carried", ["proxy-token", "episode-token", "bearer"])
 async def test_the_proxy_s_own_token_in_api_key_is_replaced_by_the_env_key_in_the_same_header(
         upstream, tmp_path, monkeypatch, carried):

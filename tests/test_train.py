@@ -192,7 +192,9 @@ def test_a_run_sigkilled_mid_step_resumes_and_makes_the_same_next_step_as_an_uni
 def test_training_one_role_of_a_multi_agent_app_leaves_the_frozen_role_to_its_fixed_model(engine, tiny_model_dir,
                                                                                           tmp_path):
     """examples/multi_agent (solver + critic, one base URL): only the solver learns; the critic's calls go to a
-    fixed model (here a scripted server, so each of its answers is known) and none of its samples is trained."""
+    fixed model (here a scripted server, so each of its answers is known) and none of its samples is trained.
+    rollout.max_samples_per_episode counts only the samples that learn: with 1, each episode trains one solver
+    sample, and its critic sample is still a frozen role's, never marked max_samples."""
     fixed = ScriptedUpstream(Script(content="The answer looks right.", model="fixed-critic"))
     steps = 2
     try:
@@ -200,7 +202,8 @@ def test_training_one_role_of_a_multi_agent_app_leaves_the_frozen_role_to_its_fi
             [sys.executable, "-m", "harness.cli", "train", str(ROOT / "examples/train/multi_agent.yaml"),
              f"--set=model.path={tiny_model_dir}", f"--set=rollout.engine.url={engine.base_url}",
              f"--set=logging.run_dir={tmp_path}", f"--set=trainer.total_steps={steps}", "--set=logging.console=false",
-             "--set=logging.curve_png=false", f"--set=roles.upstream={{critic: {fixed.url}/v1}}"],
+             "--set=logging.curve_png=false", f"--set=roles.upstream={{critic: {fixed.url}/v1}}",
+             "--set=rollout.max_samples_per_episode=1"],
             capture_output=True, text=True, timeout=900)
     finally:
         WeightSync(engine.base_url, tmp_path / "restore").load(tiny_model_dir, 0)
@@ -223,7 +226,7 @@ def test_training_one_role_of_a_multi_agent_app_leaves_the_frozen_role_to_its_fi
     # reward.
     metrics = dict(((s, n), v) for s, n, v in db_rows(db, "SELECT step, name, value FROM metrics"))
     for step in range(1, steps + 1):
-        assert metrics[(step, "samples/role/solver")] > 0
+        assert metrics[(step, "samples/role/solver")] == 8  # one per episode: the limit
         assert metrics[(step, "samples/frozen_roles")] == 8  # the critic's one sample per episode
         assert (step, "samples/role/critic") not in metrics
     details = db_rows(db, "SELECT details FROM judgements")

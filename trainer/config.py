@@ -28,7 +28,7 @@ from typing import Any, Literal
 
 import yaml
 
-from trainer.config_checks import ConfigError, Mode, check, role_rules
+from trainer.config_checks import ConfigError, Mode, check, role_rules, trains
 from trainer.config_keys import (
     ADV_ESTIMATORS,
     GROUP_ESTIMATORS,
@@ -53,7 +53,7 @@ from trainer.config_keys import (
     type_text,
 )
 
-__all__ = ["ConfigError", "role_rules", "load_config", "config_to_dict", "save_resolved", "describe_config",
+__all__ = ["ConfigError", "role_rules", "trains", "load_config", "config_to_dict", "save_resolved", "describe_config",
            "run_dir", "iter_keys", "Mode", "TrainConfig", "ModelConfig", "DataConfig", "TaskJudgeConfig",
            "RolloutConfig", "ValidationSampling", "EngineConfig", "TrainerConfig", "FsdpConfig", "LoggingConfig",
            "DebugConfig", "ADV_ESTIMATORS", "LOSS_AGG_MODES", "KL_TYPES", "GROUP_ESTIMATORS"]

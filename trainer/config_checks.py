@@ -135,6 +135,14 @@ def role_rules(cfg: TrainConfig):
     return parse_rules(roles.match, roles.upstream, roles.upstream_model, roles.upstream_key_env)
 
 
+def trains(cfg: TrainConfig, role: str | None) -> bool:
+    """Whether samples of this role learn: never a role served by another upstream; with roles.train set, only
+    the roles it names; else every role."""
+    if role is not None and role in cfg.roles.upstream:
+        return False
+    return not cfg.roles.train or role in cfg.roles.train
+
+
 def _check_roles(cfg: TrainConfig) -> None:
     roles = cfg.roles
     try:

@@ -175,8 +175,9 @@ class RolloutConfig:
     max_turns: int | None = _key(None, "LLM calls one episode may make: the proxy refuses the next (400 "
                                  "episode_ended) and its samples record the cut (samples.truncation); null: no limit",
                                  ge=1)
-    max_samples_per_episode: int | None = _key(None, "samples one episode may train (its merged timelines, "
-                                               "every role's, in order); the rest are stored with truncation "
+    max_samples_per_episode: int | None = _key(None, "samples one episode may train (its merged timelines of "
+                                               "the roles that learn, in order; a frozen role's samples neither "
+                                               "count nor are marked); the rest are stored with truncation "
                                                "max_samples and not trained; null: all", ge=1)
     seed: int | None = _key(None, "seed the engine's sampling: each call gets a seed from this, its step, task, "
                             "repeat and call index, so a resumed run samples what an uninterrupted one would (exactly "
@@ -191,7 +192,8 @@ class RolloutConfig:
     refuse_other_hosts: bool = _key(False, "with rollout.transparent: refuse agents' traffic to other hosts instead "
                                     "of tunnelling it untouched")
     engines: int = _key(1, "engines started on model.path when engine.url is not set, all behind the one proxy, "
-                        "which keeps each episode on one and moves calls off one that fails (docs/proxy.md)", ge=1)
+                        "which keeps each episode on one and moves calls off one that fails (docs/proxy.md); each "
+                        "gets its own GPU when there are enough, else (on CPU) its own slice of the cores", ge=1)
     guard: GuardSettings = _section(GuardSettings)
     validation: ValidationSampling = _section(ValidationSampling)
     engine: EngineConfig = _section(EngineConfig)

@@ -15,7 +15,7 @@ import torch
 
 from harness.records import FINISHED, Sample
 from trainer import algorithms as algo
-from trainer.config import TrainConfig
+from trainer.config import TrainConfig, trains
 from trainer.rollout import StepRollout
 
 
@@ -96,14 +96,6 @@ def experience_of(rollout: StepRollout, cfg: TrainConfig) -> Experience:
         metrics["remax/tasks_without_baseline"] = len({e.task_id for e in rollout.episodes} - set(rollout.baselines))
     return Experience(samples, rewards, groups, metrics, spans if any(spans) else None, units, tasks, versions,
                       rollout.baselines)
-
-
-def trains(cfg: TrainConfig, role: str | None) -> bool:
-    """Whether samples of this role learn: never a role served by another upstream; with roles.train set, only
-    the roles it names; else every role."""
-    if role is not None and role in cfg.roles.upstream:
-        return False
-    return not cfg.roles.train or role in cfg.roles.train
 
 
 def mean(values) -> float | None:

@@ -32,8 +32,7 @@ from harness.records import ENGINE, FINISHED, NONE, RETOKENIZED, Sample
 from harness.sql import Reader, SqlError
 from harness.store import EPISODE_CALLS_NO_BODIES, calls_of
 from trainer import algorithms as algo
-from trainer.config import TrainConfig, run_dir
-from trainer.experience import trains
+from trainer.config import TrainConfig, run_dir, trains
 
 log = logging.getLogger("harness.train")
 

@@ -11,8 +11,10 @@ a run of its own in `episode_outcomes` (`<run>-train00003`), so the usual SQL wo
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -27,7 +29,7 @@ from proxy.config import ProxyConfig, SamplingOverrides
 from proxy.guard import DEGENERATE, GuardConfig
 from proxy.roles import RoleRule, key_env_names
 from proxy.server import ProxyServer
-from trainer.config import TrainConfig, role_rules
+from trainer.config import TrainConfig, role_rules, trains
 from trainer.lora import ENGINE_ENV, adapters_in_use, engine_args, spec_of
 
 log = logging.getLogger("harness.train")
@@ -69,9 +71,11 @@ class Rollouts:
     def __init__(self, engine: Engine, run_dir: Path, run: RunConfig, *, sampling: SamplingOverrides,
                  token_exact: bool = True, tool_parser: str = "hermes", roles: tuple[RoleRule, ...] = (),
                  interceptor=None, more_engines: tuple[Engine, ...] = (), guard: GuardConfig = GuardConfig(),
-                 max_turns: int | None = None, max_samples: int | None = None, penalty: float | None = None):
+                 max_turns: int | None = None, max_samples: int | None = None, penalty: float | None = None,
+                 learns: Callable[[str | None], bool] = lambda role: True):
         self.engine = engine
         self.max_samples = max_samples  # samples an episode trains; the rest are marked max_samples
+        self.learns = learns  # whether samples of a role learn (a frozen role's neither train nor count)
         self.penalty = penalty  # the reward of an episode with a degenerate completion (None: the judge's)
         self.more_engines = more_engines  # more engines of the same policy (proxy/engines.py)
         self.run_dir = run_dir
@@ -146,7 +150,10 @@ class Rollouts:
         results, items, penalties = [], [], []
         for o in outcomes:
             episode_calls = calls.get(o.episode_id, [])
-            merged, over = _capped(merge_episode(episode_calls), self.max_samples)
+            by_id = {c.call_id: c for c in episode_calls}
+            merged = merge_episode(episode_calls)
+            roles = [by_id[s.call_ids[0]].extra.get("role") if s.call_ids else None for s in merged.samples]
+            merged, over = _capped(merged, self.max_samples, [self.learns(role) for role in roles])
             judgement = judgements.get(o.episode_id)
             reward = judgement.reward if judgement is not None else None
             flags = [(c.call_id, f) for c in episode_calls for f in c.extra.get("flags", ())]
@@ -172,14 +179,13 @@ class Rollouts:
                 role_rewards = {}
             spans = [_call_spans(s, episode_calls, call_rewards) for s in merged.samples]
             truncated = sum(ch.finish_reason == "length" for c in episode_calls for ch in c.choices)
-            by_id = {c.call_id: c for c in episode_calls}
-            roles = [by_id[s.call_ids[0]].extra.get("role") if s.call_ids else None for s in merged.samples]
             versions = [min((by_id[c].weight_version for c in s.call_ids), default=0) for s in merged.samples]
             ended = next((f["reason"] for _, f in flags if f["reason"] in ("max_turns", "guard")), None)
-            trained = len(merged.samples) - over
-            results.append(EpisodeResult(o.episode_id, o.task_id, o.status, reward, merged.samples[:trained], merged,
-                                         truncated, spans[:trained], roles[:trained], role_rewards, versions[:trained],
-                                         degenerate, penalized, ended, over))
+            kept = [k for k, s in enumerate(merged.samples) if "max_samples" not in s.truncation]
+            results.append(EpisodeResult(o.episode_id, o.task_id, o.status, reward, [merged.samples[k] for k in kept],
+                                         merged, truncated, [spans[k] for k in kept], [roles[k] for k in kept],
+                                         role_rewards, [versions[k] for k in kept], degenerate, penalized, ended,
+                                         over))
             items.append((o.episode_id, merged, reward))
         self.store.add_merged_episodes(self.run_id, items)
         self.store.add_judgements(penalties)  # the rewards view, export and --from-run see what was trained
@@ -199,13 +205,20 @@ class Rollouts:
         self.server.stop_thread()
 
 
-def _capped(merged: Merged, limit: int | None) -> tuple[Merged, int]:
-    """The merge with its samples past `limit` marked max_samples (stored, not trained), and how many those are."""
-    over = max(0, len(merged.samples) - limit) if limit is not None else 0
-    if not over:
+def _capped(merged: Merged, limit: int | None, learns: list[bool]) -> tuple[Merged, int]:
+    """The merge with its learning samples past the first `limit` marked max_samples (stored, not trained), and how
+    many those are. `learns[k]`: whether sample k's role learns; a frozen role's samples neither count nor are
+    marked."""
+    if limit is None:
         return merged, 0
-    marked = [replace(s, truncation=sorted({*s.truncation, "max_samples"})) for s in merged.samples[limit:]]
-    return replace(merged, samples=merged.samples[:limit] + marked), over
+    samples, seen, over = [], 0, 0
+    for sample, learning in zip(merged.samples, learns, strict=True):
+        seen += learning
+        if learning and seen > limit:
+            sample = replace(sample, truncation=sorted({*sample.truncation, "max_samples"}))
+            over += 1
+        samples.append(sample)
+    return (replace(merged, samples=samples), over) if over else (merged, 0)
 
 
 def start_rollouts(cfg: TrainConfig, out: Path) -> Rollouts:
@@ -217,7 +230,8 @@ def start_rollouts(cfg: TrainConfig, out: Path) -> Rollouts:
             temperature=r.temperature, top_p=r.top_p, max_tokens_cap=r.max_tokens, seed=sampling_seed(cfg)),
             token_exact=r.token_exact, tool_parser=r.tool_parser, roles=role_rules(cfg),
             interceptor=interceptor_for(r, out), more_engines=tuple(more), guard=guard_of(dataclasses.asdict(r.guard)),
-            max_turns=r.max_turns, max_samples=r.max_samples_per_episode, penalty=r.guard.penalty)
+            max_turns=r.max_turns, max_samples=r.max_samples_per_episode, penalty=r.guard.penalty,
+            learns=functools.partial(trains, cfg))
     except BaseException:
         for e in (engine, *more):
             e.stop()

@@ -52,9 +52,10 @@ def read_task() -> dict:
     return task
 
 
-def main() -> None:
+def main(client: OpenAI | None = None) -> None:
+    """One episode; `client` defaults to `OpenAI()` (azure_openai_agent.py passes an AzureOpenAI)."""
     task = read_task()
-    client = OpenAI()
+    client = client or OpenAI()
     messages: list[dict] = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": task["question"]}]
     # Turn 1: a complete answer at once, with a tool call required.
     reply = client.chat.completions.create(
