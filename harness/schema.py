@@ -329,5 +329,17 @@ MIGRATIONS: list[tuple[str, str]] = [
         FROM calls AS c, unnest(CAST(c.extra->'flags' AS JSON[])) AS t(f);
         """,
     ),
+    (
+        # The same rows, unnested per call: a filter on the calls' columns (one episode's flags, as the proxy asks
+        # when an episode comes back to it) now reads those calls alone, not every call's flags (10x at 200k calls).
+        "flags_unnested_per_call",
+        """
+        CREATE OR REPLACE VIEW flags AS
+        SELECT run_id, episode_id, call_id, call_index,
+               CAST(f->>'choice' AS INTEGER) AS choice_index, f->>'kind' AS kind, f->>'reason' AS reason,
+               CAST(f->>'value' AS DOUBLE) AS value, CAST(f->>'threshold' AS DOUBLE) AS threshold
+        FROM (SELECT run_id, episode_id, call_id, call_index, unnest(CAST(extra->'flags' AS JSON[])) AS f FROM calls);
+        """,
+    ),
 ]
 SCHEMA_VERSION = len(MIGRATIONS)

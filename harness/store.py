@@ -35,6 +35,7 @@ from harness.arrow_tables import (
     timestamps,
     to_json,
 )
+from harness.flags import DEGENERATE
 from harness.merge import Merged
 from harness.readonly import check_read_only
 from harness.records import Call, Choice, Episode, EpisodeOutcome, Judgement, Sample, Task
@@ -298,13 +299,15 @@ class Store:
 
     # --- reads --------------------------------------------------------------------------------------------
 
-    def episode_progress(self, episode_id: str) -> tuple[bool, int]:
-        """(whether the episode is recorded, the call_index of its next call); buffered calls not counted."""
+    def episode_progress(self, episode_id: str) -> tuple[bool, int, tuple[int, str] | None]:
+        """(whether the episode is recorded, the call_index of its next call, its first degenerate finding as
+        (call_index, reason) or None); buffered calls not counted."""
         with self.cursor() as cur:
             sql = ("SELECT EXISTS (SELECT 1 FROM episodes WHERE episode_id = $1), "
-                   "(SELECT coalesce(max(call_index) + 1, 0) FROM calls WHERE episode_id = $1)")
-            known, start = cur.execute(sql, [episode_id]).fetchone()
-            return bool(known), start
+                   "(SELECT coalesce(max(call_index) + 1, 0) FROM calls WHERE episode_id = $1), "
+                   "(SELECT min((call_index, reason)) FROM flags WHERE episode_id = $1 AND kind = $2)")
+            known, start, found = cur.execute(sql, [episode_id, DEGENERATE]).fetchone()
+            return bool(known), start, tuple(found) if found else None
 
     def query(
         self, sql: str, params: Sequence | dict | None = None, *, max_rows: int | None = None

@@ -35,7 +35,7 @@ from proxy.engines import EPISODE_HEADER, Engines, healthy
 from proxy.episodes import Episodes
 from proxy.errors import ApiError, error_middleware, json_response, read_body
 from proxy.forwarding import Forwarded, forwarded, redact
-from proxy.guard import GuardConfig, degenerate, ended_flag, flags_of
+from proxy.guard import GuardConfig, degenerate, ended_flag, ended_why, flags_of
 from proxy.openapi import openapi
 from proxy.request import CHAT, COMPLETIONS, Prepared, prepare
 from proxy.roles import RoleRule, find_role
@@ -98,7 +98,7 @@ async def _resources(app: web.Application):
 
     app[STORE], app[RECORDER], app[SESSION] = store, recorder, session
     app[EPISODES] = Episodes(state.run_id, auto_open=config.auto_episodes, store=store, recorder=recorder,
-                             max_states=config.max_episodes)
+                             max_states=config.max_episodes, guard_ends=config.guard.end_episode)
     if state.served_model is None and not config.record_only:
         state.served_model = await _discover_model(session, config)
     try:
@@ -323,8 +323,7 @@ def _record(app: web.Application, cap: Capture, prepared: Prepared, hashes, base
     if flags:
         call.extra["flags"] = flags
         if guard.end_episode and (reason := degenerate(flags)):
-            app[EPISODES].end(call.episode_id, "guard", f"the degenerate-output guard flagged call {call.call_index} "
-                              f"({reason})")
+            app[EPISODES].end(call.episode_id, "guard", ended_why(call.call_index, reason))
     if (base is not None and call.weight_version != state.weight_version
             and prepared.body.get("model") in (state.served_model, None)):  # new weights under the same name
         call.extra["weights_changed_to"] = state.weight_version  # its later tokens may come from them

@@ -21,6 +21,7 @@ from harness.recorder import Recorder
 from harness.records import Episode
 from harness.store import Store
 from proxy.errors import ApiError
+from proxy.guard import ended_why
 
 TOKEN_PREFIX = "hx-ep-"
 _EPISODE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@+-]{0,127}$")
@@ -51,13 +52,15 @@ class Episodes:
     its HMAC under a key this process drew at start, so a restarted proxy refuses the tokens of the last one.
     """
 
-    def __init__(self, run_id: str, *, auto_open: bool, store: Store, recorder: Recorder, max_states: int = 65536):
+    def __init__(self, run_id: str, *, auto_open: bool, store: Store, recorder: Recorder, max_states: int = 65536,
+                 guard_ends: bool = False):
         if max_states < 1:
             raise ValueError(f"max_states must be >= 1, got {max_states!r}")
         self.run_id = run_id
         self.default_id = f"{run_id}-default"
         self.auto_open = auto_open
         self.max_states = max_states
+        self.guard_ends = guard_ends  # a degenerate completion ends its episode (the guard's end_episode)
         self.evicted = 0  # episodes forgotten so far
         self._store, self._recorder = store, recorder
         self._key = secrets.token_bytes(32)
@@ -112,7 +115,8 @@ class Episodes:
 
     def end(self, episode_id: str, reason: str, why: str) -> None:
         """End an episode early (the guard found a degenerate completion): its later calls are refused. Held with
-        its numbering, so an episode forgotten since (past `max_states` others) is not ended any more."""
+        its numbering; an episode forgotten since (past `max_states` others) is ended again when it comes back, from
+        the finding recorded in the store."""
         state = self._states.get(episode_id)
         if state is not None and state.ended is None:
             state.ended = (reason, why)
@@ -165,13 +169,15 @@ class Episodes:
             return
         loading = self._loading[episode_id] = asyncio.get_running_loop().create_future()
         try:
-            known, start = await asyncio.to_thread(self._look_up, episode_id, self._evicted_mark)
+            known, start, finding = await asyncio.to_thread(self._look_up, episode_id, self._evicted_mark)
             if known_only and not known:
                 raise ApiError(
                     404, f"unknown episode {episode_id!r}: open it first (POST /harness/episodes) or start the "
                     "proxy with auto_episodes on", code="unknown_episode",
                 )
-            self._add(episode_id, start, None if known else Episode(episode_id, self.run_id, time.time(), source, meta))
+            ended = ("guard", ended_why(*finding)) if self.guard_ends and finding is not None else None
+            self._add(episode_id, start, None if known else Episode(episode_id, self.run_id, time.time(), source, meta),
+                      ended)
             loading.set_result(None)
         except BaseException as exc:
             loading.set_exception(exc if isinstance(exc, Exception) else RuntimeError("episode lookup cancelled"))
@@ -180,16 +186,17 @@ class Episodes:
         finally:
             del self._loading[episode_id]
 
-    def _look_up(self, episode_id: str, evicted_mark: tuple[int, int] | None) -> tuple[bool, int]:
-        """(whether the store knows the episode, its next call index); an episode may go on from an earlier run,
-        or have been forgotten here, once the calls it had when it was are written."""
+    def _look_up(self, episode_id: str, evicted_mark: tuple[int, int] | None) -> tuple[bool, int, tuple | None]:
+        """(whether the store knows the episode, its next call index, its first degenerate finding); an episode may
+        go on from an earlier run, or have been forgotten here, once the calls it had when it was are written."""
         if evicted_mark is not None:
             self._recorder.flush(upto=evicted_mark)
         return self._store.episode_progress(episode_id)
 
-    def _add(self, episode_id: str, next_index: int, new: Episode | None) -> None:
+    def _add(self, episode_id: str, next_index: int, new: Episode | None,
+             ended: tuple[str, str] | None = None) -> None:
         """Track an episode; `new`: its record, when the store does not have it yet."""
         if new is not None:
             self._recorder.record_episode(new)
-        self._states[episode_id] = _State(next_index)
+        self._states[episode_id] = _State(next_index, ended=ended)
         self._evict()

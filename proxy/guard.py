@@ -83,6 +83,11 @@ def ended_flag(reason: str, value: float | None = None, threshold: float | None 
     return flag(None, TRUNCATED, reason, value, threshold)
 
 
+def ended_why(call_index: int, reason: str) -> str:
+    """Why the guard ended an episode, as the refusals of its later calls say."""
+    return f"the degenerate-output guard flagged call {call_index} ({reason})"
+
+
 def degenerate(flags: Sequence[dict]) -> str | None:
     """The first degenerate finding's reason, if any."""
     return next((f["reason"] for f in flags if f["kind"] == DEGENERATE), None)

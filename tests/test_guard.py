@@ -16,6 +16,7 @@ import pytest
 from harness.merge import merge_episode
 from harness.records import ENGINE, OK, Call, Choice
 from proxy.guard import GuardConfig, flags_of, mean_surprisal, repeat_share
+from proxy.state import EPISODES
 from tests.support import RunningProxy, db_rows
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -125,6 +126,35 @@ def test_the_proxy_refuses_calls_past_max_turns_and_every_cut_is_in_sql(upstream
     # ep-a's second call re-sends the first prompt (no reply appended): it is a sibling of the first, not its child
     assert samples == [("ep-a", ["max_tokens", "max_turns"]), ("ep-a", ["max_model_len", "max_turns"]),
                        ("ep-b", ["max_tokens"])]
+
+
+def test_an_episode_the_guard_ended_is_still_ended_once_the_proxy_has_forgotten_it(upstream, tmp_path):
+    """With room for one episode in memory, ep-a (ended by the guard: the scripted engine's tokens all have
+    logprob -0.5, below min_surprisal 1) is forgotten while ep-b runs; when ep-a calls again, the proxy finds the
+    finding in the store and still refuses it."""
+    guard = GuardConfig(enabled=True, min_tokens=8, min_surprisal=1.0, end_episode=True)
+    proxy = RunningProxy(upstream.url, tmp_path / "h.duckdb", guard=guard, max_episodes=1)
+
+    def ask(episode: str):
+        client = openai.OpenAI(base_url=f"{proxy.url}/e/{episode}/v1", api_key="x", max_retries=0)
+        return client.chat.completions.create(model="gpt-4o-mini", messages=[{"role": "user", "content": "hi"}])
+
+    try:
+        ask("ep-a")
+        for _ in range(2):  # known, then forgotten and looked up again
+            with pytest.raises(openai.BadRequestError, match=r"guard flagged call 0 \(low_surprisal\)") as err:
+                ask("ep-a")
+            assert err.value.code == "episode_ended"
+            if _ == 0:
+                ask("ep-b")
+        forgotten = proxy.server.app[EPISODES].evicted
+    finally:
+        proxy.close()
+    assert forgotten >= 2  # ep-a when ep-b came, ep-b when ep-a came back
+    assert len(upstream.engine.requests) == 2  # ep-a's first call and ep-b's
+    assert db_rows(proxy.db_path, "SELECT episode_id, call_index, reason FROM flags ORDER BY ALL") == [
+        ("ep-a", 0, "low_surprisal"), ("ep-a", 0, "max_model_len"), ("ep-a", 1, "guard"), ("ep-a", 2, "guard"),
+        ("ep-b", 0, "low_surprisal"), ("ep-b", 0, "max_model_len")]  # every scripted answer ends by "length"
 
 
 def test_limit_options_are_checked_with_what_to_do(tmp_path):

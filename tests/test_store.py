@@ -20,6 +20,7 @@ import duckdb
 import orjson
 import pytest
 
+from harness.flags import DEGENERATE, TRUNCATED, flag
 from harness.readonly import ReadOnlyError, check_read_only
 from harness.recorder import Recorder, read_spill
 from harness.records import CANCELLED, ENGINE, ERROR, NONE, OK, Call, Choice, Episode
@@ -174,7 +175,7 @@ def test_calls_recorded_under_primary_keys_are_kept_when_the_keys_go(tmp_path: P
                            "AND constraint_type = 'PRIMARY KEY'").rows
         assert keys == [(0,)]  # ...and now none holds memory
         store.add_calls([make_call("ep-0", 3)])
-        assert store.episode_progress("ep-0") == (False, 4)
+        assert store.episode_progress("ep-0") == (False, 4, None)
 
 
 def test_a_file_from_a_newer_harness_is_refused_naming_both_versions(tmp_path: Path):
@@ -304,10 +305,16 @@ def test_runs_are_started_once_and_ended(store: Store):
 
 
 def test_episode_progress_continues_an_episode(store: Store):
-    assert store.episode_progress("ep-0") == (False, 0)
+    assert store.episode_progress("ep-0") == (False, 0, None)
     store.add_episodes([Episode("ep-0", "run-1", 1.0, "url")])
     store.add_calls([make_call("ep-0", 0), make_call("ep-0", 1), make_call("ep-1", 0)])
-    assert [store.episode_progress(e) for e in ("ep-0", "ep-1", "ep-2")] == [(True, 2), (False, 1), (False, 0)]
+    assert [store.episode_progress(e) for e in ("ep-0", "ep-1", "ep-2")] == [(True, 2, None), (False, 1, None),
+                                                                             (False, 0, None)]
+    flagged = [make_call("ep-3", k) for k in range(3)]  # its first degenerate finding: call 1's
+    flagged[1].extra["flags"] = [flag(0, TRUNCATED, "max_tokens"), flag(1, DEGENERATE, "low_surprisal", 0.1, 0.5)]
+    flagged[2].extra["flags"] = [flag(0, DEGENERATE, "repetition", 0.9, 0.5)]
+    store.add_calls(flagged)
+    assert store.episode_progress("ep-3") == (False, 3, (1, "low_surprisal"))
 
 
 def test_views_summarise_episodes_and_completions(store: Store):
