@@ -127,6 +127,13 @@ class EpisodeSlot:
     episode_id: str
 
 
+def model_env(proxy_url: str, episode_id: str, api_key: str) -> dict[str, str]:
+    """Where an episode's agent finds its model: the episode's proxy URL and token, as the OpenAI SDKs read them
+    (OPENAI_*) and as their Azure clients do (AZURE_OPENAI_*: AzureOpenAI calls Azure's deployment URLs under it)."""
+    return {"OPENAI_BASE_URL": f"{proxy_url}/e/{episode_id}/v1", "OPENAI_API_KEY": api_key,
+            "AZURE_OPENAI_ENDPOINT": f"{proxy_url}/e/{episode_id}", "AZURE_OPENAI_API_KEY": api_key}
+
+
 class Runner:
     """Runs the episodes of one run against a started proxy, records outcomes, judges them."""
 
@@ -231,9 +238,8 @@ class Runner:
                          api_key: str) -> EpisodeOutcome:
         task_json, debug = json.dumps(agent_task), self.config.debug
         env = {**({"PYTHONUNBUFFERED": "1"} if debug else {}), **os.environ, **self.config.env,
-               "OPENAI_BASE_URL": f"{self.proxy_url}/e/{episode_id}/v1", "OPENAI_API_KEY": api_key,
-               "AZURE_OPENAI_ENDPOINT": f"{self.proxy_url}/e/{episode_id}", "AZURE_OPENAI_API_KEY": api_key,
-               "HARNESS_TASK": task_json, "HARNESS_EPISODE_ID": episode_id}
+               **model_env(self.proxy_url, episode_id, api_key), "HARNESS_TASK": task_json,
+               "HARNESS_EPISODE_ID": episode_id}
         if self.episode_env is not None:
             env.update(self.episode_env(episode_id, api_key))
         for name in self.config.hidden_env:

@@ -191,7 +191,7 @@ class Episodes:
         go on from an earlier run, or have been forgotten here, once the calls it had when it was are written."""
         if evicted_mark is not None:
             self._recorder.flush(upto=evicted_mark)
-        return self._store.episode_progress(episode_id)
+        return self._store.episode_progress(episode_id, degenerate=self.guard_ends)
 
     def _add(self, episode_id: str, next_index: int, new: Episode | None,
              ended: tuple[str, str] | None = None) -> None:

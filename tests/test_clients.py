@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 
+from harness.runner import model_env
 from tests.support import RunningProxy, db_rows
 
 pytestmark = pytest.mark.engine
@@ -86,8 +87,7 @@ def _command(client: Client) -> list[str]:
 def _run_agent(proxy: RunningProxy, command: list[str], episode: str) -> dict:
     """Run the agent as `harness run` would; returns its answer line, parsed."""
     task = json.dumps(TASK)
-    env = {**os.environ, "OPENAI_BASE_URL": f"{proxy.url}/e/{episode}/v1", "OPENAI_API_KEY": "sk-test",
-           "AZURE_OPENAI_ENDPOINT": f"{proxy.url}/e/{episode}", "AZURE_OPENAI_API_KEY": "sk-test",
+    env = {**os.environ, **model_env(proxy.url, episode, "sk-test"),
            "HARNESS_TASK": task, "HARNESS_EPISODE_ID": episode, "NO_PROXY": "127.0.0.1,localhost"}
     out = subprocess.run(command, input=task, env=env, capture_output=True, text=True, timeout=180, cwd=ROOT)
     assert out.returncode == 0, f"exit {out.returncode}\nstdout: {out.stdout[-2000:]}\nstderr: {out.stderr[-3000:]}"

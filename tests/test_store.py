@@ -314,7 +314,8 @@ def test_episode_progress_continues_an_episode(store: Store):
     flagged[1].extra["flags"] = [flag(0, TRUNCATED, "max_tokens"), flag(1, DEGENERATE, "low_surprisal", 0.1, 0.5)]
     flagged[2].extra["flags"] = [flag(0, DEGENERATE, "repetition", 0.9, 0.5)]
     store.add_calls(flagged)
-    assert store.episode_progress("ep-3") == (False, 3, (1, "low_surprisal"))
+    assert store.episode_progress("ep-3", degenerate=True) == (False, 3, (1, "low_surprisal"))
+    assert store.episode_progress("ep-3") == (False, 3, None)  # not asked
 
 
 def test_views_summarise_episodes_and_completions(store: Store):
