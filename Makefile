@@ -12,7 +12,7 @@ AGENTS_STAMP := $(AGENTS_VENV)/.installed
 CLIENTS_REQUIREMENTS := examples/clients/requirements.txt
 NODE_AGENT := examples/clients/node_agent
 NODE_STAMP := $(NODE_AGENT)/node_modules/.installed
-# Transparent mode's hop (adapters/mitm_addon.py) runs under a Python with mitmproxy, which pins packages that
+# Transparent mode's hop (proxy/mitm_addon.py) runs under a Python with mitmproxy, which pins packages that
 # vLLM's cannot share (h11, cryptography); mitmproxy 12 needs Python >= 3.12, so 11.x here.
 MITM_VENV := .venv-mitm
 MITM_STAMP := $(MITM_VENV)/.installed

@@ -9,7 +9,7 @@ sample of a batch, and awaits `run()`. Here `run()`:
    process, its DuckDB file in <run_dir>/verl/worker-<pid>/), whose engine is a TokenEngine over verl's
    `server_manager.generate`: token in, token out, on verl's own inference servers;
 3. judges it with our judge (one judge pool per worker process, shared by all its episodes), merges its calls into
-   samples (harness/merge.py) and returns them in verl's type: prompt ids, response ids, response mask (1 where the
+   samples (harness/core/merge.py) and returns them in verl's type: prompt ids, response ids, response mask (1 where the
    engine sampled), the engine's logprobs, the reward.
 
     verl AgentLoopWorker -> HarnessAgentLoop.run -> agent subprocess -> proxy (DuckDB) -> TokenEngine
@@ -33,12 +33,12 @@ from pathlib import Path
 
 from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopOutput
 
-from adapters.token_engine import Generated, TokenEngine
-from harness.engine import Engine
-from harness.judge_pool import JudgePool
-from harness.limits import AGENT_MAX_PROCS, AGENT_MEMORY_MB
-from harness.records import Task
-from harness.runner import RunConfig
+from adapters.token_server import Generated, TokenEngine
+from harness.core.records import Task
+from harness.running.judge_pool import JudgePool
+from harness.running.limits import AGENT_MAX_PROCS, AGENT_MEMORY_MB
+from harness.running.runner import RunConfig
+from harness.running.vllm_server import Engine
 from proxy.config import SamplingOverrides
 from trainer.rollout import EpisodeResult, Rollouts, guard_of
 
@@ -64,7 +64,7 @@ class LoopSettings:
     token_exact: bool = True
     tool_parser: str = "hermes"
     max_tokens: int | None = None  # cap on the agent's max_tokens per call
-    memory_mb: int = AGENT_MEMORY_MB  # address-space cap of each agent process (harness/limits.py); 0: none
+    memory_mb: int = AGENT_MEMORY_MB  # address-space cap of each agent process (harness/running/limits.py); 0: none
     max_procs: int = AGENT_MAX_PROCS  # processes and threads of each agent with its children (limits.py); 0: none
     max_turns: int | None = None  # LLM calls an episode may make (proxy/guard.py); None: no limit
     max_samples_per_episode: int | None = None  # samples an episode trains; the rest are marked, not trained

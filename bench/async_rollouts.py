@@ -182,8 +182,8 @@ def main() -> None:
                         help="shared: everything on both cores; split: the engine on core 0, the rest on core 1")
     parser.add_argument("--no-docs", action="store_true", help="print only; leave docs/BENCHMARKS.md alone")
     args = parser.parse_args()
-    from harness.engine import start_vllm
-    from harness.tiny_model import build_tiny_model
+    from harness.running.tiny_model import build_tiny_model
+    from harness.running.vllm_server import start_vllm
     from trainer.weight_sync import WeightSync
 
     everywhere = os.sched_getaffinity(0)

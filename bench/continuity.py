@@ -28,10 +28,10 @@ sys.path.insert(0, str(ROOT))
 import openai  # noqa: E402
 
 from bench.docs_section import write_section  # noqa: E402
-from harness.engine import start_vllm  # noqa: E402
-from harness.merge import DRIFT, merge_episode  # noqa: E402
-from harness.store import Store  # noqa: E402
-from harness.tiny_model import build_tiny_model  # noqa: E402
+from harness.core.merge import DRIFT, merge_episode  # noqa: E402
+from harness.running.tiny_model import build_tiny_model  # noqa: E402
+from harness.running.vllm_server import start_vllm  # noqa: E402
+from harness.store.database import Store  # noqa: E402
 from proxy.config import ProxyConfig  # noqa: E402
 from proxy.server import ProxyServer  # noqa: E402
 

@@ -2,12 +2,12 @@
 concurrency 1 and 32, measured side by side in one run.
 
 The agent is a small Python program that imports the openai SDK and makes two chat calls (the SDK's import and
-teardown, most of a real agent's fixed cost, are in both arms). The engine is `proxy.scripted.ScriptedEngine` in a
+teardown, most of a real agent's fixed cost, are in both arms). The engine is proxy/scripted_engine.py in a
 process of its own. Two arms, alternating in rounds so that both see the same machine:
 
 - direct: the agent spawned with `asyncio.create_subprocess_exec` (task on stdin, OPENAI_BASE_URL at the engine),
   at most `c` at once: the agent's own time;
-- harness: the same episodes through `harness.run.run_dataset` (proxy, recorder, DuckDB, judge `exact_match`).
+- harness: the same episodes through `run_dataset` (running/dataset.py: proxy, recorder, DuckDB, judge `exact_match`).
 
 Overhead per episode, c=1: the runner's episode slot (`Runner._episode`: open, spawn, agent, flush, read back,
 judge, inserts) against the agent process spawned directly. The agent reports when its first line ran, when its
@@ -87,7 +87,7 @@ AGENT = textwrap.dedent('''
 ENGINE = textwrap.dedent('''
     import asyncio, sys
     sys.path.insert(0, sys.argv[1])
-    from proxy.scripted import ScriptedEngine
+    from proxy.scripted_engine import ScriptedEngine
 
     async def main():
         print(await ScriptedEngine().start(), flush=True)
@@ -122,7 +122,7 @@ PHASES = {"start": "spawn to its first line", "imports": "imports and set-up", "
 
 
 def make_tasks(prefix: str, n: int):
-    from harness.records import Task
+    from harness.core.records import Task
 
     return [Task(f"{prefix}-{i}", {"q": f"what is {i} + 1?", "answer": str(i + 1), "calls": CALLS})
             for i in range(n)]
@@ -162,9 +162,9 @@ async def run_direct(tasks, concurrency: int, agent: list[str], engine_url: str,
 
 async def run_harness(tasks, concurrency: int, agent: list[str], engine_url: str, run_dir: Path, cwd: Path) -> Arm:
     """The same episodes through run_dataset: proxy, recorder, DuckDB, judge."""
-    from harness.engine import attach
-    from harness.run import run_dataset
-    from harness.runner import RunConfig
+    from harness.running.dataset import run_dataset
+    from harness.running.runner import RunConfig
+    from harness.running.vllm_server import attach
 
     EPISODES.clear()
     BACKGROUND.clear()
@@ -366,8 +366,8 @@ def render(s: dict, warm: Arm, side: dict, args, load: tuple[float, float], mach
         "",
         f"Judge pool start in a fresh program (2 workers, to the first 2 judgements done): with a light `__main__` "
         f"(like the `harness` entry script) {light['ctor_ms'] + light['first_ms']:.0f} ms, "
-        f"{_mean(light['worker_cpu_s']) * 1000:.0f} ms CPU per worker; with `import harness.run` at the top of "
-        f"`__main__` (a script or trainer calling run_dataset) {heavy['ctor_ms'] + heavy['first_ms']:.0f} ms, "
+        f"{_mean(light['worker_cpu_s']) * 1000:.0f} ms CPU per worker; with `import harness.running.dataset` at the "
+        f"top of `__main__` (a script or trainer calling run_dataset) {heavy['ctor_ms'] + heavy['first_ms']:.0f} ms, "
         f"{_mean(heavy['worker_cpu_s']) * 1000:.0f} ms CPU per worker: before CPython's fix (gh-126631, 2025) "
         "the forkserver's `__main__` preload does nothing and every worker, replacements included, re-runs the "
         "main script.",

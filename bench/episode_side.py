@@ -19,7 +19,7 @@ POOL_START = textwrap.dedent('''
     import asyncio, json, sys, time
     sys.path.insert(0, {root!r})
     {heavy}
-    from harness.judge_pool import JudgePool
+    from harness.running.judge_pool import JudgePool
 
     async def main():
         import psutil
@@ -35,7 +35,7 @@ POOL_START = textwrap.dedent('''
     if __name__ == "__main__":
         asyncio.run(main())
 ''')
-HEAVY_MAIN = "import harness.run  # noqa: F401  (what a script that calls run_dataset imports)"
+HEAVY_MAIN = "import harness.running.dataset  # noqa: F401  (what a script that calls run_dataset imports)"
 
 
 def judge_worker_start(tmp: Path) -> dict[str, dict]:
@@ -59,7 +59,7 @@ def _conversation_calls(turns: int, episode_id: str) -> list:
 
     import orjson
 
-    from harness.records import ENGINE, OK, Call, Choice
+    from harness.core.records import ENGINE, OK, Call, Choice
 
     rng = random.Random(episode_id)
     words = ["".join(rng.choices("abcdefghijklmnopqrstuvwxyz", k=rng.randint(2, 9))) for _ in range(2000)]
@@ -90,8 +90,8 @@ async def bigger_episode(tmp: Path, turns: int = 10, episodes: int = 50, blocks:
     import dataclasses
     import pickle
 
-    from harness.judge_pool import JudgePool
-    from harness.store import Store
+    from harness.running.judge_pool import JudgePool
+    from harness.store.database import Store
 
     base = [_conversation_calls(turns, f"side-{e}") for e in range(episodes)]
     json_kb = sum(len(c.request) + len(c.response) for c in base[0]) / 1024

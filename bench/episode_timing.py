@@ -108,15 +108,16 @@ def install_wrappers() -> None:
     """Wrap the harness functions an episode goes through with timers; the harness code itself is unchanged."""
     import psutil
 
-    import harness.runner
+    import harness.running.runner
     import proxy.app
-    from harness.judge_pool import JudgePool
-    from harness.recorder import Recorder
-    from harness.runner import Runner
-    from harness.store import Store
+    from harness.running.judge_pool import JudgePool
+    from harness.running.runner import Runner
+    from harness.store.database import Store
+    from harness.store.recorder import Recorder
     from proxy.episodes import Episodes
 
-    for owner, name, step in [(harness.runner, "instance_for", "instance_for"), (Store, "episode_progress", None),
+    for owner, name, step in [(harness.running.runner, "instance_for", "instance_for"),
+                              (Store, "episode_progress", None),
                               (Recorder, "flush", None), (Store, "episode_calls", None), (Store, "add_outcome", None),
                               (Store, "add_judgements", None)]:
         _time_sync(owner, name, step or name)
@@ -167,13 +168,13 @@ def install_wrappers() -> None:
 
     Runner._episode = timed_episode
 
-    parse_answer = harness.runner.parse_answer
+    parse_answer = harness.running.runner.parse_answer
 
     def keep_report(stdout: str):
         _CURRENT.get().report = agent_report(stdout)
         return parse_answer(stdout)
 
-    harness.runner.parse_answer = keep_report
+    harness.running.runner.parse_answer = keep_report
 
 
 def agent_report(stdout: str) -> dict:

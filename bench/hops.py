@@ -20,7 +20,7 @@ import psutil
 
 from bench.loadgen import run_loop
 from proxy import ProxyConfig, serve_forever
-from proxy.scripted import Script, ScriptedEngine
+from proxy.scripted_engine import Script, ScriptedEngine
 
 PROMPT_TOKENS, COMPLETION_TOKENS = 512, 32
 SERVED_MODEL = "scripted-model"

@@ -7,10 +7,10 @@ Every prompt repeats the whole conversation so far, as chat agents do.
 
     python bench/merge.py [--episodes 1000] [--turns 10] [--train-episodes 2] [--repeat 3] [--no-docs]
 
-(a) tokens as per-call samples (every call its own sequence) vs merged samples (harness.merge), and the merge
+(a) tokens as per-call samples (every call its own sequence) vs merged samples (harness.core.merge), and the merge
     ratio measured against the one computed from the lengths alone; goals: 100% of it, >= 5x at 10 turns;
 (b) time to merge episodes x turns calls (goal: 10k calls in < 1 s), and to store and read back the samples;
-(c) a trainer-step proxy: forward + backward of the tiny Qwen2 model (harness.tiny_model) over the per-call
+(c) a trainer-step proxy: forward + backward of the tiny Qwen2 model (harness.running.tiny_model) over the per-call
     samples vs the merged samples of a few episodes, same tokens trained (mask 1) in both.
 
 Writes its section of docs/BENCHMARKS.md (between the merge markers) unless --no-docs.
@@ -34,10 +34,10 @@ import duckdb
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.docs_section import DOCS, write_section  # noqa: E402
-from harness.merge import merge_episode  # noqa: E402
-from harness.records import ENGINE, OK, Call, Choice  # noqa: E402
-from harness.run import merge_recorded  # noqa: E402
-from harness.store import Store  # noqa: E402
+from harness.core.merge import merge_episode  # noqa: E402
+from harness.core.records import ENGINE, OK, Call, Choice  # noqa: E402
+from harness.store.database import Store  # noqa: E402
+from harness.store.samples import merge_recorded  # noqa: E402
 
 SYSTEM_TOOLS, COMPLETION, TOOL_RESULT, TEMPLATE = 300, 60, 100, 8  # nominal token lengths
 VOCAB = 2048  # ids the tiny model's tokenizer learned; the trainer proxy embeds them as they are
@@ -122,7 +122,7 @@ def bench_train(episodes: list[list[Call]], merged: list, repeat: int) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from harness.tiny_model import build_tiny_model
+    from harness.running.tiny_model import build_tiny_model
 
     torch.manual_seed(0)
     torch.set_num_threads(1)  # steadier on a shared machine: spinning OpenMP threads suffer most from other work

@@ -3,10 +3,10 @@ on asyncio and on uvloop, all side by side in one run.
 
 Pinning: every hop (the proxies, the relay) alone on core 0, each in its own process (its event loop, recorder
 thread and DuckDB share that one core); the scripted engine and the load generator on core 1, each in its own
-process. The engine is `proxy.scripted.ScriptedEngine` on uvloop, answering chat calls with 512 prompt ids and 32
+process. The engine is `proxy.scripted_engine.ScriptedEngine` on uvloop, answering chat calls with 512 prompt ids and 32
 completion tokens with logprobs. Recording is on, into DuckDB files in a temp dir.
 
-Direct requests carry the body the proxy itself sends upstream (built with `proxy.capture.prepare`), so the engine
+Direct requests carry the body the proxy itself sends upstream (built with `proxy.forward.prepare`), so the engine
 does the same work on every path. The byte relay copies bytes and parses nothing: the floor that any extra process
 hop pays on this pinning (the direct path's client and engine share core 1; a hop adds four cross-core wake-ups).
 The load generator is a minimal keep-alive HTTP/1.1 client on asyncio.Protocol (uvloop): an aiohttp client would

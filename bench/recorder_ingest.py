@@ -31,9 +31,9 @@ import orjson
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.docs_section import DOCS, write_section  # noqa: E402
-from harness.recorder import Recorder  # noqa: E402
-from harness.records import ENGINE, OK, Call, Choice  # noqa: E402
-from harness.store import Store  # noqa: E402
+from harness.core.records import ENGINE, OK, Call, Choice  # noqa: E402
+from harness.store.database import Store  # noqa: E402
+from harness.store.recorder import Recorder  # noqa: E402
 
 PROMPT_TOKENS = 2000
 COMPLETION_TOKENS = 200

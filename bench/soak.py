@@ -47,7 +47,7 @@ if str(ROOT) not in sys.path:  # run as a script
 
 from bench.loadgen import pct, run_loop  # noqa: E402
 from bench.soak_parts import DB_MEMORY_MB, EPISODE_PREFIX, ProxyProcess, SoakEngine, cpu_s, rss_kb  # noqa: E402
-from proxy.scripted import Script  # noqa: E402
+from proxy.scripted_engine import Script  # noqa: E402
 
 WARMUP_SHARE = 0.25  # the first quarter of the run fills the proxy's bounded state; RSS must be flat after it
 # Allowed growth of the proxy's RSS from the end of the warm-up to the end (measurements: tests/test_soak.py):

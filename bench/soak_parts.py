@@ -19,8 +19,8 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from proxy.engines import EPISODE_HEADER
-from proxy.scripted import Script, ScriptedEngine
+from proxy.scripted_engine import Script, ScriptedEngine
+from proxy.upstreams import EPISODE_HEADER
 
 ROOT = Path(__file__).resolve().parents[1]
 DB_MEMORY_MB = 64  # the proxy's DuckDB cap in the soak (`harness serve --db-memory-mb`): its memory may not exceed it

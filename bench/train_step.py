@@ -4,7 +4,7 @@
 
 (1) Step time split of a real `harness train` run: examples/train/terse.yaml (the unmodified two-turn terse agent,
     16 episodes a step, through the recording proxy into a vLLM engine this run starts) on the tiny model
-    (harness.tiny_model, seed 0), `--steps` steps. Reads the per-step `time/*` metrics back from the run's DuckDB
+    (running/tiny_model.py, seed 0), `--steps` steps. Reads the per-step `time/*` metrics back from the run's DuckDB
     `metrics` table: medians per phase, their share of the median step, weight sync against its goal (<= 10%).
 (2) Trainer throughput on the samples that run stored, cut exactly as trainer/loop.py cuts them (per step: the
     trained episodes, `ppo_epochs` shuffled passes, mini-batches, micro-batches of `micro_batch_tokens`):
@@ -55,7 +55,7 @@ IN_STEP = ("rollout_s", "merge_s", "logprobs_s", "train_s", "sync_s", "checkpoin
 
 def run_training(folder: Path, steps: int) -> tuple[Path, float]:
     """`harness train` on the terse demo and the tiny model in `folder`; returns its run directory and wall time."""
-    from harness.tiny_model import build_tiny_model
+    from harness.running.tiny_model import build_tiny_model
 
     model = build_tiny_model(folder / "tiny", seed=0)
     command = [sys.executable, "-m", "harness.cli", "train", str(CONFIG), "--set", f"trainer.total_steps={steps}",
@@ -114,7 +114,7 @@ def step_rows(run: Path, cfg) -> list[tuple[list, list[float]]]:
     no KL or entropy term keeps them) and their episodes' advantages."""
     import torch
 
-    from harness.store import Store
+    from harness.store.database import Store
     from trainer import algorithms as algo
 
     with Store.open(run / "harness.duckdb", read_only=True) as store:
@@ -149,7 +149,7 @@ def mini_batches(model, steps: list[tuple[list, list[float]]], cfg, pad_id: int)
     """Every mini-batch of every step and epoch, in the loop's order and shapes, with the old logprobs."""
     import torch
 
-    from trainer.loop import token_weights
+    from trainer.loop_parts import token_weights
     from trainer.policy import collate, micro_batches, token_logprobs
 
     t = cfg.trainer
@@ -247,7 +247,7 @@ def throughput(run: Path, repeat: int, threads: int) -> dict:
 
     from trainer.config import load_config
     from trainer.fsdp import init_distributed, shard, shutdown
-    from trainer.loop import pad_id_of
+    from trainer.loop_parts import pad_id_of
     from trainer.policy import collate, load_policy
 
     default_threads = torch.get_num_threads()

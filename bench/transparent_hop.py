@@ -2,11 +2,11 @@
 the same agent calling https://api.openai.com/v1 through the embedded mitmproxy hop, side by side in one run.
 
     (a) plain:  client --http--> recording proxy /e/<episode>/v1 --> scripted engine
-    (b) hop:    client --HTTPS_PROXY, CONNECT + TLS--> mitmproxy (adapters/mitm_addon.py) --http--> the same proxy
+    (b) hop:    client --HTTPS_PROXY, CONNECT + TLS--> mitmproxy (proxy/mitm_addon.py) --http--> the same proxy
 
-The engine is `proxy.scripted.ScriptedEngine` (uvloop) with a fixed short answer (64 prompt ids, 4 tokens; streams
+The engine is proxy/scripted_engine.py (uvloop) with a fixed short answer (64 prompt ids, 4 tokens; streams
 2 ms between tokens), so the numbers are the hops, not a model. The proxy runs as `harness proxy` does
-(serve_forever on asyncio, recording into DuckDB); the hop is started by `adapters.transparent.Interceptor`, under
+(serve_forever on asyncio, recording into DuckDB); the hop is started by `proxy.transparent.Interceptor`, under
 .venv-mitm's Python, and its agent environment (`agent_env(episode, token)`) gives arm (b) its proxy URL and CA.
 
 The client is httpx (what the openai SDK uses) on asyncio, one AsyncClient per worker, kept for the whole run:
@@ -47,11 +47,11 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from adapters.transparent import Interceptor, TransparentOptions, mitm_python  # noqa: E402
 from bench.docs_section import DOCS, write_section  # noqa: E402
 from bench.hops import Child, CoTenant, core_busy, pin, proxy_main, wait_quiet, watch_parent  # noqa: E402
 from bench.loadgen import pct, run_loop  # noqa: E402
-from proxy.scripted import Script, ScriptedEngine  # noqa: E402
+from proxy.scripted_engine import Script, ScriptedEngine  # noqa: E402
+from proxy.transparent import Interceptor, TransparentOptions, mitm_python  # noqa: E402
 
 HOP_CORE, LOAD_CORE = 0, 1
 CONCURRENCY = 16
@@ -390,7 +390,7 @@ def report(r: dict, recorded: dict, s: Settings, argv: list[str], versions: str)
         f"`python bench/transparent_hop.py{' ' + ' '.join(argv) if argv else ''}` on {date.today()}: {versions}.",
         "What transparent mode's hop adds to a call: (a) plain, the client at the recording proxy's "
         "`{proxy}/e/<episode>/v1` (what OPENAI_BASE_URL gives an agent); (b) hop, the same client at "
-        f"`{VENDOR_URL}` through the embedded mitmproxy (adapters/mitm_addon.py under .venv-mitm), with the proxy "
+        f"`{VENDOR_URL}` through the embedded mitmproxy (proxy/mitm_addon.py under .venv-mitm), with the proxy "
         "URL and CA that `Interceptor.agent_env(episode, token)` gives (HTTPS_PROXY with the episode as "
         "credentials, SSL_CERT_FILE). Both arms go through the same recording proxy (asyncio, recording into "
         "DuckDB) to the same scripted engine (64 prompt ids, 4 answer tokens, streams 2 ms between tokens): the "

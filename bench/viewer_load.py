@@ -33,10 +33,10 @@ import orjson
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.docs_section import write_section  # noqa: E402
-from harness.merge import merge_episode  # noqa: E402
-from harness.records import ENGINE, OK, Call, Choice, EpisodeOutcome, Judgement  # noqa: E402
-from harness.store import Store  # noqa: E402
-from harness.viewer import Viewer, create_app  # noqa: E402
+from harness.core.merge import merge_episode  # noqa: E402
+from harness.core.records import ENGINE, OK, Call, Choice, EpisodeOutcome, Judgement  # noqa: E402
+from harness.store.database import Store  # noqa: E402
+from harness.viewer.app import Viewer, create_app  # noqa: E402
 from tests.support import BackgroundApp  # noqa: E402
 
 EPISODES_PER_STEP = 250

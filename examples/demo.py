@@ -15,8 +15,8 @@ import sys
 import time
 from pathlib import Path
 
-from harness.engine import start_vllm
-from harness.tiny_model import build_tiny_model
+from harness.running.tiny_model import build_tiny_model
+from harness.running.vllm_server import start_vllm
 from proxy import ProxyConfig, ProxyServer
 
 HERE = Path(__file__).resolve().parent

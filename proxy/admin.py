@@ -8,8 +8,8 @@ import asyncio
 import duckdb
 from aiohttp import web
 
-from harness.readonly import ReadOnlyError, check_read_only
-from proxy.errors import ApiError, dumps_values, json_response, parse_json_object, read_body
+from harness.store.readonly import ReadOnlyError, check_read_only
+from proxy.http_json import ApiError, dumps_values, json_response, parse_json_object, read_body
 from proxy.state import CONFIG, EPISODES, RECORDER, STATE, STORE, request_key
 
 

@@ -22,28 +22,28 @@ from aiohttp import web
 from yarl import URL
 
 from harness import __version__
-from harness.flags import max_tokens_of
-from harness.recorder import Recorder
-from harness.records import CANCELLED, ERROR, NONE, OK, Call
-from harness.store import Store
+from harness.core.flags import max_tokens_of
+from harness.core.records import CANCELLED, ERROR, NONE, OK, Call
+from harness.store.database import Store
+from harness.store.recorder import Recorder
 from proxy.admin import add_admin_routes
-from proxy.capture import Capture, forward
 from proxy.chat_answer import ChatAnswer
 from proxy.config import ProxyConfig, SamplingOverrides
 from proxy.continuity import Timelines, completions_body, plan, prefix_hashes
-from proxy.engines import EPISODE_HEADER, Engines, healthy
 from proxy.episodes import Episodes
-from proxy.errors import ApiError, error_middleware, json_response, read_body
-from proxy.forwarding import Forwarded, forwarded, redact
+from proxy.forward import Capture, forward
 from proxy.guard import GuardConfig, degenerate, ended_flag, ended_why, flags_of
+from proxy.http_json import ApiError, error_middleware, json_response, read_body
 from proxy.openapi import openapi
+from proxy.record_only import Forwarded, forwarded, redact
 from proxy.request import CHAT, COMPLETIONS, Prepared, prepare
 from proxy.roles import RoleRule, find_role
 from proxy.state import CONFIG, ENGINES, EPISODES, RECORDER, RESPONSES, SESSION, STATE, STORE, RunState, request_key
 from proxy.tool_parsers import get_parser
-from proxy.wire import ConversationStore, Wire
-from proxy.wire_messages import MessagesWire
-from proxy.wire_responses import ResponsesWire
+from proxy.upstreams import EPISODE_HEADER, Engines, healthy
+from proxy.wire.common import ConversationStore, Wire
+from proxy.wire.messages import MessagesWire
+from proxy.wire.responses import ResponsesWire
 
 log = logging.getLogger("harness.proxy")
 
@@ -142,12 +142,12 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 
 async def responses(request: web.Request) -> web.StreamResponse:
-    """The OpenAI Responses API, served as a chat call (proxy/wire_responses.py)."""
+    """The OpenAI Responses API, served as a chat call (proxy/wire/responses.py)."""
     return await _llm_call(request, CHAT, ResponsesWire(request.app[RESPONSES]))
 
 
 async def messages(request: web.Request) -> web.StreamResponse:
-    """Anthropic Messages, served as a chat call (proxy/wire_messages.py); errors in Anthropic's shape."""
+    """Anthropic Messages, served as a chat call (proxy/wire/messages.py); errors in Anthropic's shape."""
     wire = MessagesWire()
     try:
         return await _llm_call(request, CHAT, wire)
@@ -190,7 +190,7 @@ def _with_model(raw: bytes, deployment: str) -> bytes:
 async def _numbered_call(request: web.Request, endpoint: str, wire: Wire | None, episode_id: str, call_index: int,
                          raw: bytes, fwd: Forwarded) -> web.StreamResponse:
     """One call with its place in its episode: forwarded (to another engine if its own is down) and recorded.
-    `fwd`: in record-only mode, what of the agent's request goes upstream besides its body (proxy/forwarding.py)."""
+    `fwd`: in record-only mode, what of the agent's request goes upstream besides its body (proxy/record_only.py)."""
     app = request.app
     config, state = app[CONFIG], app[STATE]
     seed = _call_seed(state, episode_id, call_index)

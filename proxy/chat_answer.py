@@ -1,5 +1,5 @@
 """A /v1/completions answer (token-exact continuity, proxy/continuity.py) turned into the chat answer the agent
-asked for, in exactly the shape vLLM's chat endpoint sends with token ids and logprobs on; proxy/capture.py then
+asked for, in exactly the shape vLLM's chat endpoint sends with token ids and logprobs on; proxy/forward.py then
 records it and strips what the agent did not ask for, as for any chat call.
 
 The generated text becomes a message with the model's tool-call parser (proxy/tool_parsers.py). Streamed, text is

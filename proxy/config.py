@@ -36,7 +36,7 @@ class SamplingOverrides:
 @dataclass(frozen=True)
 class ProxyConfig:
     upstream_url: str  # the engine's base URL, e.g. http://127.0.0.1:8000 (with or without /v1)
-    more_upstreams: tuple[str, ...] = ()  # more engines serving the same policy (proxy/engines.py: affinity, failover)
+    more_upstreams: tuple[str, ...] = ()  # more engines of the same policy (proxy/upstreams.py: affinity, failover)
     db_path: Path = Path("runs/harness.duckdb")  # the DuckDB file the proxy writes (single writer)
     served_model: str | None = None  # the engine's model name; None: asked from the engine at start
     returns_token_ids: bool = True  # ask the engine for token ids (vLLM); False records text only

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import aiohttp
 import orjson
 
-from harness.records import Call
+from harness.core.records import Call
 
 # Fallback reasons (Call.extra["continuity"]["reason"]).
 NO_EARLIER_CALL = "no_earlier_call"  # nothing of this episode to continue (its first call, or forgotten)

@@ -17,11 +17,11 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from harness.recorder import Recorder
-from harness.records import Episode
-from harness.store import Store
-from proxy.errors import ApiError
+from harness.core.records import Episode
+from harness.store.database import Store
+from harness.store.recorder import Recorder
 from proxy.guard import ended_why
+from proxy.http_json import ApiError
 
 TOKEN_PREFIX = "hx-ep-"
 _EPISODE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@+-]{0,127}$")

@@ -1,6 +1,6 @@
 """The degenerate-output guard: cheap checks of every completion the proxy records, and its flags.
 
-A call's flags (harness/flags.py) say what cut it short, always, and what the guard found, when it is enabled:
+A call's flags (harness/core/flags.py) say what cut it short, always, and what the guard found, when it is enabled:
 kind "degenerate", one per finding, each measured against a documented threshold:
 - `repetition`: the share of the completion's n-grams that repeat an earlier one;
 - `low_surprisal`: the mean -logprob per sampled token (a model stuck in a loop is sure of every token: an entropy
@@ -16,8 +16,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from harness.flags import DEGENERATE, TRUNCATED, flag, truncations
-from harness.records import Call
+from harness.core.flags import DEGENERATE, TRUNCATED, flag, truncations
+from harness.core.records import Call
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,7 @@ def mean_surprisal(logprobs: Sequence[float]) -> float:
 
 
 def flags_of(call: Call, max_tokens: int | None, guard: GuardConfig) -> list[dict]:
-    """The flags of a recorded call: what cut it short (harness/flags.py) and, with the guard on, its findings."""
+    """The flags of a recorded call: what cut it short (harness/core/flags.py) and, with the guard on, its findings."""
     flags = truncations(call, max_tokens)
     if not guard.enabled:
         return flags

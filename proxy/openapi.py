@@ -12,7 +12,7 @@ from harness import __version__
 
 EPISODE_ID = r"^[A-Za-z0-9][A-Za-z0-9._:@+-]{0,127}$"
 LLM_ROUTES = ("chat/completions", "completions", "responses", "messages")  # recorded, plain and per episode
-WIRE_ROUTES = ("responses", "messages")  # translated to chat (proxy/wire.py): a 501 for a feature not offered
+WIRE_ROUTES = ("responses", "messages")  # translated to chat (proxy/wire/common.py): a 501 for a feature not offered
 
 _ERROR = {
     "type": "object", "required": ["error"],

@@ -2,7 +2,7 @@
 
 To the engine go `return_token_ids` and `logprobs` (so the recorder gets the engine's own ids), the served
 policy's model name, and training-time sampling overrides; what the agent asked for is kept in `Prepared` so the
-answer can be put back into the shape it expects (proxy/capture.py).
+answer can be put back into the shape it expects (proxy/forward.py).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import orjson
 
 from proxy.config import ProxyConfig, SamplingOverrides
-from proxy.errors import ApiError, parse_json_object
+from proxy.http_json import ApiError, parse_json_object
 
 CHAT = "chat"
 COMPLETIONS = "completions"

@@ -8,38 +8,25 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 import signal
 import threading
-import urllib.request
 from pathlib import Path
 
 from aiohttp import web
 
-from proxy.app import STATE, create_app
-from proxy.config import ProxyConfig
-
-
-def info_path(db_path: str | Path) -> Path:
-    db_path = Path(db_path)
-    return db_path.with_name(db_path.name + ".proxy.json")
-
-
-def discover(db_path: str | Path, timeout_s: float = 2.0) -> dict | None:
-    """The live proxy that owns `db_path`, or None if none answers."""
-    path = info_path(db_path)
-    try:
-        info = json.loads(path.read_text())
-        with urllib.request.urlopen(info["url"] + "/health", timeout=timeout_s) as resp:
-            health = json.loads(resp.read())
-    except (OSError, ValueError, KeyError):
-        return None
-    return info if health.get("run_id") == info.get("run_id") else None
+from harness.store.database import Store
+from harness.store.live import info_path, write_info
+from proxy.app import create_app
+from proxy.config import ProxyConfig, SamplingOverrides
+from proxy.state import EPISODES, RECORDER, STATE, STORE
 
 
 class ProxyServer:
-    """The proxy app on a socket. `start()`/`stop()` in a running loop, or `start_in_thread()` for a sync caller."""
+    """The proxy app on a socket, and the front door for code that runs one (`harness run`, the trainer, verl's
+    agent loop): its store, flushing the recorder, opening an episode, sampling overrides, the weight version.
+    Nothing outside proxy/ touches the app's keys. `start()`/`stop()` in a running loop, or `start_in_thread()` for
+    a sync caller."""
 
     def __init__(self, config: ProxyConfig):
         self.config = config
@@ -55,12 +42,46 @@ class ProxyServer:
         return self.app[STATE].run_id
 
     @property
+    def store(self) -> Store:
+        """The store the proxy records into (reads are safe from any thread)."""
+        return self.app[STORE]
+
+    def flush(self) -> None:
+        """Write every call recorded so far to the store (blocks; from a thread, not the proxy's loop)."""
+        self.app[RECORDER].flush()
+
+    async def open_episode(self, episode_id: str, meta: dict) -> dict:
+        """Open a new episode for an agent about to run (on the proxy's loop): {"episode_id", "base_url",
+        "api_key"} as `POST /harness/episodes` answers."""
+        return await self.app[EPISODES].open(episode_id, source="runner", meta=meta, new=True)
+
+    @property
+    def episodes_forgotten(self) -> int:
+        """Episodes dropped from memory so far (past ProxyConfig.max_episodes; their calls stay recorded)."""
+        return self.app[EPISODES].evicted
+
+    @property
+    def sampling(self) -> SamplingOverrides | None:
+        """The sampling overrides in force: the config's, until `use_sampling` swaps them."""
+        return self.app[STATE].sampling
+
+    def use_sampling(self, sampling: SamplingOverrides | None) -> None:
+        """Serve the calls from now on with `sampling` (None: the config's again); a trainer switches to greedy or
+        validation sampling and back."""
+        self.app[STATE].sampling = sampling if sampling is not None else self.config.sampling
+
+    @property
+    def weight_version(self) -> int:
+        """The policy version that calls are recorded with (`calls.weight_version`)."""
+        return self.app[STATE].weight_version
+
+    @property
     def info_path(self) -> Path:
         return info_path(self.config.db_path)
 
     async def start(self) -> str:
         # handler_cancellation: an agent that disconnects cancels its handler, and with it the engine request.
-        # auto_decompress off: the proxy refuses compressed bodies itself (proxy/errors.py read_body), where
+        # auto_decompress off: the proxy refuses compressed bodies itself (proxy/http_json.py read_body), where
         # aiohttp's decoder could answer a corrupt one with a 500 or leave its connection hanging.
         self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None, auto_decompress=False)
         await self._runner.setup()
@@ -79,12 +100,8 @@ class ProxyServer:
             self._runner = None
 
     def _write_info(self) -> None:
-        info = {"url": self.url, "pid": os.getpid(), "run_id": self.run_id, "db_path": str(self.config.db_path),
-                "admin_token": self.config.admin_token}
-        path = self.info_path
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            json.dump(info, f)
+        write_info(self.config.db_path, {"url": self.url, "pid": os.getpid(), "run_id": self.run_id,
+                                         "db_path": str(self.config.db_path), "admin_token": self.config.admin_token})
 
     # A sync caller (tests, the demo) runs the proxy on its own loop in a thread.
     def start_in_thread(self, timeout_s: float = 60.0) -> str:

@@ -7,14 +7,14 @@ from dataclasses import dataclass
 import aiohttp
 from aiohttp import web
 
-from harness.recorder import Recorder
-from harness.store import Store
+from harness.store.database import Store
+from harness.store.recorder import Recorder
 from proxy.config import ProxyConfig, SamplingOverrides
 from proxy.continuity import Timelines
-from proxy.engines import Engines
 from proxy.episodes import Episodes
 from proxy.tool_parsers import ToolParser
-from proxy.wire import ConversationStore
+from proxy.upstreams import Engines
+from proxy.wire.common import ConversationStore
 
 
 @dataclass

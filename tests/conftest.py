@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from harness.engine import start_vllm
-from harness.tiny_model import build_tiny_model
+from harness.running.tiny_model import build_tiny_model
+from harness.running.vllm_server import start_vllm
 from tests.support import BackgroundApp, ScriptedUpstream
 
 ROOT = Path(__file__).resolve().parents[1]

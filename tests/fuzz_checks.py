@@ -17,7 +17,7 @@ import orjson
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
-from proxy.scripted import ScriptedEngine
+from proxy.scripted_engine import ScriptedEngine
 from tests.fuzz_strategies import Deep, Huge
 from tests.support import BackgroundLoop, ScriptedUpstream
 

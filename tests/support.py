@@ -12,7 +12,7 @@ import duckdb
 from aiohttp import web
 
 from proxy import ProxyConfig, ProxyServer
-from proxy.scripted import Script, ScriptedEngine
+from proxy.scripted_engine import Script, ScriptedEngine
 
 
 class BackgroundLoop:

@@ -14,8 +14,8 @@ import urllib.request
 import openai
 import pytest
 
-from harness.engine import attach
-from proxy.server import info_path
+from harness.running.vllm_server import attach
+from harness.store.live import info_path
 from tests.support import RunningProxy, db_rows
 
 HARNESS = [sys.executable, "-m", "harness.cli"]

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.runner import model_env
+from harness.running.runner import model_env
 from tests.support import RunningProxy, db_rows
 
 pytestmark = pytest.mark.engine

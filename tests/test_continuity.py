@@ -14,8 +14,8 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from harness.merge import DRIFT, FIRST_CALL, merge_episode
-from harness.store import Store
+from harness.core.merge import DRIFT, FIRST_CALL, merge_episode
+from harness.store.database import Store
 from tests.support import RunningProxy
 
 pytestmark = pytest.mark.engine

@@ -10,7 +10,7 @@ import uuid
 import aiohttp
 import pytest
 
-from harness.records import OK, Call, Choice
+from harness.core.records import OK, Call, Choice
 from proxy.chat_answer import ChatAnswer
 from proxy.continuity import Plan, Timelines, completions_body, prefix_hashes, unsupported
 from proxy.tool_parsers import get_parser

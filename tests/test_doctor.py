@@ -9,9 +9,9 @@ import sys
 
 import pytest
 
-from harness.cli import main
-from harness.doctor import FAIL, OK, WARN, Report, diagnose, format_report
-from harness.tiny_model import CHAT_TEMPLATE
+from harness.cli.doctor import FAIL, OK, WARN, Report, diagnose, format_report
+from harness.cli.main import main
+from harness.running.tiny_model import CHAT_TEMPLATE
 
 pytest.importorskip("transformers")
 

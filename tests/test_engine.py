@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from harness.engine import EngineError, attach, start_vllm
+from harness.running.vllm_server import EngineError, attach, start_vllm
 
 pytestmark = pytest.mark.engine
 

@@ -1,4 +1,4 @@
-"""Several engines behind one proxy (proxy/engines.py): an episode's calls stay on one engine, new episodes spread
+"""Several engines behind one proxy (proxy/upstreams.py): an episode's calls stay on one engine, new episodes spread
 over the engines, and an engine that goes away mid-run hands its episodes to the others without the agent seeing
 an error. The engines are scripted (real HTTP servers), so the test can stop one."""
 
@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from openai import OpenAI
 
-from harness.engine import placement, start_vllm
-from proxy.engines import Engines
+from harness.running.vllm_server import placement, start_vllm
+from proxy.upstreams import Engines
 from tests.support import RunningProxy, ScriptedUpstream, db_rows
 from trainer.weight_sync import WeightSync
 

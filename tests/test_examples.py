@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from harness.merge import merge_episode
-from harness.store import Store
+from harness.core.merge import merge_episode
+from harness.store.database import Store
 from tests.support import db_rows
 
 ROOT = Path(__file__).resolve().parents[1]

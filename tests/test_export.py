@@ -1,4 +1,4 @@
-"""`harness export --run`: recorded episodes as SFT chat records and RL token records (harness/export.py).
+"""`harness export --run`: recorded episodes as SFT chat records and RL token records (harness/store/export.py).
 
 Runs are recorded for real: `harness run` of the unmodified terse agent through the proxy in front of the scripted
 engine, answering like a hosted API (no token ids) or like vLLM (ids and logprobs)."""
@@ -17,8 +17,8 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from harness.export import ExportError, conversations, write
-from proxy.scripted import Script
+from harness.store.export import ExportError, conversations, write
+from proxy.scripted_engine import Script
 from tests.support import TERSE, ScriptedUpstream, db_rows
 from trainer.algorithms import outcome_advantages
 

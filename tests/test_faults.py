@@ -17,10 +17,10 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from harness.engine import attach
-from harness.records import Task
-from harness.run import run_dataset
-from harness.runner import RunConfig
+from harness.core.records import Task
+from harness.running.dataset import run_dataset
+from harness.running.runner import RunConfig
+from harness.running.vllm_server import attach
 from tests.support import RunningProxy, db_rows
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 ENGINE = textwrap.dedent('''
     import asyncio, pathlib, sys
     from aiohttp import web
-    from proxy.scripted import Script, ScriptedEngine
+    from proxy.scripted_engine import Script, ScriptedEngine
 
     async def main():
         port, marker = int(sys.argv[1]), pathlib.Path(sys.argv[2])

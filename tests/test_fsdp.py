@@ -215,7 +215,7 @@ CRITIC_WORKER = textwrap.dedent(
 
     import torch
 
-    from harness.records import Sample
+    from harness.core.records import Sample
     from trainer.config import load_config
     from trainer.critic import Critic
     from trainer.fsdp import full_state_dict, init_distributed, shutdown

@@ -13,10 +13,9 @@ from pathlib import Path
 import openai
 import pytest
 
-from harness.merge import merge_episode
-from harness.records import ENGINE, OK, Call, Choice
+from harness.core.merge import merge_episode
+from harness.core.records import ENGINE, OK, Call, Choice
 from proxy.guard import GuardConfig, flags_of, mean_surprisal, repeat_share
-from proxy.state import EPISODES
 from tests.support import RunningProxy, db_rows
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -147,7 +146,7 @@ def test_an_episode_the_guard_ended_is_still_ended_once_the_proxy_has_forgotten_
             assert err.value.code == "episode_ended"
             if _ == 0:
                 ask("ep-b")
-        forgotten = proxy.server.app[EPISODES].evicted
+        forgotten = proxy.server.episodes_forgotten
     finally:
         proxy.close()
     assert forgotten >= 2  # ep-a when ep-b came, ep-b when ep-a came back

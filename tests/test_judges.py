@@ -14,8 +14,8 @@ from fractions import Fraction
 
 import pytest
 
-from harness.judge_pool import JudgePool
-from harness.judges import JudgeError, RubricJudge, load_judge, normalise_result, parse_verdict
+from harness.running.judge_pool import JudgePool
+from harness.running.judges import JudgeError, RubricJudge, load_judge, normalise_result, parse_verdict
 
 JUDGES_SOURCE = textwrap.dedent('''
     import os
@@ -287,11 +287,11 @@ async def test_pool_kills_a_judge_past_its_timeout_and_replaces_the_worker(act_s
 
 
 async def test_pool_workers_run_under_a_memory_cap(act_spec):
-    """A judge that allocates past the cap (harness/limits.py: JUDGE_MEMORY_MB) gets a MemoryError at once: an
+    """A judge that allocates past the cap (harness/running/limits.py: JUDGE_MEMORY_MB) gets a MemoryError at once: an
     error row, not a machine out of memory. This process has no such cap: the worker's is what refuses."""
     import resource
 
-    from harness.limits import JUDGE_MEMORY_MB
+    from harness.running.limits import JUDGE_MEMORY_MB
 
     size = (JUDGE_MEMORY_MB + 1024) << 20
     soft, _ = resource.getrlimit(resource.RLIMIT_AS)

@@ -10,13 +10,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness.records import Sample
-from harness.tiny_model import build_tiny_model
+from harness.core.records import Sample
+from harness.running.tiny_model import build_tiny_model
 from trainer import algorithms as algo
 from trainer.config import load_config
 from trainer.experience import Experience, advantages_of, gae_of
 from trainer.fsdp import init_distributed
-from trainer.loop import _mini_batch, token_weights
+from trainer.loop import _mini_batch
+from trainer.loop_parts import token_weights
 from trainer.policy import collate, load_policy, token_logprobs
 from trainer.schedule import lr_factor, next_tasks
 
@@ -127,8 +128,8 @@ def test_token_weights_reproduce_the_aggregation_mode(mode):
 
 
 def test_per_call_rewards_become_advantages_on_their_calls_tokens():
-    from harness.merge import merge_episode
-    from harness.records import OK, Call, Choice, Judgement
+    from harness.core.merge import merge_episode
+    from harness.core.records import OK, Call, Choice, Judgement
     from trainer.rollout import _call_spans, call_rewards_of
 
     def call(episode, index, prompt, completion):
@@ -162,7 +163,7 @@ def test_per_call_rewards_become_advantages_on_their_calls_tokens():
 
 
 def test_named_roles_get_their_own_rewards_groups_and_frozen_roles_are_left_out():
-    from harness.records import FINISHED, TIMED_OUT
+    from harness.core.records import FINISHED, TIMED_OUT
     from trainer.experience import experience_of
     from trainer.rollout import EpisodeResult, StepRollout
 
@@ -195,8 +196,8 @@ def test_the_guard_s_penalty_is_a_reward_to_learn_even_when_the_agent_failed_on_
     failed episode is dropped; past max_samples_per_episode samples are marked, kept out, and counted."""
     from dataclasses import replace
 
-    from harness.merge import Merged
-    from harness.records import CRASHED, FINISHED
+    from harness.core.merge import Merged
+    from harness.core.records import CRASHED, FINISHED
     from trainer.experience import experience_of
     from trainer.rollout import EpisodeResult, StepRollout, _capped
 
@@ -232,7 +233,7 @@ def test_the_guard_s_penalty_is_a_reward_to_learn_even_when_the_agent_failed_on_
 def test_stale_groups_are_dropped_whole_and_counted():
     """keep_fresh: a group whose oldest sample lags more than max_staleness versions goes, all of it (a GRPO group
     is never split); what stays reports its staleness."""
-    from trainer.ahead import keep_fresh
+    from trainer.async_rollouts import keep_fresh
 
     exp = _experience()
     exp.versions = [3, 2, 3, 3, 3]  # a2's first sample was sampled with version 2
@@ -251,7 +252,7 @@ def test_rollouts_ahead_run_at_most_max_staleness_versions_ahead_in_order():
     import threading
     import time
 
-    from trainer.ahead import RolloutsAhead
+    from trainer.async_rollouts import RolloutsAhead
 
     started: list[tuple[int, int]] = []  # (step, the version served when its collect started)
     served = [0]
@@ -286,7 +287,7 @@ def test_rollouts_ahead_run_at_most_max_staleness_versions_ahead_in_order():
 
 
 def test_a_failed_collect_is_raised_at_take_and_close_stops_waiting():
-    from trainer.ahead import RolloutsAhead
+    from trainer.async_rollouts import RolloutsAhead
 
     def collect(step, tasks):
         raise RuntimeError(f"the engine died during step {step}")

@@ -13,7 +13,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("peft")
 
-from harness.engine import start_vllm  # noqa: E402
+from harness.running.vllm_server import start_vllm  # noqa: E402
 from tests.support import RunningProxy, db_rows  # noqa: E402
 from tests.test_weight_sync import _prompt_ids  # noqa: E402
 from trainer.lora import ADAPTER_NAME, ENGINE_ENV, LoraSpec, engine_args, with_adapter  # noqa: E402

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from harness.merge import (
+from harness.core.merge import (
     DRIFT,
     FIRST_CALL,
     HISTORY_CHANGED,
@@ -17,7 +17,7 @@ from harness.merge import (
     TOOLS_CHANGED,
     merge_episode,
 )
-from harness.records import ENGINE, ERROR, OK, Call, Choice
+from harness.core.records import ENGINE, ERROR, OK, Call, Choice
 
 
 def call(index: int, prompt: list[int], *completions: list[int], role="r", model="m", system="s", tools=None,

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from proxy.scripted import Script
+from proxy.scripted_engine import Script
 from tests.support import TERSE, ScriptedUpstream, db_rows
 from trainer.weight_sync import WeightSync
 
@@ -65,7 +65,7 @@ def _cli(verb: str, model: Path, out: Path, *args: str, timeout: int = 300) -> s
 
 def _refused(capsys, verb: str, model: Path, out: Path, *args: str) -> str:
     """`harness VERB ...` run in this process, for a refusal that comes before any training: its error text."""
-    from harness.cli import main
+    from harness.cli.main import main
 
     rc = main([verb, str(TERSE_YAML), f"--set=model.path={model}", f"--set=logging.run_dir={out}",
                "--set=experiment_name=offline", "--set=logging.console=false", "--set=logging.curve_png=false", *args])
@@ -219,7 +219,7 @@ def test_from_run_reads_a_database_a_proxy_is_still_recording_into(engine_ids_ru
     """DuckDB lets one process open the file: the run is read through the proxy's read-only SQL route."""
     import time
 
-    from proxy.server import info_path
+    from harness.store.live import info_path
 
     db = tmp_path / "live.duckdb"
     shutil.copy(engine_ids_run[0], db)
@@ -345,7 +345,7 @@ def test_rejection_sampling_fine_tuning_on_a_recorded_run_raises_the_demo_reward
 def _likelier(db: Path, run_id: str, before: Path, after: Path) -> dict[str, float]:
     """Mean change of the sampled tokens' logprob from `before` to `after`, over the episodes above their task's
     mean reward (better) and below it (worse)."""
-    from harness.store import Store
+    from harness.store.database import Store
     from trainer.policy import collate, load_policy, token_logprobs
 
     rows = db_rows(db, "WITH r AS (SELECT episode_id, o.task_id, arg_max(j.reward, j.created_at) reward FROM "
@@ -387,11 +387,11 @@ def test_pg_step_accumulated_over_micro_batches_equals_one_pass_of_the_clipped_l
     the whole batch with the stored logprobs as the old policy."""
     import random
 
-    from harness.records import Sample
+    from harness.core.records import Sample
     from trainer import algorithms as algo
     from trainer.config import load_config
     from trainer.fsdp import init_distributed
-    from trainer.loop import token_weights
+    from trainer.loop_parts import token_weights
     from trainer.offline import _step
     from trainer.policy import collate, load_policy, token_logprobs
 

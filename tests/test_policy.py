@@ -7,7 +7,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from harness.records import Sample  # noqa: E402
+from harness.core.records import Sample  # noqa: E402
 from trainer.policy import collate, load_policy, micro_batches, token_logprobs  # noqa: E402
 
 PARITY_TOLERANCE = 1e-3  # max abs difference between trainer and engine logprobs (issue 5)
@@ -157,8 +157,8 @@ def _record(proxy_url: str, episode: str, temperature: float, multi_turn: bool) 
 
 @pytest.mark.engine
 def test_trainer_logprobs_match_the_engine_s_on_recorded_completions(engine, tiny_model_dir, tmp_path):
-    from harness.merge import merge_episode
-    from harness.store import Store
+    from harness.core.merge import merge_episode
+    from harness.store.database import Store
     from tests.support import RunningProxy
 
     episodes = {"parity-t0.7": (0.7, False), "parity-t1.0": (1.0, False), "parity-turns-t0.7": (0.7, True)}

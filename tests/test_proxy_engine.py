@@ -11,7 +11,7 @@ import openai
 import orjson
 import pytest
 
-from harness.sql import SqlError, run_sql
+from harness.store.sql import SqlError, run_sql
 from tests.support import RunningProxy, db_rows
 
 pytestmark = pytest.mark.engine
@@ -236,8 +236,8 @@ def test_harness_sql_on_live_proxy_and_closed_file(proxy):
 
 def test_a_recorded_conversation_merges_or_says_why(proxy):
     """The merger on real engine ids: a two-turn chat merges into one sequence, or the break names the drift."""
-    from harness.merge import DRIFT, merge_episode
-    from harness.store import Store
+    from harness.core.merge import DRIFT, merge_episode
+    from harness.store.database import Store
 
     client = _client(proxy.url, "merge")
     messages = [SYSTEM, {"role": "user", "content": "Say something."}]

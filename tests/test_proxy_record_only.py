@@ -11,7 +11,7 @@ import orjson
 import pytest
 from aiohttp import web
 
-from proxy.forwarding import redact
+from proxy.record_only import redact
 from tests.support import BackgroundApp, RunningProxy, db_rows
 
 SECRET, QUERY_SECRET = "azure-Secret-Key-4242", "sk-query-Secret-77"

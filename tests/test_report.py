@@ -6,8 +6,8 @@ import itertools
 
 import pytest
 
-from harness.records import EpisodeOutcome, Judgement
-from harness.report import build_report, pass_at_k, percentiles
+from harness.core.records import EpisodeOutcome, Judgement
+from harness.running.report import build_report, pass_at_k, percentiles
 
 
 @pytest.mark.parametrize("n, c", [(4, 0), (4, 1), (4, 2), (5, 3), (6, 6), (3, 1)])

@@ -17,7 +17,7 @@ import pytest
 from openai import OpenAI
 
 from proxy.roles import RoleRule, find_role, parse_assignments, parse_rules
-from proxy.scripted import Script
+from proxy.scripted_engine import Script
 from tests.support import RunningProxy, ScriptedUpstream, db_rows
 
 SOLVER = "You solve math word problems."

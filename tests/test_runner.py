@@ -16,11 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from harness.engine import attach
-from harness.limits import pids_root
-from harness.records import Task
-from harness.run import rejudge, run_dataset
-from harness.runner import RunConfig, parse_answer
+from harness.core.records import Task
+from harness.running.dataset import rejudge, run_dataset
+from harness.running.limits import pids_root
+from harness.running.runner import RunConfig, parse_answer
+from harness.running.vllm_server import attach
 from tests.support import db_rows
 
 AGENT = textwrap.dedent('''
@@ -134,7 +134,7 @@ async def test_any_task_id_runs_and_no_episode_file_leaves_the_run_directory(ups
 
 
 async def test_agents_run_under_a_memory_cap(upstream, agent, tmp_path):
-    """An agent that allocates past its cap (RunConfig.memory_mb, harness/limits.py) fails its episode with the
+    """An agent that allocates past its cap (RunConfig.memory_mb, harness/running/limits.py) fails its episode with the
     MemoryError in its cause; the same agent without the cap finishes: the cap is what stopped it."""
     task = _tasks({"mode": "hog", "bytes": 1 << 30})
     capped = RunConfig(command=agent, judge="exact_match", timeout_s=60, memory_mb=512)
@@ -148,7 +148,7 @@ async def test_agents_run_under_a_memory_cap(upstream, agent, tmp_path):
 
 async def test_a_fork_bomb_is_held_to_its_process_cap_and_nothing_outlives_the_episode(upstream, agent, tmp_path):
     """An agent forks children that leave its process group (setsid) until fork fails. Its pids cgroup
-    (harness/limits.py, RunConfig.max_procs) stops it near the cap, root or not; when the episode ends every child is
+    (running/limits.py, RunConfig.max_procs) stops it near the cap, root or not; when the episode ends every child is
     killed, escaped ones included, and the cgroup is removed."""
     root = pids_root()
     if root is None:
@@ -286,7 +286,7 @@ ENV_AGENT = textwrap.dedent('''
 
 async def test_environment_service_tasks_get_an_instance_and_are_scored_by_the_service(upstream, env_url,
                                                                                      tmp_path):
-    from harness.tasks import read_tasks
+    from harness.running.tasks import read_tasks
 
     agent = tmp_path / "env_agent.py"
     agent.write_text(ENV_AGENT)

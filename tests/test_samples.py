@@ -15,13 +15,14 @@ import time
 import duckdb
 import pytest
 
-from harness.engine import attach
-from harness.merge import DRIFT, FIRST_CALL, MERGE_VERSION, N_BRANCH, merge_episode
-from harness.records import ENGINE, ERROR, OK, Call, Choice, Episode, Judgement, Task
-from harness.run import merge_database, merge_recorded, rejudge, run_dataset
-from harness.runner import RunConfig
-from harness.schema import MIGRATIONS
-from harness.store import Store
+from harness.core.merge import DRIFT, FIRST_CALL, MERGE_VERSION, N_BRANCH, merge_episode
+from harness.core.records import ENGINE, ERROR, OK, Call, Choice, Episode, Judgement, Task
+from harness.running.dataset import rejudge, run_dataset
+from harness.running.runner import RunConfig
+from harness.running.vllm_server import attach
+from harness.store.database import Store
+from harness.store.samples import merge_database, merge_recorded
+from harness.store.schema import MIGRATIONS
 from tests.support import RunningProxy, db_rows
 
 HARNESS = [sys.executable, "-m", "harness.cli"]

@@ -20,18 +20,18 @@ import duckdb
 import orjson
 import pytest
 
-from harness.flags import DEGENERATE, TRUNCATED, flag
-from harness.readonly import ReadOnlyError, check_read_only
-from harness.recorder import Recorder, read_spill
-from harness.records import CANCELLED, ENGINE, ERROR, NONE, OK, Call, Choice, Episode
-from harness.sql import SqlError, run_sql
-from harness.store import (
+from harness.core.flags import DEGENERATE, TRUNCATED, flag
+from harness.core.records import CANCELLED, ENGINE, ERROR, NONE, OK, Call, Choice, Episode
+from harness.store.database import (
     MIGRATIONS,
     ROW_GROUP_SIZE,
     SCHEMA_VERSION,
     SchemaVersionError,
     Store,
 )
+from harness.store.readonly import ReadOnlyError, check_read_only
+from harness.store.recorder import Recorder, read_spill
+from harness.store.sql import SqlError, run_sql
 
 SCHEMA_DOC = Path(__file__).resolve().parents[1] / "docs" / "schema.md"
 _rng = random.Random(1234)
@@ -581,7 +581,7 @@ def test_load_calls_gives_back_the_records_that_were_added(store: Store):
 def test_sql_over_a_folder_unions_every_database_file_in_it(tmp_path: Path):
     """`harness sql --db FOLDER`: runs that record into several files (one per verl agent-loop worker) read as one,
     tables and views alike; still read-only, and a file another process holds is named."""
-    from harness.sql import SqlError, run_sql
+    from harness.store.sql import SqlError, run_sql
 
     for k in range(3):
         with Store.open(tmp_path / "verl" / f"worker-{k}" / "harness.duckdb") as s:

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
-from harness.records import Task
-from harness.tasks import TaskError, evaluate_instance, instance_for, read_tasks
+from harness.core.records import Task
+from harness.running.tasks import TaskError, evaluate_instance, instance_for, read_tasks
 from tests.support import BackgroundApp
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -370,7 +370,7 @@ def test_instance_for_gives_other_tasks_unchanged():
 
 
 TASKS_MODULE = '''
-from harness.records import Task
+from harness.core.records import Task
 
 def by_split(split):
     return [{"id": f"{split}-{i}", "prompt": str(i)} for i in range(3)]
@@ -418,7 +418,7 @@ def test_module_function_on_sys_path(tmp_path, monkeypatch):
     ("missing", r"has no 'missing' \(its functions: broken, by_split, everything, needs_more, wrong_items\)"),
     ("NOT_A_FUNCTION", r"NOT_A_FUNCTION is a number, not a function"),
     ("broken", r"task function '.*my_tasks.py:broken' raised RuntimeError: the dataset server is down"),
-    ("wrong_items", r"my_tasks.py:wrong_items' item 0 is a string; return dicts or harness.records.Task objects"),
+    ("wrong_items", r"my_tasks.py:wrong_items' item 0 is a string; return dicts or harness.core.records.Task objects"),
     ("needs_more", r"must take a `split` keyword argument or no arguments; its signature is \(split, path\)"),
 ])
 def test_bad_functions_are_named(tmp_path, function, message):

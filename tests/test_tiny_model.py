@@ -7,7 +7,7 @@ import unicodedata
 
 import pytest
 
-from harness.tiny_model import SPECIAL_TOKENS, TOOL_TOKENS, build_tiny_model
+from harness.running.tiny_model import SPECIAL_TOKENS, TOOL_TOKENS, build_tiny_model
 
 pytest.importorskip("transformers")
 

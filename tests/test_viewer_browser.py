@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.store import Store
+from harness.store.database import Store
 from tests.support import db_rows, record_terse_run
 
 ROOT = Path(__file__).resolve().parents[1]

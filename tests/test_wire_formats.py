@@ -14,8 +14,8 @@ import orjson
 import pytest
 from aiohttp import web
 
-from harness.merge import FIRST_CALL, merge_episode
-from harness.store import Store
+from harness.core.merge import FIRST_CALL, merge_episode
+from harness.store.database import Store
 from tests.support import BackgroundApp, RunningProxy, db_rows
 
 FN_TOOL = {"type": "function", "name": "lookup", "description": "Look a word up.",

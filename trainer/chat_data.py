@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from harness.export import parsed_arguments
-from harness.records import Sample
+from harness.core.records import Sample
+from harness.store.export import parsed_arguments
 
 __all__ = ["ChatData", "ChatDataError", "chat_samples", "read_chat_records"]
 

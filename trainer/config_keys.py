@@ -2,7 +2,7 @@
 
 The sections follow the layout users of AgentJet / AgentScope Tuner know (their root is `ajet:`): project_name and
 experiment_name at the top, then model, data, task_judge, rollout, trainer, logging, debug. Where this differs:
-- no `task_reader`: one string in data.train / data.validation names any source `harness.tasks.read_tasks` reads
+- no `task_reader`: one string in data.train / data.validation names any source `harness.running.tasks.read_tasks` reads
   (a .jsonl file, a datasets dir or file, a Hub name, an environment service URL, module:function), so there is
   no reader type to pick;
 - `trainer` (their `trainer_common`) holds the algorithm and optimiser keys directly, with `trainer.fsdp` nested;
@@ -124,7 +124,7 @@ class EngineConfig:
 
 @dataclass(frozen=True)
 class AsyncConfig:
-    """Asynchronous rollouts: the next steps' episodes run while this step trains (trainer/ahead.py)."""
+    """Asynchronous rollouts: the next steps' episodes run while this step trains (trainer/async_rollouts.py)."""
 
     max_staleness: int = _key(0, "how many weight versions a trained sample may lag behind the weights it trains: "
                               "rollouts for steps t+1..t+K run while step t trains, older samples are dropped and "
@@ -166,9 +166,9 @@ class RolloutConfig:
     concurrency: int = _key(8, "episodes running at once", ge=1)
     timeout_s: float = _key(300.0, "seconds per episode; past it the agent's process group is killed", gt=0)
     retries: int = _key(2, "extra attempts when the engine was unreachable, never for a wrong answer", ge=0)
-    memory_mb: int = _key(8192, "address-space cap of each agent process, MB (harness/limits.py); 0: none", ge=0)
+    memory_mb: int = _key(8192, "address-space cap of each agent process, MB (running/limits.py); 0: none", ge=0)
     max_procs: int = _key(512, "processes and threads of each agent with all it starts (a pids cgroup where the "
-                          "machine offers one, harness/limits.py); 0: none", ge=0)
+                          "machine offers one, harness/running/limits.py); 0: none", ge=0)
     temperature: float = _key(1.0, "training sampling temperature, replacing the agent's own", gt=0, le=10)
     top_p: float = _key(1.0, "training nucleus sampling threshold, replacing the agent's own", gt=0, le=1)
     max_tokens: int | None = _key(None, "cap on the agent's max_tokens per call; null: the agent's own", ge=1)

@@ -7,7 +7,7 @@ the state in which token t was sampled: the head's output at position t - 1, as 
 logits there (trainer/policy.py).
 
 Each step (trainer/loop.py): values of the step's samples before any update -> GAE advantages and returns
-(trainer/values.py) -> the actor's update -> `ppo_epochs` passes of the critic over the same mini-batches, with
+(trainer/estimators.py) -> the actor's update -> `ppo_epochs` passes of the critic over the same mini-batches, with
 the clipped value loss aggregated as trainer.loss_agg_mode says. For the first `critic.warmup_steps` steps only
 the critic learns (the policy's update is skipped), so the advantages it gives later are worth following.
 """
@@ -19,13 +19,14 @@ from pathlib import Path
 
 import torch
 
-from harness.records import Sample
+from harness.core.records import Sample
 from trainer.checkpoint import CHECKPOINTS, load, save
 from trainer.config import TrainConfig
+from trainer.estimators import value_token_losses
 from trainer.fsdp import Dist, metrics_over_ranks, most_over_ranks, shard
+from trainer.loop_parts import token_weights
 from trainer.policy import activations, collate, load_policy, micro_batches, padded
 from trainer.schedule import lr_factor
-from trainer.values import value_token_losses
 
 __all__ = ["Critic"]
 
@@ -74,8 +75,6 @@ class Critic:
                old_values: list[torch.Tensor], pad_id: int) -> dict[str, float]:
         """`ppo_epochs` passes over the rows in the actor's mini-batches (whole tasks), one optimizer step each;
         the critic's metrics averaged over them."""
-        from trainer.loop import token_weights  # the loop's accumulation weights, shared
-
         t, dist = self.cfg.trainer, self.dist
         n_mini = max(1, self.cfg.rollout.batch_size // (t.mini_batch_size or self.cfg.rollout.batch_size))
         tasks, rng = list(dict.fromkeys(tasks_of_rows)), random.Random(t.seed + 1)

@@ -16,7 +16,7 @@ Departures from textbook GRPO, all on purpose:
 - Old logprobs are the trainer's own at the rollout weights (so the PPO ratio starts at exactly 1); the engine's
   are used for the truncated importance weights (`tis_cap`) and for the agreement metric `logprob/engine_*`.
 - With `rollout.async.max_staleness` K, step s's episodes were collected on a thread while earlier steps trained
-  (trainer/ahead.py), sampled with weights s-1-K and later: "old" is then the trainer at the weights being
+  (trainer/async_rollouts.py), sampled with weights s-1-K and later: "old" is then the trainer at the weights being
   trained (the proximal policy), and `tis_cap` (required) weights each token by trainer over engine probability.
 - The learning rate schedule advances once per step; gradients of a mini-batch are accumulated over micro-batches
   with each micro-batch weighted by its share of the mini-batch's aggregation units (tokens, sequences or
@@ -35,24 +35,34 @@ import time
 
 import torch
 
-from harness.records import Sample
-from harness.report import pass_at_k
-from harness.tasks import read_tasks
-from proxy.config import SamplingOverrides
+from harness.core.records import Sample
+from harness.running.tasks import read_tasks
 from trainer import algorithms as algo
-from trainer.ahead import RolloutsAhead, keep_fresh, plan_steps
+from trainer.async_rollouts import RolloutsAhead, keep_fresh, plan_steps
 from trainer.checkpoint import check_resume, find_resume, load, save
-from trainer.config import TrainConfig, config_to_dict, run_dir, save_resolved
+from trainer.config import TrainConfig, run_dir, save_resolved
 from trainer.critic import Critic
-from trainer.experience import Experience, advantages_of, experience_of, gae_of, mean, mean_token_kl
-from trainer.fsdp import Dist, full_state_dict, init_distributed, metrics_over_ranks, most_over_ranks, shard, shutdown
-from trainer.lora import ADAPTER_NAME, adapters_in_use, spec_of, with_adapter
+from trainer.estimators import adaptive_kl_coef
+from trainer.experience import advantages_of, experience_of, gae_of, mean_token_kl
+from trainer.fsdp import Dist, init_distributed, metrics_over_ranks, most_over_ranks, shard, shutdown
+from trainer.loop_parts import (
+    broadcast,
+    dtype_of,
+    log_metrics,
+    pad_id_of,
+    policy_and_optimizer,
+    push_weights,
+    seed_all,
+    token_weights,
+    tracker_for,
+    validate,
+    weight_sync,
+    wind_down,
+)
+from trainer.lora import spec_of
 from trainer.policy import collate, load_policy, micro_batches, padded, token_logprobs
-from trainer.rollout import Rollouts, greedy_baselines, sampling_seed, start_rollouts
-from trainer.schedule import lr_factor, next_tasks
-from trainer.tracking import Tracker
-from trainer.values import adaptive_kl_coef
-from trainer.weight_sync import WeightSync
+from trainer.rollout import greedy_baselines, start_rollouts
+from trainer.schedule import next_tasks
 
 log = logging.getLogger("harness.train")
 
@@ -87,7 +97,7 @@ def _train(cfg: TrainConfig, dist: Dist) -> dict[str, float]:
     lora = spec_of(t.lora)
     reference = None
     if t.kl_coef > 0:  # the initial policy, frozen
-        reference = shard(load_policy(cfg.model.path, _dtype(cfg), trust_remote_code=cfg.model.trust_remote_code),
+        reference = shard(load_policy(cfg.model.path, dtype_of(cfg), trust_remote_code=cfg.model.trust_remote_code),
                           dist, param_offload=t.fsdp.param_offload or t.fsdp.optimizer_offload).eval()
     pad_id = pad_id_of(cfg.model.path, cfg.model.trust_remote_code)
     critic = Critic(cfg, dist, total_steps) if t.adv_estimator == "gae" else None  # the value model (GAE)
@@ -117,7 +127,7 @@ def _train(cfg: TrainConfig, dist: Dist) -> dict[str, float]:
     plan = plan_steps(start + 1, total_steps, lambda pos: next_tasks(tasks, pos, batch_size, cfg.data.shuffle,
                                                                      cfg.data.seed), data_pos)
     staleness = cfg.rollout.async_.max_staleness
-    if staleness and dist.is_main:  # the next steps' episodes run while a step trains (trainer/ahead.py)
+    if staleness and dist.is_main:  # the next steps' episodes run while a step trains (trainer/async_rollouts.py)
         ahead = RolloutsAhead(rollouts.collect, [(s, ts) for s, ts, _ in plan], staleness, served_version=start,
                               stop=rollouts.stop)
     metrics: dict[str, float] = {}
@@ -194,61 +204,6 @@ def _train(cfg: TrainConfig, dist: Dist) -> dict[str, float]:
     return metrics
 
 
-# ---------------------------------------------------------------------------------------------- shared with offline
-
-
-def policy_and_optimizer(cfg: TrainConfig, dist: Dist, total_steps: int):
-    """The policy sharded over the ranks (with LoRA: base + adapter, only the adapter trains), its AdamW and the
-    learning rate schedule over `total_steps`."""
-    t = cfg.trainer
-    offload = t.fsdp.param_offload or t.fsdp.optimizer_offload  # FSDP2 offloads parameters and optimizer state together
-    policy = load_policy(cfg.model.path, _dtype(cfg), cfg.model.gradient_checkpointing,
-                         trust_remote_code=cfg.model.trust_remote_code)
-    lora = spec_of(t.lora)
-    if lora is not None:  # adapters train, the base stays frozen; the engine serves base + adapter
-        policy = with_adapter(policy, lora)
-    model = shard(policy, dist, mixed_precision=t.fsdp.mixed_precision, param_offload=offload)
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(t.warmup_steps, t.lr_schedule, total_steps))
-    return model, optimizer, scheduler
-
-
-def weight_sync(rollouts: Rollouts, cfg: TrainConfig, out) -> WeightSync:
-    """How new weights reach the rollouts' engines: a full checkpoint per push, or with LoRA the adapter."""
-    lora = spec_of(cfg.trainer.lora) is not None
-    return WeightSync(rollouts.engine.base_url, out / ("adapters" if lora else "weights"), proxy_url=rollouts.url,
-                      proxy_admin_token=rollouts.admin_token, model_dir=cfg.model.path,
-                      keep=adapters_in_use(cfg.rollout.async_.max_staleness) if lora else 2,
-                      more_engine_urls=tuple(e.base_url for e in rollouts.more_engines),
-                      adapter=ADAPTER_NAME if lora else None)
-
-
-def tracker_for(store, run_id: str, cfg: TrainConfig) -> Tracker:
-    """The run's metrics, into `store` under `run_id` and the logging section's backends."""
-    lg = cfg.logging
-    return Tracker(store, run_id, run_dir(cfg), project=cfg.project_name, experiment=cfg.experiment_name,
-                   config=config_to_dict(cfg), console=lg.console, curve_png=lg.curve_png, swanlab=lg.swanlab,
-                   wandb=lg.wandb)
-
-
-def wind_down(tracker: Tracker | None, rollouts: Rollouts | None) -> None:
-    """The end of a run, however it ends: metrics flushed, the proxy and the engines it started stopped, the
-    process group left."""
-    if tracker is not None:
-        tracker.close()
-    if rollouts is not None:
-        rollouts.close()
-        for engine in (rollouts.engine, *rollouts.more_engines):
-            engine.stop()
-    shutdown()
-
-
-def _dtype(cfg: TrainConfig) -> torch.dtype:
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(cfg.model.dtype,
-                                                                                                 torch.float32)
-
-
 # ---------------------------------------------------------------------------------------------- the step's parts
 
 
@@ -312,29 +267,6 @@ def _update(model, optimizer, rows, tasks_of_rows, advantages, old, ref, pad_id:
 _SUMMED = ("actor/pg_loss", "actor/entropy", "actor/kl")  # weighted sums of a mini-batch's parts: add up over ranks
 
 
-def token_weights(rows: list[Sample], mode: str) -> list[torch.Tensor]:
-    """Each trained token's weight in the mini-batch's loss, so that sum(weight x per-token loss) over all its rows
-    (however they are split into micro-batches and ranks) is algorithms.aggregate(loss, mode) of the mini-batch.
-    seq-mean-token-sum-norm divides by the mini-batch's longest sample (Dr.GRPO's constant)."""
-    masks = [torch.tensor(r.loss_mask, dtype=torch.float32) for r in rows]
-    n_tokens = [float(m.sum()) for m in masks]
-    trained = [i for i, n in enumerate(n_tokens) if n > 0]
-    if mode == "token-mean":
-        return [m / max(sum(n_tokens), 1.0) for m in masks]
-    if mode == "seq-mean-token-mean":
-        return [m / (max(n, 1.0) * max(len(trained), 1)) for m, n in zip(masks, n_tokens, strict=True)]
-    if mode in ("seq-mean-token-sum", "seq-mean-token-sum-norm"):
-        constant = float(max(len(r.token_ids) for r in rows)) if mode == "seq-mean-token-sum-norm" else 1.0
-        return [m / (max(len(trained), 1) * constant) for m in masks]
-    if mode == "episode-mean":
-        per_episode: dict[str, float] = {}
-        for r, n in zip(rows, n_tokens, strict=True):
-            per_episode[r.episode_id] = per_episode.get(r.episode_id, 0.0) + n
-        episodes = sum(1 for n in per_episode.values() if n > 0)
-        return [m / (max(per_episode[r.episode_id], 1.0) * max(episodes, 1)) for m, r in zip(masks, rows, strict=True)]
-    raise ValueError(f"unknown loss_agg_mode {mode!r}; choose one of: {', '.join(algo.AGG_MODES)}")
-
-
 def _mini_batch(model, rows, advantages, old, ref, weights, filler: Sample, pad_id: int, cfg: TrainConfig,
                 dist: Dist) -> dict:
     """Accumulate the gradient of this rank's rows of one mini-batch over micro-batches; returns its metrics.
@@ -384,34 +316,6 @@ def _mini_batch(model, rows, advantages, old, ref, weights, filler: Sample, pad_
     return stats
 
 
-def push_weights(model, sync: WeightSync | None, dist: Dist, version: int) -> dict[str, float]:
-    """Gather the full weights (a collective) and load them into the engine (rank 0)."""
-    t0 = time.perf_counter()
-    state = full_state_dict(model, dist)
-    if not dist.is_main:
-        return {}
-    lora = sync.adapter is not None  # the adapter alone, written from the gathered state by peft
-    timings = sync.push(model, version, state=state) if lora else sync.push(state, version)
-    return {"time/sync_s": time.perf_counter() - t0, "time/sync_reload_s": timings.get("reload_s", 0.0)}
-
-
-def validate(rollouts: Rollouts, step: int, tasks, cfg: TrainConfig) -> dict[str, float]:
-    """pass@n and mean reward of the validation tasks at validation sampling."""
-    v = cfg.rollout.validation
-    rollout = rollouts.collect(step, tasks, tag="val", repeat=v.n,
-                               sampling=SamplingOverrides(temperature=v.temperature, top_p=v.top_p,
-                                                          max_tokens_cap=cfg.rollout.max_tokens,
-                                                          seed=sampling_seed(cfg)))
-    threshold = cfg.task_judge.success_threshold
-    by_task: dict[str, list[bool]] = {}
-    for e in rollout.episodes:
-        by_task.setdefault(e.task_id, []).append(e.reward is not None and e.reward >= threshold)
-    rewards = [e.reward for e in rollout.episodes if e.reward is not None]
-    passes = [pass_at_k(len(hits), sum(hits), v.n) for hits in by_task.values()]
-    return {"val/pass@n": mean(passes), "val/reward_mean": mean(rewards), "time/validation_s":
-            rollout.timings["rollout_s"]}
-
-
 # ---------------------------------------------------------------------------------------------- small helpers
 
 
@@ -426,26 +330,3 @@ def _pad_advantages(values: list, mask: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def pad_id_of(model_dir, trust_remote_code: bool) -> int:
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
-    return tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id or 0
-
-
-def broadcast(experience: Experience | None, dist: Dist) -> Experience:
-    if dist.world == 1:
-        return experience
-    box = [experience]
-    torch.distributed.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-def log_metrics(tracker: Tracker | None, step: int, metrics: dict) -> None:
-    if tracker is not None:
-        tracker.log(step, metrics)
-
-
-def seed_all(seed: int) -> None:
-    random.seed(seed)
-    torch.manual_seed(seed)

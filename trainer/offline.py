@@ -34,14 +34,14 @@ import duckdb
 import torch
 
 import harness
-from harness.records import Sample
-from harness.store import Store
-from harness.tasks import read_tasks
+from harness.core.records import Sample
+from harness.running.tasks import read_tasks
+from harness.store.database import Store
 from trainer import algorithms as algo
 from trainer.checkpoint import check_resume, find_resume, load, save, save_hf
 from trainer.config import Mode, TrainConfig, config_to_dict, run_dir, save_resolved
 from trainer.fsdp import Dist, full_state_dict, init_distributed, metrics_over_ranks, most_over_ranks, shutdown
-from trainer.loop import (
+from trainer.loop_parts import (
     broadcast,
     log_metrics,
     pad_id_of,
@@ -180,7 +180,7 @@ def _train(cfg: TrainConfig, mode: Mode, dist: Dist) -> dict[str, float]:
 
 def _samples_or_error(cfg: TrainConfig, mode: Mode):
     """The samples (_samples), or the error that says why there are none."""
-    from harness.tasks import TaskError
+    from harness.running.tasks import TaskError
     from trainer.chat_data import ChatDataError
 
     try:

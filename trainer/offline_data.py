@@ -1,8 +1,8 @@
 """What `harness train --from-run RUN` trains on: a recorded run's episodes, merged into samples again, with the
 advantage each carries.
 
-    episodes of offline.run that offline.where keeps (harness.export.episodes: reward, status, task_id, ...)
-      -> their calls (harness.store.EPISODE_CALLS, read through harness.sql.Reader: a file a proxy is recording
+    episodes of offline.run that offline.where keeps (harness.store.export.episodes: reward, status, task_id, ...)
+      -> their calls (harness.store.EPISODE_CALLS, read through harness.store.sql.Reader: a file a proxy is recording
          into is read through that proxy) -> merge_episode (the engine's own ids; and `retokenized` ones only with
          offline.allow_retokenized) -> the samples of the roles that train (roles.train) -> OfflineData
 
@@ -26,11 +26,11 @@ from pathlib import Path
 
 import torch
 
-from harness.export import ExportError, episodes, group_of
-from harness.merge import merge_episode
-from harness.records import ENGINE, FINISHED, NONE, RETOKENIZED, Sample
-from harness.sql import Reader, SqlError
-from harness.store import EPISODE_CALLS_NO_BODIES, calls_of
+from harness.core.merge import merge_episode
+from harness.core.records import ENGINE, FINISHED, NONE, RETOKENIZED, Sample
+from harness.store.database import EPISODE_CALLS_NO_BODIES, calls_of
+from harness.store.export import ExportError, episodes, group_of
+from harness.store.sql import Reader, SqlError
 from trainer import algorithms as algo
 from trainer.config import TrainConfig, run_dir, trains
 
@@ -116,7 +116,7 @@ def _merge_into(samples: list[Sample], advantages: list[float], counts: dict[str
 
 def _advantages(all_episodes: list[dict], cfg: TrainConfig) -> dict[str, float]:
     """Each judged episode's outcome advantage against its group (its task, in its harness run or training step:
-    harness.export.group_of; trainer.adv_estimator); failed episodes dropped or scored 0 (trainer.failed_episodes).
+    store/export.py group_of; trainer.adv_estimator); failed episodes dropped or scored 0 (trainer.failed_episodes).
     Episodes recorded without a task form groups of their own."""
     rewards, groups = {}, {}
     for e in all_episodes:

@@ -2,8 +2,8 @@
 
 The trainer must score exactly the tokens the engine sampled with exactly the distribution the engine sampled
 from. Three things make that hold:
-- Samples carry the engine's own token ids (harness/merge.py), so nothing is retokenized here.
-- The engine runs with `--logprobs-mode processed_logprobs` (harness/engine.py), so its logprobs are those of
+- Samples carry the engine's own token ids (harness/core/merge.py), so nothing is retokenized here.
+- The engine runs with `--logprobs-mode processed_logprobs` (running/vllm_server.py), so its logprobs are those of
   logits / temperature; `token_logprobs` divides the logits by the same temperature.
 - Logits are turned into logprobs in float32, whatever the model's dtype.
 
@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from harness.records import Sample
+from harness.core.records import Sample
 
 __all__ = ["Batch", "activations", "collate", "load_policy", "micro_batches", "padded", "token_logprobs"]
 

@@ -18,16 +18,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from harness.engine import Engine, attach, start_vllm
-from harness.merge import Merged, merge_episode
-from harness.records import FINISHED, INFRA_ERROR, INTERRUPTED, Call, EpisodeOutcome, Judgement, Sample, Task
-from harness.run import summarise_merges
-from harness.runner import RunConfig, Runner
-from harness.store import Store
-from proxy.app import EPISODES, RECORDER, STATE, STORE
-from proxy.config import ProxyConfig, SamplingOverrides
+from harness.core.merge import Merged, merge_episode, summarise_merges
+from harness.core.records import FINISHED, INFRA_ERROR, INTERRUPTED, Call, EpisodeOutcome, Judgement, Sample, Task
+from harness.running.proxied import agent_env, agents_config, proxy_config
+from harness.running.runner import RunConfig, Runner
+from harness.running.vllm_server import Engine, attach, start_vllm
+from harness.store.database import Store
+from proxy.config import SamplingOverrides
 from proxy.guard import DEGENERATE, GuardConfig
-from proxy.roles import RoleRule, key_env_names
+from proxy.roles import RoleRule
 from proxy.server import ProxyServer
 from trainer.config import TrainConfig, role_rules, trains
 from trainer.lora import ENGINE_ENV, adapters_in_use, engine_args, spec_of
@@ -61,7 +60,7 @@ class EpisodeResult:
 class StepRollout:
     episodes: list[EpisodeResult]
     timings: dict[str, float]  # rollout_s (agents, judges included), judge_s (summed waits), merge_s
-    merge: dict  # merge summary: ratio, drift rate, reasons (harness.run.summarise_merges)
+    merge: dict  # merge summary: ratio, drift rate, reasons (harness.core.merge.summarise_merges)
     baselines: dict[str, float] | None = None  # remax: task -> its greedy episode's reward (greedy_baselines)
 
 
@@ -77,15 +76,13 @@ class Rollouts:
         self.max_samples = max_samples  # samples an episode trains; the rest are marked max_samples
         self.learns = learns  # whether samples of a role learn (a frozen role's neither train nor count)
         self.penalty = penalty  # the reward of an episode with a degenerate completion (None: the judge's)
-        self.more_engines = more_engines  # more engines of the same policy (proxy/engines.py)
+        self.more_engines = more_engines  # more engines of the same policy (proxy/upstreams.py)
         self.run_dir = run_dir
-        self.run = replace(run, hidden_env=(*run.hidden_env, *key_env_names(roles)))
         self.sampling = sampling
-        config = ProxyConfig(upstream_url=engine.base_url, served_model=engine.served_model,
-                             returns_token_ids=engine.returns_token_ids, db_path=run_dir / "harness.duckdb", port=0,
-                             sampling=sampling, token_exact=token_exact, tool_parser=tool_parser, roles=roles,
-                             more_upstreams=tuple(e.base_url for e in more_engines), guard=guard,
-                             max_turns=max_turns)
+        config = proxy_config(engine, run_dir, sampling=sampling, token_exact=token_exact, tool_parser=tool_parser,
+                              roles=roles, more_upstreams=tuple(e.base_url for e in more_engines), guard=guard,
+                              max_turns=max_turns)
+        self.run = agents_config(run, config)
         if not engine.returns_token_ids:
             raise ValueError(f"the engine at {engine.base_url} returns no token ids: training needs vLLM's ids")
         self.server = ProxyServer(config)
@@ -93,7 +90,7 @@ class Rollouts:
         self._stopped = False  # stop() was called: every collect from then on ends at once
         self.url = self.server.start_in_thread()
         self.admin_token = config.admin_token
-        self.interceptor = interceptor  # transparent mode's hop (adapters/transparent.py), or None
+        self.interceptor = interceptor  # transparent mode's hop (proxy/transparent.py), or None
         if interceptor is not None:
             try:
                 interceptor.start(self.url)
@@ -107,20 +104,16 @@ class Rollouts:
 
     @property
     def store(self) -> Store:
-        return self.server.app[STORE]
+        return self.server.store
 
     def collect(self, step: int, tasks: list[Task], *, tag: str = "train", repeat: int | None = None,
                 sampling: SamplingOverrides | None = None, judge_pool=None) -> StepRollout:
         """Run every task `repeat` times (the GRPO group), judge, merge; blocks until all episodes ended.
         judge_pool: a JudgePool the caller keeps open across collects (else the Runner makes one per collect).
         The guard's penalty is a training reward: validation episodes (tag "val") keep their judge's."""
-        app = self.server.app
-        state = app[STATE]
-        state.sampling = sampling or self.sampling
+        self.server.use_sampling(sampling or self.sampling)
         runner = Runner(replace(self.run, repeat=repeat or self.run.repeat), run_id=f"{self.run_id}-{tag}{step:05d}",
-                        proxy_url=self.url, store=app[STORE], flush=app[RECORDER].flush, run_dir=self.run_dir,
-                        open_episode=lambda eid, meta: app[EPISODES].open(eid, source="runner", meta=meta, new=True),
-                        episode_env=self.interceptor.agent_env if self.interceptor is not None else None,
+                        proxy=self.server, run_dir=self.run_dir, episode_env=agent_env(self.interceptor),
                         judge_pool=judge_pool)
         started = time.perf_counter()
         self._runner = runner
@@ -132,11 +125,11 @@ class Rollouts:
             self.server.call(_stop(runner))
             raise
         finally:
-            state.sampling = self.sampling
+            self.server.use_sampling(self.sampling)
             self._runner = None
         rollout_s = time.perf_counter() - started
         started = time.perf_counter()
-        app[RECORDER].flush()
+        self.server.flush()
         position = {t.task_id: k for k, t in enumerate(tasks)}
         outcomes = sorted(runner.outcomes, key=lambda o: (position[o.task_id], o.repeat_index))  # not finish order
         episodes = self._merge(outcomes, {j.episode_id: j for j in runner.judgements}, penalize=tag != "val")
@@ -253,7 +246,7 @@ def guard_of(settings: dict) -> GuardConfig:
 
 
 def run_config(cfg: TrainConfig) -> RunConfig:
-    """How the agents of a training run are run (harness/runner.py), from the rollout section."""
+    """How the agents of a training run are run (harness/running/runner.py), from the rollout section."""
     import shlex
     import sys
 
@@ -321,10 +314,10 @@ def call_rewards_of(judgement: Judgement | None, episode_id: str) -> dict[int, f
 
 
 def interceptor_for(rollout, out: Path):
-    """Transparent mode's hop for the rollout section (adapters/transparent.py, loaded only when chosen), or None."""
+    """Transparent mode's hop for the rollout section (proxy/transparent.py, loaded only when chosen), or None."""
     if not rollout.transparent:
         return None
-    from adapters.transparent import Interceptor, TransparentOptions
+    from proxy.transparent import Interceptor, TransparentOptions
 
     options = TransparentOptions(llm_hosts=tuple(rollout.llm_hosts), refuse_other=rollout.refuse_other_hosts)
     return Interceptor(options, log_path=out / "transparent.log")

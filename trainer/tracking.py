@@ -15,7 +15,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from harness.store import Store
+from harness.store.database import Store
 
 log = logging.getLogger("harness.train")
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import yaml
 
-from harness.records import Task
+from harness.core.records import Task
 from trainer.config import ConfigError, TrainConfig, run_dir, save_resolved
 
 INSTALL_HINT = ("pip install -e '.[scale]' (verl and Ray, on a machine with GPUs; on a CPU-only machine `make "
@@ -300,7 +300,7 @@ def train_on_verl(cfg: TrainConfig, out: Path) -> None:
     """`harness train` with backbone: verl: write verl's inputs, then hand over to verl's trainer on Ray."""
     require_verl()
     _refuse_untranslatable(cfg)  # before anything is written
-    from harness.tasks import read_tasks
+    from harness.running.tasks import read_tasks
 
     train = read_tasks(cfg.data.train, split=cfg.data.split, limit=cfg.data.limit)
     validation = read_tasks(cfg.data.validation, split=cfg.data.validation_split, limit=cfg.data.validation_limit) \

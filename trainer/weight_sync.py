@@ -27,7 +27,7 @@ prefixes are keyed by adapter. The newest `keep` versions stay loaded (2, or K +
 trainer.lora.adapters_in_use), so a call the proxy sent just before the notify, or one still generating on an
 older version, still finds its adapter.
 
-The reload routes exist when the server runs with VLLM_SERVER_DEV_MODE=1 (harness.engine.start_vllm sets it).
+The reload routes exist when the server runs with VLLM_SERVER_DEV_MODE=1 (running/vllm_server.py's start_vllm sets it).
 Models must have untied input and output embeddings: with tied ones vLLM's reload_weights silently keeps the
 old output layer.
 
@@ -54,7 +54,7 @@ from trainer.lora import save_adapter
 __all__ = ["WeightSync", "WeightSyncError"]
 
 _DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-_DEV_MODE_HINT = ("start the engine with VLLM_SERVER_DEV_MODE=1 (harness.engine.start_vllm does), or attach to one "
+_DEV_MODE_HINT = ("start the engine with VLLM_SERVER_DEV_MODE=1 (start_vllm does), or attach to one "
                   "that was")
 
 

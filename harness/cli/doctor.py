@@ -1,0 +1,469 @@
+"""`harness doctor`: does a model's chat template let multi-turn agent calls merge into one token sequence?
+
+Merging (harness/core/merge.py) joins call k+1 to call k when call k+1's prompt ids start with call k's prompt ids +
+its completion ids. That holds only if the chat template renders each longer conversation by appending to the
+shorter one, and renders an earlier assistant turn exactly as the model wrote it. Four checks, run offline on
+the tokenizer and template alone (no engine, no weights):
+
+1. append-only: the template against itself. Over representative conversations (text replies, one and two
+   tool calls, tool results, a second user turn, reasoning replies; with and without tools offered), the prompt
+   of the call before each assistant turn + that turn as the template renders it (up to its close token) must be
+   a prefix of the next call's prompt, as text and as token ids.
+2. history: what the model wrote against how the template re-renders it once the agent sends it back (through
+   vLLM, which parses tool-call arguments into objects): text before a tool call, compact arguments,
+   surrounding newlines, a <think> block.
+3. tool-parser: what the template renders for assistant tool calls parses back (proxy/tool_parsers.py) to the
+   same names, arguments and content.
+4. close-token: the token that ends an assistant turn is a stop token of the model (tokenizer eos or
+   generation_config.json), so a sampled reply ends exactly where the template's turn ends; the text the
+   template writes after it is glue: context, never trained.
+
+A FAIL breaks merging or the proxy's answers for every agent; a warn depends on what the model writes or the
+agent sends back. transformers is imported inside `load_tokenizer`: the harness core imports without it.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import textwrap
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+from proxy.tool_parsers import ToolParser, get_parser
+
+__all__ = ["Check", "DoctorError", "Finding", "Report", "diagnose", "format_report", "load_tokenizer"]
+
+OK, WARN, FAIL = "ok", "warn", "FAIL"
+_CONTEXT = 40  # chars of text shown on each side of a difference
+_TOKENS_SHOWN = 6  # tokens shown on each side of a token difference
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+TOKEN_EXACT = ("Token-exact continuity (the proxy's default when the engine returns token ids) builds each prompt "
+               "from the recorded ids and does not depend on this.")
+
+
+class DoctorError(ValueError):
+    """Bad input: not a directory, no tokenizer, no chat template, unknown tool parser."""
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One place where rendering does not do what merging needs."""
+
+    where: str  # which conversation and message
+    what: str  # what differs, in plain words
+    level: str | None = None  # "text" or "tokens": what `position` counts
+    position: int | None = None  # the first differing char or token of the longer render
+    before: str | None = None  # what both sides share just before `position`
+    expected: str | None = None  # from `position` on: the earlier call's prompt + reply, as the model wrote it
+    found: str | None = None  # from `position` on: the longer render
+    # before/expected/found are raw text when level is "text", else already printable (tokens as quoted pieces)
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str  # append-only, history, tool-parser, close-token
+    status: str  # ok, warn or FAIL
+    summary: str  # one line, plain words
+    findings: tuple[Finding, ...] = ()
+    advice: str = ""  # what breaks and what to do; empty when ok
+
+
+@dataclass(frozen=True)
+class Report:
+    model: str
+    template: str  # "the model's own", or the file passed with --chat-template
+    tool_parser: str
+    checks: tuple[Check, ...]
+    notes: tuple[str, ...] = field(default=())  # conversations the template could not render, and the like
+
+    @property
+    def failed(self) -> bool:
+        return any(c.status == FAIL for c in self.checks)
+
+    def to_json(self) -> dict:
+        return {"model": self.model, "template": self.template, "tool_parser": self.tool_parser, "ok": not self.failed,
+                "checks": [asdict(c) for c in self.checks], "notes": list(self.notes)}
+
+
+# --- representative conversations ------------------------------------------------------------------------------
+
+def _fn(name: str, description: str, **properties: str) -> dict:
+    props = {key: {"type": kind} for key, kind in properties.items()}
+    return {"type": "function", "function": {"name": name, "description": description,
+                                             "parameters": {"type": "object", "properties": props}}}
+
+
+TOOLS = [_fn("get_weather", "Weather for a city.", city="string", days="integer"),
+         _fn("search_web", "Search the web.", query="string", filters="object")]
+SYSTEM = {"role": "system", "content": "You are a careful assistant."}
+NEXT_USER = {"role": "user", "content": "One more question."}
+
+
+def _user(text: str) -> dict:
+    return {"role": "user", "content": text}
+
+
+def _assistant(content: str | None, *calls: tuple[str, dict]) -> dict:
+    """An assistant message as vLLM hands it to the template: null content as "", arguments parsed into objects."""
+    message: dict = {"role": "assistant", "content": content or ""}
+    if calls:
+        message["tool_calls"] = [{"id": f"call_{i}", "type": "function", "function": {"name": n, "arguments": a}}
+                                 for i, (n, a) in enumerate(calls)]
+    return message
+
+
+def _tool(call_id: str, content: str) -> dict:
+    return {"role": "tool", "tool_call_id": call_id, "content": content}
+
+
+_TEXT = [SYSTEM, _user("What is 2 + 2?"), _assistant("2 + 2 = 4."), _user("And 3 + 3?"), _assistant("6.")]
+_TOOL_USE = [
+    SYSTEM, _user("What's the weather in Paris and Tokyo? Then find me an umbrella."),
+    _assistant(None, ("get_weather", {"city": "Paris"})),
+    _tool("call_0", '{"temp_c": 21, "sky": "clear"}'),
+    _assistant("Now Tokyo, and umbrellas.", ("get_weather", {"city": "Tokyo", "days": 2}),
+               ("search_web", {"query": "umbrella", "filters": {"max_price": 20, "colors": ["red", "blue"]}})),
+    _tool("call_0", '{"temp_c": 18, "sky": "rain"}'), _tool("call_1", '["red umbrella, 15 EUR"]'),
+    _assistant("Paris: 21 °C and clear. Tokyo: rain, so take the red umbrella."),
+    _user("Thanks! And Zürich?"), _assistant(None, ("get_weather", {"city": "Zürich"})),
+    _tool("call_0", '{"temp_c": 12}'), _assistant("Zürich: 12 °C."),
+]
+_REASONING = [SYSTEM, _user("What is 2 + 2?"), _assistant("<think>\nTwo plus two is four.\n</think>\n\n4."),
+              _user("And 3 + 3?"), _assistant("<think>\nThree plus three is six.\n</think>\n\n6.")]
+CONVERSATIONS: list[tuple[str, list[dict], list[dict] | None]] = [
+    ("text replies", _TEXT, None),
+    ("text replies, tools offered", _TEXT, TOOLS),
+    ("no system prompt", _TEXT[1:], None),
+    ("tool calls and results", _TOOL_USE, TOOLS),
+    ("reasoning replies", _REASONING, None),
+]
+
+
+# --- rendering -------------------------------------------------------------------------------------------------
+
+class _RenderError(Exception):
+    pass
+
+
+class _Template:
+    """The tokenizer's chat template and stop tokens, with the comparisons the checks share."""
+
+    def __init__(self, tokenizer, stop_ids: dict[int, str]):
+        self.tokenizer = tokenizer
+        self.stop_ids = stop_ids  # id -> where it comes from ("tokenizer eos", "generation_config.json")
+        self.stop_texts = {tokenizer.decode([i]): i for i in stop_ids}
+        self.close = ""  # the text of the token that ends an assistant turn, once check_close_token found it
+
+    def render(self, messages: list[dict], tools: list[dict] | None, generation_prompt: bool) -> str:
+        try:
+            return self.tokenizer.apply_chat_template(copy.deepcopy(messages), tools=tools, tokenize=False,
+                                                      add_generation_prompt=generation_prompt)
+        except Exception as exc:  # a template may raise anything (raise_exception, TypeError, jinja errors)
+            raise _RenderError(f"the template raised {type(exc).__name__}: {exc}") from exc
+
+    def ids(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def latest_turn(self, messages: list[dict], tools: list[dict] | None) -> tuple[str, str, str]:
+        """(prompt, reply, close) for the last message, an assistant turn: the prompt of the call that produced
+        it, the turn's text as the template renders it when it is the latest, and the stop token ending it."""
+        prompt = self.render(messages[:-1], tools, True)
+        turn = self.render(messages, tools, False)
+        if not turn.startswith(prompt):
+            raise _Divergence(_difference(prompt, turn, "the generation prompt is not how the template starts "
+                                                        "the assistant turn"))
+        reply, close = self.split_close(turn[len(prompt):])
+        return prompt, reply, close
+
+    def split_close(self, tail: str) -> tuple[str, str]:
+        """Split an assistant turn's text at its first stop token: (reply, close). A template that leaves the
+        latest turn open (ready to be continued) has no stop token there: its close is the usual one."""
+        hits = [(tail.find(t), t) for t in self.stop_texts if t and t in tail]
+        if not hits:
+            return tail, self.close
+        pos, text = min(hits)
+        return tail[:pos], text
+
+    def divergence(self, prompt: str, reply: str, close: str, longer: str) -> Finding | None:
+        """Where `longer` stops extending prompt + reply + close, as text, then as token ids; None if it does."""
+        expected = prompt + reply + close
+        if not longer.startswith(expected):
+            return _difference(expected, longer, "the next call's prompt differs from this call's prompt + reply")
+        want = self.ids(prompt) + self.ids(reply) + ([self.stop_texts[close]] if close else [])
+        have = self.ids(longer)
+        if have[: len(want)] == want:
+            return None
+        pos = next((i for i, (a, b) in enumerate(zip(want, have, strict=False)) if a != b), len(have))
+        return Finding(where="", what="same text, but the next call's prompt tokenizes it differently",
+                       level="tokens", position=pos, before=self._pieces(have[max(0, pos - 3):pos]),
+                       expected=self._pieces(want[pos:pos + _TOKENS_SHOWN]),
+                       found=self._pieces(have[pos:pos + _TOKENS_SHOWN]))
+
+    def _pieces(self, ids: list[int]) -> str:
+        return " ".join(_show(self.tokenizer.decode([i])) for i in ids)
+
+
+class _Divergence(Exception):
+    def __init__(self, finding: Finding):
+        super().__init__(finding.what)
+        self.finding = finding
+
+
+def _show(text: str) -> str:
+    return json.dumps(text, ensure_ascii=False)
+
+
+def _difference(expected: str, found: str, what: str) -> Finding:
+    pos = next((i for i, (a, b) in enumerate(zip(expected, found, strict=False)) if a != b),
+               min(len(expected), len(found)))
+    return Finding(where="", what=what, level="text", position=pos, before=expected[max(0, pos - _CONTEXT):pos],
+                   expected=expected[pos:pos + _CONTEXT], found=found[pos:pos + _CONTEXT])
+
+
+def _at(finding: Finding, where: str) -> Finding:
+    return replace(finding, where=where)
+
+
+# --- the checks ------------------------------------------------------------------------------------------------
+
+def check_append_only(template: _Template) -> tuple[Check, list[str]]:
+    findings: list[Finding] = []
+    notes: list[str] = []
+    compared = 0
+    for name, messages, tools in CONVERSATIONS:
+        turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+        for n, i in enumerate(turns):
+            where = f"{name}, assistant message {i}"
+            later = messages[:turns[n + 1]] if n + 1 < len(turns) else messages + [NEXT_USER]
+            try:
+                prompt, reply, close = template.latest_turn(messages[:i + 1], tools)
+                found = template.divergence(prompt, reply, close, template.render(later, tools, True))
+            except _Divergence as exc:
+                found = exc.finding
+            except _RenderError as exc:
+                notes.append(f"append-only: skipped {name!r}: {exc}")
+                break
+            compared += 1
+            if found:
+                findings.append(_at(found, where))
+                break  # the first difference per conversation; later ones follow from it
+    if findings:
+        return Check("append-only", FAIL, f"the template rewrites history in {len(findings)} of "
+                     f"{len(CONVERSATIONS)} conversations: a later call's prompt does not start with an earlier "
+                     "call's prompt + reply", tuple(findings),
+                     "Plain chat calls after that point cannot merge with the earlier ones (each starts a new "
+                     f"timeline). {TOKEN_EXACT} Or serve with a template that only appends (vLLM --chat-template "
+                     "FILE) and check it with `harness doctor --chat-template FILE`."), notes
+    if not compared:
+        return Check("append-only", WARN, "no conversation could be rendered (see notes)", (),
+                     "Check that the template renders system, user, assistant and tool messages."), notes
+    return Check("append-only", OK, f"each call's prompt + reply is a prefix of the next call's prompt, as text and "
+                 f"as token ids ({compared} turns over {len(CONVERSATIONS)} conversations)"), notes
+
+
+def _echo(parser: ToolParser, reply: str) -> dict:
+    """The assistant message an agent sends back after receiving `reply` parsed, as vLLM hands it on."""
+    parsed = parser.parse(reply)
+    calls = [(c["function"]["name"], _loads(c["function"]["arguments"])) for c in parsed.tool_calls]
+    return _assistant(parsed.content, *calls)
+
+
+def _loads(arguments: str):
+    value = json.loads(arguments)
+    return value if isinstance(value, dict) else {}  # vLLM coerces non-objects to {} before templating
+
+
+def _history_probes() -> list[tuple[str, dict, str | None]]:
+    """(probe, the assistant message, the raw reply the model wrote; None: as the template renders the message)."""
+    call = ("get_weather", {"city": "Paris", "days": 2})
+    newlines = "\nIt is 21 °C in Paris.\n"
+    think = "<think>\nLook it up.\n</think>\n\nIt is 21 °C."
+    return [
+        ("a tool call, echoed back", _assistant(None, call), None),
+        ("text before a tool call, echoed back", _assistant("Let me check.", call), None),
+        ("arguments written compactly, echoed back", _assistant(None, call), "compact"),
+        ("a reply with surrounding newlines", _assistant(newlines), newlines),
+        ("a reply with a <think> block", _assistant(think), think),
+    ]
+
+
+def check_history(template: _Template, parser: ToolParser) -> tuple[Check, list[str]]:
+    base = [SYSTEM, _user("What's the weather in Paris?")]
+    findings: list[Finding] = []
+    notes: list[str] = []
+    probes = 0
+    for probe, message, raw in _history_probes():
+        try:
+            prompt, reply, close = template.latest_turn(base + [message], TOOLS)
+            if raw == "compact":  # the model wrote {"city":"Paris"} where the template writes {"city": "Paris"}
+                args = message["tool_calls"][0]["function"]["arguments"]
+                spaced, compact = json.dumps(args, ensure_ascii=False), json.dumps(args, separators=(",", ":"))
+                if spaced not in reply:
+                    notes.append(f"history: skipped {probe!r}: the template does not write arguments as JSON")
+                    continue
+                reply = reply.replace(spaced, compact)
+            elif raw is not None:
+                reply = raw  # exactly what the model wrote, whatever the template makes of it
+            echoed = _echo(parser, reply) if message.get("tool_calls") else {**message, "content": reply}
+            longer = template.render(base + [echoed, NEXT_USER], TOOLS, True)
+            found = template.divergence(prompt, reply, close, longer)
+        except _Divergence as exc:
+            found = exc.finding
+        except _RenderError as exc:
+            notes.append(f"history: skipped {probe!r}: {exc}")
+            continue
+        probes += 1
+        if found and message.get("tool_calls") and echoed["content"]:
+            found = replace(found, what=f"{found.what} (the parser gave the agent content {_show(echoed['content'])})")
+        if found:
+            findings.append(_at(found, probe))
+    if findings:
+        return Check("history", WARN, f"{len(findings)} of {probes} kinds of reply come back re-rendered "
+                     "differently from what the model wrote, once the agent sends them back", tuple(findings),
+                     "In plain chat mode the merger starts a new timeline after such a reply (reason: "
+                     f"retokenization drift), if the model writes replies like these. {TOKEN_EXACT}"), notes
+    if not probes:
+        return Check("history", WARN, "no kind of reply could be rendered (see notes)"), notes
+    return Check("history", OK, f"all {probes} kinds of reply come back exactly as the model wrote them"), notes
+
+
+def check_tool_parser(template: _Template, parser: ToolParser) -> Check:
+    findings: list[Finding] = []
+    replies = 0
+    for i, message in enumerate(_TOOL_USE):
+        if message["role"] != "assistant":
+            continue
+        where = f"tool calls and results, assistant message {i}"
+        try:
+            _, reply, _ = template.latest_turn(_TOOL_USE[:i + 1], TOOLS)
+        except (_Divergence, _RenderError) as exc:
+            return Check("tool-parser", WARN, f"could not render an assistant turn to parse ({where}: {exc})")
+        # what the engine hands back: the reply's ids decoded, special tokens kept (vLLM does so with tools on)
+        text = template.tokenizer.decode(template.ids(reply), skip_special_tokens=False)
+        parsed = parser.parse(text)
+        want = [(c["function"]["name"], c["function"]["arguments"]) for c in message.get("tool_calls", [])]
+        got = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in parsed.tool_calls]
+        replies += 1
+        if got != want:
+            findings.append(Finding(where, f"the template renders this turn as {_show(text)}; the {parser.name} "
+                                    "parser reads other tool calls from it", expected=_show(want), found=_show(got)))
+        elif (parsed.content or "").strip() != (message["content"] or "").strip():
+            findings.append(Finding(where, "the parser returns other content than the template rendered",
+                                    expected=_show(message["content"]), found=_show(parsed.content)))
+    if findings:
+        return Check("tool-parser", FAIL, f"the {parser.name} parser does not read back {len(findings)} of "
+                     f"{replies} assistant turns the template renders", tuple(findings),
+                     "Agents would get wrong tool calls or content from what the model writes. Pick the parser "
+                     "for this model family with --tool-parser (vLLM's --tool-call-parser).")
+    return Check("tool-parser", OK, f"the {parser.name} parser reads back the names, arguments and content of all "
+                 f"{replies} assistant turns the template renders (one and two tool calls, text before calls)")
+
+
+def check_close_token(template: _Template) -> Check:
+    """Also sets `template.close`: the close token's text ("" when there is none), for the other checks."""
+    reply = "The answer is 4."
+    messages = [SYSTEM, _user("What is 2 + 2?"), _assistant(reply)]
+    try:
+        turn = template.render(messages, None, False)
+        longer = template.render(messages + [NEXT_USER], None, True)
+    except _RenderError as exc:
+        return Check("close-token", FAIL, f"cannot render a one-turn conversation: {exc}")
+    # The text after the reply in the next call's prompt: where a sampled reply must have stopped.
+    after = longer[longer.rfind(reply) + len(reply):] if reply in longer else ""
+    ids = template.ids(after)
+    if not ids or ids[0] not in template.stop_ids:
+        stops = ", ".join(f"{_show(template.tokenizer.decode([i]))} (id {i}, {src})"
+                          for i, src in template.stop_ids.items())
+        return Check("close-token", FAIL, f"after an assistant reply the next prompt goes on with "
+                     f"{_show(after[:_CONTEXT])}, which does not start with a stop token; the model stops on: "
+                     f"{stops or 'nothing (no eos)'}", (),
+                     "A sampled reply ends at a stop token, so it never ends where the template's turn ends: the "
+                     "merger cannot line replies up with history. Set eos_token_id in generation_config.json to "
+                     "the template's end-of-turn token (or fix the template).")
+    template.close = template.tokenizer.decode(ids[:1])
+    tail = turn[turn.rfind(reply) + len(reply):] if reply in turn else ""
+    glue = (f"then writes {_show(tail[len(template.close):])}, which is context (mask 0), never trained"
+            if tail.startswith(template.close) else "writes it only once another message follows")
+    return Check("close-token", OK, f"an assistant turn ends with {_show(template.close)} (id {ids[0]}, "
+                 f"{template.stop_ids[ids[0]]}), where sampling stops; the template {glue}")
+
+
+# --- entry points ----------------------------------------------------------------------------------------------
+
+def load_tokenizer(model_dir: str | Path, chat_template: str | Path | None = None):
+    """The model's tokenizer (offline), with `chat_template` (a file) in place of its own when given."""
+    path = Path(model_dir)
+    if not path.is_dir():
+        raise DoctorError(f"model {str(path)!r} is not a directory: pass the model's directory (with its "
+                          "tokenizer files)")
+    try:
+        from transformers import AutoTokenizer
+    except ImportError as exc:
+        raise DoctorError(f"harness doctor needs transformers ({exc}): pip install 'harness[train]'") from exc
+    if not any((path / name).is_file() for name in _TOKENIZER_FILES):
+        raise DoctorError(f"no tokenizer in {str(path)!r}: the directory needs one of {', '.join(_TOKENIZER_FILES)}")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except Exception as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise DoctorError(f"no tokenizer in {str(path)!r} ({first}): the directory needs tokenizer.json or "
+                          "tokenizer_config.json") from exc
+    if chat_template is not None:
+        if not Path(chat_template).is_file():
+            raise DoctorError(f"chat template {str(chat_template)!r} is not a file: pass a Jinja template file")
+        tokenizer.chat_template = Path(chat_template).read_text(encoding="utf-8")
+    if not getattr(tokenizer, "chat_template", None):
+        raise DoctorError(f"{str(path)!r} has no chat template (tokenizer_config.json \"chat_template\" or "
+                          "chat_template.jinja): pass --chat-template FILE")
+    return tokenizer
+
+
+def _stop_ids(tokenizer, model_dir: Path) -> dict[int, str]:
+    stops: dict[int, str] = {}
+    if tokenizer.eos_token_id is not None:
+        stops[tokenizer.eos_token_id] = "the tokenizer's eos"
+    config = model_dir / "generation_config.json"
+    if config.is_file():
+        try:
+            eos = json.loads(config.read_text(encoding="utf-8")).get("eos_token_id")
+        except (ValueError, AttributeError) as exc:
+            raise DoctorError(f"{str(config)!r} is not a JSON object ({exc}): fix or remove it") from exc
+        for i in eos if isinstance(eos, list) else [] if eos is None else [eos]:
+            stops.setdefault(int(i), "generation_config.json eos_token_id")
+    return stops
+
+
+def diagnose(model_dir: str | Path, tool_parser: str = "hermes", chat_template: str | Path | None = None) -> Report:
+    """Run the four checks on the model in `model_dir`; raises DoctorError on bad input."""
+    try:
+        parser = get_parser(tool_parser)
+    except ValueError as exc:
+        raise DoctorError(str(exc)) from exc
+    tokenizer = load_tokenizer(model_dir, chat_template)
+    template = _Template(tokenizer, _stop_ids(tokenizer, Path(model_dir)))
+    close_check = check_close_token(template)
+    append_only, notes = check_append_only(template)
+    history, history_notes = check_history(template, parser)
+    checks = (append_only, history, check_tool_parser(template, parser), close_check)
+    source = str(chat_template) if chat_template is not None else "the model's own"
+    return Report(str(model_dir), source, parser.name, checks, tuple(notes + history_notes))
+
+
+def format_report(report: Report) -> str:
+    """One line per check, then the findings and advice of those that are not ok."""
+    lines = [f"harness doctor: {report.model} (template: {report.template}; tool parser: {report.tool_parser})"]
+    for check in report.checks:
+        lines.append(f"{check.status:<5} {check.name:<12} {check.summary}")
+        for f in check.findings:
+            at = f", at {'char' if f.level == 'text' else 'token'} {f.position}" if f.position is not None else ""
+            lines.append(f"      - {f.where}{at}: {f.what}")
+            for label, value in (("after", f.before), ("expected", f.expected), ("found", f.found)):
+                if value is not None:
+                    shown = _show(value) if f.level == "text" else value
+                    lines.append(f"          {label + ':':<10}{'…' if label == 'after' else ''}{shown}")
+        if check.advice:
+            lines.append(textwrap.fill(check.advice, width=116, initial_indent=" " * 6, subsequent_indent=" " * 6))
+    lines.extend(f"note: {note}" for note in report.notes)
+    return "\n".join(lines)

@@ -1,0 +1,140 @@
+"""`harness export`: what training produced or recorded, in the shapes other tools read.
+
+    harness export --run RUN [--records chat|tokens] [--where SQL] --format jsonl|parquet|hf --out PATH
+        recorded episodes as SFT chat records or RL token records (harness/store/export.py, docs/export.md)
+    harness export --merge ADAPTER --out DIR
+        a LoRA adapter merged into its base model: a plain model directory that transformers and vLLM load without
+        peft (docs/training.md, LoRA)
+    harness retokenize --model DIR [--run RUN]
+        token ids for calls recorded as text only, marked as a tokenizer's (harness/store/retokenize.py)
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from harness.cli import options
+
+
+def add_parser(verbs) -> None:
+    from harness.store.export import EPISODE_COLUMNS, FORMATS, RECORDS
+
+    p = verbs.add_parser(
+        "export", help="recorded episodes as SFT or RL data; a LoRA adapter merged into its base model",
+        description="With --run: a run's recorded episodes as training data, either chat records for supervised "
+        "fine-tuning (messages and tools as TRL's SFT trainer reads them; each assistant message has weight 1 "
+        "if the model gave it, 0 if the agent wrote it) or token records for RL (the engine's ids, loss mask, "
+        "logprobs, reward and GRPO advantage); docs/export.md. With --merge: a LoRA adapter (e.g. "
+        "<run>/adapters/v000012) merged into its base model, written as a plain model directory.",
+    )
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("--run", metavar="RUN", help="the run whose episodes to export (harness sql \"SELECT DISTINCT "
+                      "run_id FROM episode_summary\")")
+    what.add_argument("--merge", type=Path, metavar="ADAPTER", help="the LoRA adapter directory to merge")
+    p.add_argument("--out", type=Path, required=True, help="the file (or, for --format hf and --merge, the "
+                   "directory) to write; must not exist")
+    p.add_argument("--db", type=Path, default=options.DEFAULT_RUN_DIR / "harness.duckdb",
+                   help="with --run: the DuckDB file, or a folder of them read as one (default: %(default)s)")
+    p.add_argument("--records", choices=RECORDS, default="chat",
+                   help="chat: one record per conversation (SFT); tokens: one per merged sample (RL)")
+    p.add_argument("--format", choices=FORMATS, default="jsonl", dest="fmt",
+                   help="jsonl (default), parquet, or hf (a datasets directory; needs harness[data])")
+    p.add_argument("--where", metavar="SQL", help="keep the episodes this SQL predicate holds for, e.g. "
+                   "'reward >= 1'; columns: " + ", ".join(EPISODE_COLUMNS))
+    p.add_argument("--model", type=Path, help="with --merge: the base model directory (default: the one the "
+                   "adapter names)")
+    p.set_defaults(func=main)
+
+
+def main(args) -> int:
+    if args.out.exists():
+        print(f"error: {str(args.out)!r} exists: give a new path with --out", file=sys.stderr)
+        return 2
+    if not args.out.parent.is_dir():
+        print(f"error: --out {str(args.out)!r}: its folder does not exist; create it first", file=sys.stderr)
+        return 2
+    if args.merge is not None:
+        return _merge_main(args)
+    from harness.store.export import ExportError, records, write
+    from harness.store.sql import Reader, SqlError
+
+    try:
+        with Reader(args.db) as reader:
+            count = write(records(reader, args.run, args.records, args.where), args.out, args.fmt)
+    except (ExportError, SqlError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"{count} {args.records} records of run {args.run} -> {args.out}", file=sys.stderr)
+    return 0
+
+
+def _merge_main(args) -> int:
+    adapter, out = args.merge, args.out
+    config_path = adapter / "adapter_config.json"
+    if not config_path.is_file():
+        print(f"error: {str(adapter)!r} is not a LoRA adapter directory (no adapter_config.json): give one of "
+              "<run>/adapters/v...", file=sys.stderr)
+        return 2
+    base = args.model or Path(json.loads(config_path.read_text()).get("base_model_name_or_path") or "")
+    if not (base / "config.json").is_file():
+        print(f"error: base model {str(base)!r} has no config.json: give the base model directory with --model",
+              file=sys.stderr)
+        return 2
+    merge(adapter, base, out)
+    print(f"merged {adapter} into {base}: {out}", file=sys.stderr)
+    return 0
+
+
+def merge(adapter: Path, base: Path, out: Path) -> Path:
+    """Write base + adapter as one model directory: the base's config and tokenizer files with the merged weights
+    (trainer.checkpoint.save_hf: built beside `out`, renamed into place when complete)."""
+    from peft import PeftModel
+
+    from trainer.checkpoint import save_hf
+    from trainer.policy import load_policy
+
+    model = PeftModel.from_pretrained(load_policy(base), str(adapter)).merge_and_unload()
+    return save_hf(model.state_dict(), base, out)
+
+
+def add_retokenize_parser(verbs) -> None:
+    p = verbs.add_parser(
+        "retokenize", help="token ids for calls recorded as text only, marked as retokenized",
+        description="Give the calls recorded as text only (token_source 'none': in front of a hosted API, or an "
+        "engine that returned no ids) token ids from a model's tokenizer and chat template: prompt ids as the "
+        "template renders the request, completion ids as it renders the answer. They are marked token_source "
+        "'retokenized', never taken for the engine's own: they stay out of RL samples. Stop the proxy first. "
+        "docs/export.md.",
+    )
+    p.add_argument("--model", type=Path, required=True, help="the model directory whose tokenizer and chat "
+                   "template to use (the model the calls are meant to train)")
+    p.add_argument("--db", type=Path, default=options.DEFAULT_RUN_DIR / "harness.duckdb",
+                   help="the DuckDB file (default: %(default)s)")
+    p.add_argument("--run", help="only this run's calls (default: every text-only call in the file)")
+    p.set_defaults(func=_retokenize_main)
+
+
+def _retokenize_main(args) -> int:
+    import duckdb
+
+    from harness.store.database import SchemaVersionError
+    from harness.store.retokenize import retokenize_database
+
+    if not (args.model / "tokenizer_config.json").is_file():
+        print(f"error: --model {str(args.model)!r} has no tokenizer_config.json: give a model directory",
+              file=sys.stderr)
+        return 2
+    if not args.db.is_file():
+        print(f"error: no database at {str(args.db)!r}: give --db", file=sys.stderr)
+        return 2
+    try:
+        done = retokenize_database(args.db, args.model, args.run)
+    except (ValueError, SchemaVersionError, duckdb.Error) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    skipped = ", ".join(f"{n} ({why})" for why, n in done.skipped.items()) or "none"
+    print(f"retokenized {done.calls} calls ({done.choices} choices) with {args.model}; left as text: {skipped}",
+          file=sys.stderr)
+    return 0

@@ -1,0 +1,377 @@
+"""The `harness` command: a few verbs, each with a --help that answers."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from pathlib import Path
+
+from harness import __version__
+from harness.cli import options
+from harness.cli.export import add_parser as add_export_parser
+from harness.cli.export import add_retokenize_parser
+from harness.cli.serve import add_parser as add_serve_parser
+from harness.cli.train import add_sft_parser, add_train_parser
+from harness.running.limits import AGENT_MAX_PROCS, AGENT_MEMORY_MB
+from harness.viewer.app import add_parser as add_view_parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="harness",
+        description="Record unmodified LLM agents through an OpenAI-compatible proxy and train them with RL.",
+    )
+    parser.add_argument("--version", action="version", version=f"harness {__version__}")
+    verbs = parser.add_subparsers(dest="verb", metavar="VERB", required=True)
+    add_serve_parser(verbs)
+    _add_run(verbs)
+    _add_judge(verbs)
+    _add_merge(verbs)
+    _add_sql(verbs)
+    _add_roles(verbs)
+    _add_tiny_model(verbs)
+    _add_doctor(verbs)
+    add_train_parser(verbs)
+    add_sft_parser(verbs)
+    add_view_parser(verbs)
+    add_export_parser(verbs)
+    add_retokenize_parser(verbs)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        return 130
+
+
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _add_run(verbs) -> None:
+    p = verbs.add_parser(
+        "run", help="run an unmodified agent over a dataset, judge every episode, report",
+        description="Run AGENT once per task and repeat, each run an episode of its own: the agent gets "
+        "OPENAI_BASE_URL and OPENAI_API_KEY for its episode, and its task as JSON on stdin and in HARNESS_TASK. "
+        "Its answer is its stdout (the last JSON line with an \"answer\" field, else the last non-empty line). "
+        "Every call is recorded into RUN_DIR/harness.duckdb; the judge scores each episode; a report is "
+        "printed, stored and written to RUN_DIR/report-<run>.json.",
+    )
+    p.add_argument("agent", nargs="?", type=Path, help="the agent's Python file (run with this Python)")
+    p.add_argument("--cmd", help='any agent command instead, e.g. "node agent.js" (split like a shell would)')
+    p.add_argument("--data", required=True,
+                   help="tasks: a .jsonl file, a datasets dir or .parquet/.json file, an environment service URL, "
+                   "or module:function")
+    p.add_argument("--split", default="train", help="dataset split (default: %(default)s)")
+    p.add_argument("--limit", type=int, help="use only the first N tasks")
+    p.add_argument("--judge", help="judge: a built-in (exact_match, math, substring, f1, rubric, env), "
+                   "module:function, module:Class or path.py:name")
+    p.add_argument("--repeat", type=int, default=1, help="episodes per task, the GRPO group size (default: 1)")
+    p.add_argument("--concurrency", type=int, default=4, help="episodes at once (default: %(default)s)")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds per episode (default: %(default)s)")
+    p.add_argument("--retries", type=int, default=2,
+                   help="extra attempts when the engine was unreachable, never for wrong answers (default: 2)")
+    p.add_argument("--success-threshold", type=float, default=1.0,
+                   help="reward that counts as a success for success rate and pass@k (default: %(default)s)")
+    p.add_argument("--judge-timeout", type=float, default=60.0, help="seconds per judgement (default: 60)")
+    p.add_argument("--run-dir", type=Path, default=options.DEFAULT_RUN_DIR,
+                   help="where the run goes (default: %(default)s)")
+    p.add_argument("--agent-memory-mb", type=int, default=AGENT_MEMORY_MB,
+                   help="address-space cap of each agent process in MB; 0: none (default: %(default)s)")
+    p.add_argument("--agent-max-procs", type=int, default=AGENT_MAX_PROCS,
+                   help="processes and threads of each agent with all it starts; 0: none (default: %(default)s)")
+    p.add_argument("--temperature", type=float, help="training-time override of the agents' temperature")
+    p.add_argument("--debug", action="store_true",
+                   help="one episode at a time, the agent on this terminal (stdin, stdout and stderr; its task only in "
+                   "HARNESS_TASK), the judge in this process, no timeouts: breakpoints in agent or judge code work")
+    options.add_engine_args(p)
+    options.add_role_args(p)
+    options.add_record_only_args(p)
+    options.add_transparent_args(p)
+    options.add_limit_args(p)
+    p.set_defaults(func=_run)
+
+
+def _run(args) -> int:
+    import shlex
+
+    from harness.running.dataset import run_dataset
+    from harness.running.judges import JudgeError
+    from harness.running.report import print_report
+    from harness.running.runner import RunConfig
+    from harness.running.tasks import TaskError, read_tasks
+    from harness.running.vllm_server import Engine, EngineError, start_or_attach
+    from proxy import SamplingOverrides
+
+    if (args.agent is None) == (args.cmd is None):
+        print("error: give the agent's Python file, or --cmd \"COMMAND\", not both", file=sys.stderr)
+        return 2
+    if args.agent is not None and not args.agent.is_file():
+        print(f"error: agent {str(args.agent)!r} is not a file", file=sys.stderr)
+        return 2
+    command = [sys.executable, str(args.agent.resolve())] if args.agent else shlex.split(args.cmd)
+    try:
+        tasks = read_tasks(args.data, split=args.split, limit=args.limit)
+        if not tasks:
+            raise TaskError(f"{args.data!r} has no tasks in split {args.split!r}")
+        config = RunConfig(command=command, judge=args.judge, repeat=args.repeat, concurrency=args.concurrency,
+                           timeout_s=args.timeout, retries=args.retries, judge_timeout_s=args.judge_timeout,
+                           debug=args.debug, memory_mb=args.agent_memory_mb or None,
+                           max_procs=args.agent_max_procs or None)
+        sampling = SamplingOverrides(temperature=args.temperature)
+        if args.judge:
+            from harness.running.judges import load_judge
+
+            load_judge(args.judge)
+        if problem := options.record_only_error(args):
+            raise ValueError(problem)
+        interceptor, roles = options.interceptor(args, args.run_dir), options.role_rules(args)
+        limits = options.limits(args)
+        if args.record_only:  # a hosted API: nothing to probe (it may want a key), every call goes on as sent
+            engine = Engine(args.upstream[0].rstrip("/").removesuffix("/v1"), "", returns_token_ids=False)
+        else:
+            engine = start_or_attach(model=args.model, upstream=(args.upstream or [None])[0],
+                                     run_dir=args.run_dir, max_model_len=args.max_model_len)
+    except (TaskError, JudgeError, EngineError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        print(f"running {len(tasks)} tasks x {args.repeat} against {engine.base_url}", file=sys.stderr)
+        run_id, report = asyncio.run(run_dataset(tasks, config, engine, args.run_dir,
+                                                 success_threshold=args.success_threshold, sampling=sampling,
+                                                 token_exact=not args.no_token_exact, tool_parser=args.tool_parser,
+                                                 progress=not args.debug, interceptor=interceptor, roles=roles,
+                                                 more_upstreams=tuple((args.upstream or [])[1:]),
+                                                 record_only=args.record_only,
+                                                 upstream_key_env=args.upstream_key_env, limits=limits))
+    except options.hop_errors(interceptor) as exc:  # the transparent hop could not start
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        engine.stop()
+    print_report(report, run_id)
+    print(f"recorded into {args.run_dir / 'harness.duckdb'}; report: {args.run_dir / f'report-{run_id}.json'}",
+          file=sys.stderr)
+    if report.get("interrupted"):
+        print("interrupted: the report covers the episodes that ran; everything recorded was kept", file=sys.stderr)
+        return 130
+    return 0
+
+
+def _add_judge(verbs) -> None:
+    p = verbs.add_parser(
+        "judge", help="re-score a stored run with a (new) judge, without re-running agents",
+        description="Score every episode of a stored dataset run with JUDGE, offline: the agents are not run "
+        "again. Judgements are added (nothing is overwritten) and a new report is stored and printed.",
+    )
+    p.add_argument("--judge", required=True, help="judge spec, as for harness run")
+    p.add_argument("--run", dest="run_id", help="run id (default: the latest dataset run in the database)")
+    p.add_argument("--db", type=Path, default=options.DEFAULT_RUN_DIR / "harness.duckdb",
+                   help="DuckDB file (default: %(default)s)")
+    p.add_argument("--success-threshold", type=float, default=1.0, help="reward that counts as a success")
+    p.add_argument("--judge-timeout", type=float, default=60.0, help="seconds per judgement (default: 60)")
+    p.set_defaults(func=_judge)
+
+
+def _judge(args) -> int:
+    import duckdb
+
+    from harness.running.dataset import rejudge
+    from harness.running.judges import JudgeError
+    from harness.running.report import print_report
+
+    if not args.db.exists():
+        print(f"error: no database at {str(args.db)!r}: pass --db PATH", file=sys.stderr)
+        return 2
+    try:
+        run_id, report = asyncio.run(rejudge(args.db, args.run_id, args.judge,
+                                             success_threshold=args.success_threshold, timeout_s=args.judge_timeout))
+    except (JudgeError, ValueError, duckdb.Error) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print_report(report, run_id)
+    return 0
+
+
+def _add_merge(verbs) -> None:
+    p = verbs.add_parser(
+        "merge", help="(re)build training samples from recorded episodes (docs/schema.md: samples)",
+        description="Merge each recorded episode's calls into training samples: calls that extend each other become "
+        "one sequence whose mask marks exactly the engine-sampled tokens, and every new timeline gets a stored "
+        "reason (merge_breaks). Earlier samples of those episodes are replaced; each sample's reward is its "
+        "episode's latest judgement. `harness run` and `harness judge` merge by themselves: use this for episodes "
+        "recorded with `harness serve` (stop the proxy first). Prints episodes, samples, merge ratio, drift rate "
+        "and the reasons histogram.",
+    )
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--db", type=Path, help="DuckDB file (default: RUN_DIR/harness.duckdb)")
+    where.add_argument("--run-dir", type=Path, default=options.DEFAULT_RUN_DIR,
+                       help="run directory holding harness.duckdb (default: %(default)s)")
+    p.add_argument("--run", dest="run_id", help="merge only this run's episodes (default: every episode in the file)")
+    p.set_defaults(func=_merge)
+
+
+def _merge(args) -> int:
+    import duckdb
+
+    from harness.core.merge import format_merge_summary
+    from harness.store.database import SchemaVersionError
+    from harness.store.samples import merge_database
+
+    try:
+        summary = merge_database(args.db or args.run_dir / "harness.duckdb", args.run_id)
+    except (ValueError, SchemaVersionError, duckdb.Error) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(format_merge_summary(summary))
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _add_sql(verbs) -> None:
+    p = verbs.add_parser(
+        "sql", help="read-only SQL over recorded rollouts (docs/schema.md)",
+        description="Run a read-only query over the recorded rollouts. Works on a closed database file and while a "
+        "proxy is recording into it (the query then goes through the proxy). Tables: runs, episodes, calls, "
+        "choices, tasks, episode_outcomes, judgements, reports, samples, merge_breaks, episode_merges, metrics; "
+        "views: completions, episode_summary, rewards, merge_metrics, merge_reasons, training_curve, roles, flags. "
+        "See docs/schema.md.",
+    )
+    p.add_argument("query", help='e.g. "SELECT episode_id, count(*) FROM calls GROUP BY 1"')
+    p.add_argument("--db", type=Path, default=options.DEFAULT_RUN_DIR / "harness.duckdb",
+                   help="DuckDB file, or a folder: every .duckdb file under it read as one, e.g. a backbone: verl "
+                   "run's <run>/verl with a file per worker (default: %(default)s)")
+    fmt = p.add_mutually_exclusive_group()
+    fmt.add_argument("--csv", action="store_true", help="print CSV")
+    fmt.add_argument("--json", action="store_true", help="print a JSON list of row objects")
+    p.add_argument("--max-rows", type=int, default=None, help="print at most this many rows")
+    p.set_defaults(func=_sql)
+
+
+def _sql(args) -> int:
+    from harness.store.sql import SqlError, print_table, run_sql, to_csv, to_json
+
+    try:
+        result = run_sql(args.db, args.query, max_rows=args.max_rows)
+    except SqlError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    if args.csv:
+        sys.stdout.write(to_csv(result))
+    elif args.json:
+        print(to_json(result))
+    else:
+        print_table(result)
+    return 0
+
+
+def _add_roles(verbs) -> None:
+    p = verbs.add_parser(
+        "roles", help="the roles found in recorded calls: model name, system prompt, tools (docs/schema.md: roles)",
+        description="List the roles of the recorded calls, most calls first: a role is what the agent asked for "
+        "(model name), its system prompt and its tool set, so the agents of a multi-agent app show apart without "
+        "annotations. Each with its counts and an example call. Works on a closed file and live, like harness sql.",
+    )
+    p.add_argument("--db", type=Path, default=options.DEFAULT_RUN_DIR / "harness.duckdb",
+                   help="DuckDB file (default: %(default)s)")
+    p.add_argument("--run", dest="run_id", help="only this run's roles (default: every run's)")
+    p.add_argument("--json", action="store_true", help="print a JSON list of row objects")
+    p.set_defaults(func=_roles)
+
+
+def _roles(args) -> int:
+    from harness.store.database import QueryResult
+    from harness.store.sql import SqlError, print_table, run_sql, to_json
+
+    try:
+        result = run_sql(args.db, "SELECT * FROM roles ORDER BY run_id, calls DESC, role_key")
+    except SqlError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    if args.run_id is not None:  # filtered here, not spliced into the SQL
+        run = result.columns.index("run_id")
+        rows = [row for row in result.rows if row[run] == args.run_id]
+        if not rows and not any(row[run] == args.run_id for row in result.rows):
+            runs = sorted({row[run] for row in result.rows})
+            print(f"error: no calls of run {args.run_id!r} in {args.db}; runs with calls: {', '.join(runs) or 'none'}",
+                  file=sys.stderr)
+            return 1
+        result = QueryResult(result.columns, result.types, rows, False)
+    if args.json:
+        print(to_json(result))
+    else:
+        print_table(result)
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _add_tiny_model(verbs) -> None:
+    p = verbs.add_parser(
+        "tiny-model", help="build a tiny random Qwen2-style model offline (tests, demo)",
+        description="Build a small random-weight Qwen2-architecture model with a locally trained byte-level BPE "
+        "tokenizer and a chat template with tool calls. Deterministic per seed; needs the train extra.",
+    )
+    p.add_argument("out", type=Path, help="output directory")
+    p.add_argument("--seed", type=int, default=0, help="random seed (default: %(default)s)")
+    p.add_argument("--output-scale", type=float, default=1.0,
+                   help="multiply the output layer's random weights (LoRA, which leaves it frozen, needs one that "
+                   "separates tokens, e.g. 8; default: %(default)s)")
+    p.set_defaults(func=_tiny_model)
+
+
+def _tiny_model(args) -> int:
+    try:
+        from harness.running.tiny_model import build_tiny_model
+    except ImportError as exc:
+        print(f"error: tiny-model needs torch and transformers ({exc}); pip install 'harness[train]'",
+              file=sys.stderr)
+        return 1
+    try:
+        path = build_tiny_model(args.out, seed=args.seed, output_scale=args.output_scale)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(path)
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _add_doctor(verbs) -> None:
+    p = verbs.add_parser(
+        "doctor", help="check a model's chat template and tool parser for what breaks merging (docs/doctor.md)",
+        description="Check, offline, that the model's chat template only appends over multi-turn conversations with "
+        "tool calls and tool results, that earlier assistant turns come back as the model wrote them, that the "
+        "tool-call parser reads back what the template renders, and that an assistant turn ends on a stop token. "
+        "One line per check (ok, warn, FAIL); exit 0 when nothing FAILs, 1 otherwise, 2 on bad input.",
+    )
+    p.add_argument("--model", type=Path, required=True, help="model directory (tokenizer and chat template)")
+    p.add_argument("--tool-parser", default="hermes", help="tool-call parser, as vLLM's --tool-call-parser "
+                   "(default: %(default)s)")
+    p.add_argument("--chat-template", type=Path, help="a Jinja template file to check instead of the model's own")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.set_defaults(func=_doctor)
+
+
+def _doctor(args) -> int:
+    import json
+
+    from harness.cli.doctor import DoctorError, diagnose, format_report
+
+    try:
+        report = diagnose(args.model, tool_parser=args.tool_parser, chat_template=args.chat_template)
+    except DoctorError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(report.to_json(), indent=2, ensure_ascii=False) if args.json else format_report(report))
+    return 1 if report.failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,129 @@
+"""Flag groups shared by several `harness` verbs: the engine (run, serve), named roles (run, serve), record-only
+(run, serve) and transparent mode (run, serve)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from proxy.tool_parsers import known_parsers
+
+DEFAULT_RUN_DIR = Path("runs")
+
+
+def add_role_args(p) -> None:
+    g = p.add_argument_group("roles (multi-agent apps: name roles, send frozen ones to a fixed model)")
+    g.add_argument("--role", action="append", default=[], metavar="NAME=MATCH",
+                   help="name a role: MATCH is model:NAME, system:REGEX or key:FINGERPRINT (as `harness roles` "
+                   "prints it); the first match wins, e.g. --role critic=model:critic-model")
+    g.add_argument("--role-upstream", action="append", default=[], metavar="NAME=URL",
+                   help="send a named role's calls to this OpenAI-compatible server (a fixed model) instead of the "
+                   "policy engine, e.g. --role-upstream critic=https://api.openai.com/v1")
+    g.add_argument("--role-model", action="append", default=[], metavar="NAME=MODEL",
+                   help="the model name sent to that upstream (default: the one the agent asked for)")
+    g.add_argument("--role-key-env", action="append", default=[], metavar="NAME=ENV",
+                   help="environment variable holding that upstream's API key (read at each call, never recorded)")
+
+
+def role_rules(args):
+    from proxy.roles import parse_assignments, parse_rules
+
+    return parse_rules(parse_assignments(args.role, "--role"), parse_assignments(args.role_upstream, "--role-upstream"),
+                       parse_assignments(args.role_model, "--role-model"),
+                       parse_assignments(args.role_key_env, "--role-key-env"))
+
+
+def add_limit_args(p) -> None:
+    g = p.add_argument_group("limits and the degenerate-output guard (docs/training.md; findings: the flags view)")
+    g.add_argument("--max-turns", type=int, metavar="N",
+                   help="LLM calls an episode may make: the next gets a 400 (episode_ended) and the cut is recorded")
+    g.add_argument("--guard", action="store_true",
+                   help="flag completions that repeat themselves (share of repeated 4-grams over 0.5, 32 tokens "
+                   "or more) as degenerate")
+    g.add_argument("--guard-end-episode", action="store_true",
+                   help="with --guard: a degenerate completion ends its episode (its later calls get a 400)")
+
+
+def limits(args) -> dict:
+    """ProxyConfig's max_turns and guard from add_limit_args' options (ValueError for bad values)."""
+    from proxy.guard import GuardConfig
+
+    if args.max_turns is not None and args.max_turns < 1:
+        raise ValueError(f"--max-turns {args.max_turns} must be a positive number of calls per episode")
+    if args.guard_end_episode and not args.guard:
+        raise ValueError("--guard-end-episode acts on what the guard finds: add --guard")
+    return {"max_turns": args.max_turns, "guard": GuardConfig(enabled=args.guard, end_episode=args.guard_end_episode)}
+
+
+def add_record_only_args(p) -> None:
+    g = p.add_argument_group("record-only (in front of a hosted API: docs/export.md)")
+    g.add_argument("--record-only", action="store_true",
+                   help="in front of any OpenAI-compatible API (a hosted one, given by --upstream): forward each call "
+                   "as the agent sent it (its model name, sampling and API key; the key is never stored) and record "
+                   "it, as text where the API gives no token ids")
+    g.add_argument("--upstream-key-env", metavar="NAME",
+                   help="with --record-only: the environment variable holding the API key sent upstream for calls "
+                   "that carry the proxy's own token or no key (agents harness run starts carry episode tokens)")
+
+
+def record_only_error(args) -> str | None:
+    """What is wrong with the record-only flags given with the others, or None."""
+    if args.upstream_key_env and not args.record_only:
+        return "--upstream-key-env goes with --record-only"
+    if not args.record_only:
+        return None
+    if not args.upstream or len(args.upstream) > 1:
+        return "--record-only needs exactly one --upstream URL: the API to record, e.g. https://api.openai.com/v1"
+    if args.upstream_key_env and not os.environ.get(args.upstream_key_env):
+        return f"--upstream-key-env {args.upstream_key_env}: that environment variable is not set"
+    ours = [flag for flag, value in (("--temperature", args.temperature), ("--top-p", getattr(args, "top_p", None)),
+                                     ("--max-tokens-cap", getattr(args, "max_tokens_cap", None)))
+            if value is not None] + (["--transparent"] if args.transparent else [])
+    if ours:
+        return (f"{', '.join(ours)}: --record-only forwards each call as the agent sent it; drop "
+                f"{'it' if len(ours) == 1 else 'them'}")
+    return None
+
+
+def add_transparent_args(p) -> None:
+    g = p.add_argument_group("transparent mode (agents that hard-code an LLM host)")
+    g.add_argument("--transparent", action="store_true",
+                   help="put an embedded mitmproxy in front of the agents: calls to known LLM hosts (api.openai.com, "
+                   "DashScope compatible mode, DeepSeek, api.anthropic.com, and --llm-host) are recorded like "
+                   "calls to OPENAI_BASE_URL; other hosts are tunnelled untouched")
+    g.add_argument("--llm-host", action="append", default=[], metavar="HOST[/PREFIX]",
+                   help="one more LLM host to intercept, with its API prefix (default /v1), "
+                   "e.g. llm.corp.example/api/v1")
+    g.add_argument("--refuse-other-hosts", action="store_true",
+                   help="with --transparent: refuse traffic to any other host instead of tunnelling it")
+
+
+def hop_errors(interceptor) -> tuple[type[Exception], ...]:
+    return (interceptor.Error,) if interceptor is not None else ()
+
+
+def interceptor(args, run_dir: Path):
+    """The transparent hop the flags ask for (not started), or None."""
+    if not args.transparent:
+        if args.llm_host or args.refuse_other_hosts:
+            raise ValueError("--llm-host and --refuse-other-hosts need --transparent")
+        return None
+    from proxy.transparent import Interceptor, TransparentOptions
+
+    options = TransparentOptions(llm_hosts=tuple(args.llm_host), refuse_other=args.refuse_other_hosts)
+    return Interceptor(options, log_path=run_dir / "transparent.log")
+
+
+def add_engine_args(p) -> None:
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", type=Path, help="model directory to serve with vLLM (started as a subprocess)")
+    src.add_argument("--upstream", action="append", metavar="URL",
+                     help="URL of an engine already running, e.g. http://127.0.0.1:8000; repeat it for several "
+                     "engines serving the same model (an episode stays on one; a failed engine's calls move on)")
+    p.add_argument("--max-model-len", type=int, default=2048, help="engine context length (default: %(default)s)")
+    p.add_argument("--no-token-exact", action="store_true",
+                   help="render every chat call with the engine's chat template instead of continuing conversations "
+                   "from the recorded token ids (docs/proxy.md: token-exact continuity)")
+    p.add_argument("--tool-parser", default="hermes", choices=known_parsers(),
+                   help="how generated text becomes tool calls on the token-exact path, as vLLM's --tool-call-parser "
+                   "(default: %(default)s)")

@@ -1,0 +1,167 @@
+"""Resource limits for code we run but do not own: agents and judges.
+
+An agent is started through this module (`python -m harness.running.limits MEMORY_MB [--procs N] -- cmd...`): it caps
+its own address space, moves itself into a process-count group of its own, then execs the agent, which inherits
+both (no pre-exec hook in a threaded parent). A judge worker caps its memory when it starts
+(judge_pool.py). A process past its memory cap gets MemoryError / ENOMEM on allocation and usually exits:
+its episode ends as crashed with its stderr, its judgement as an error.
+
+Processes: a fork bomb is held by the kernel's pids controller, which binds root too (RLIMIT_NPROC does not, and
+counts all of a user's processes). The wrapper makes the cgroup `harness-<pid>` under its own, with `pids.max`,
+where the machine lets it (cgroup v1's pids hierarchy, or a v2 group that delegates pids); `release(pid)` kills
+whatever is left in it, even processes that left the agent's process group, and removes it. Elsewhere a non-root
+agent gets RLIMIT_NPROC (its user's processes now, plus N), and root gets no process cap, said in its log. Time
+is capped elsewhere: the episode timeout kills the agent's whole process group, the judge timeout its worker.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import resource
+import signal
+import sys
+import time
+from pathlib import Path
+
+AGENT_MEMORY_MB = 8192  # generous: a Node agent reserves ~4 GB of address space before it allocates anything
+JUDGE_MEMORY_MB = 8192
+AGENT_MAX_PROCS = 512  # processes and threads (the pids controller counts both) of one agent and its children
+_GROUP_PREFIX = "harness-"
+
+
+def cap_memory(memory_mb: int | None) -> None:
+    """Cap this process's address space (RLIMIT_AS) at memory_mb, never above the cap it already has."""
+    if not memory_mb:
+        return
+    wanted = memory_mb * 1024 * 1024
+    _, hard = resource.getrlimit(resource.RLIMIT_AS)
+    if hard != resource.RLIM_INFINITY:
+        wanted = min(wanted, hard)
+    resource.setrlimit(resource.RLIMIT_AS, (wanted, hard if hard != resource.RLIM_INFINITY else wanted))
+
+
+def pids_root() -> Path | None:
+    """The cgroup directory under which this process can make a pids-limited group, or None."""
+    try:
+        own = [line.rstrip("\n").split(":", 2) for line in open("/proc/self/cgroup")]
+        mounts = [line.split() for line in open("/proc/self/mounts")]
+    except OSError:
+        return None
+    for _, controllers, path in own:
+        if "pids" in controllers.split(","):  # cgroup v1: the pids hierarchy
+            for _, point, fstype, options, *_ in mounts:
+                if fstype == "cgroup" and "pids" in options.split(","):
+                    root = Path(point) / path.lstrip("/")
+                    return root if os.access(root, os.W_OK) else None
+    for hierarchy, _, path in own:
+        if hierarchy == "0":  # cgroup v2: only where this group hands the pids controller down
+            for _, point, fstype, *_ in mounts:
+                if fstype == "cgroup2":
+                    root = Path(point) / path.lstrip("/")
+                    with contextlib.suppress(OSError):
+                        if "pids" in (root / "cgroup.subtree_control").read_text().split() and \
+                                os.access(root, os.W_OK):
+                            return root
+    return None
+
+
+def cap_processes(max_procs: int) -> str:
+    """Hold this process and all it starts to `max_procs` processes; how (for the log)."""
+    root = pids_root()
+    if root is not None:
+        group = root / f"{_GROUP_PREFIX}{os.getpid()}"
+        try:
+            group.mkdir(exist_ok=True)
+            (group / "pids.max").write_text(str(max_procs))
+            (group / "cgroup.procs").write_text(str(os.getpid()))
+            return f"pids cgroup {group}"
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                group.rmdir()
+            reason = f"cannot use the pids cgroup {group}: {exc}"
+    else:
+        reason = "no writable pids cgroup"
+    if os.geteuid() == 0:
+        return f"no process cap ({reason}; RLIMIT_NPROC does not bind root)"
+    mine = sum(1 for d in os.listdir("/proc") if d.isdigit() and _owner(d) == os.getuid())
+    _, hard = resource.getrlimit(resource.RLIMIT_NPROC)
+    wanted = mine + max_procs if hard == resource.RLIM_INFINITY else min(mine + max_procs, hard)
+    resource.setrlimit(resource.RLIMIT_NPROC, (wanted, hard))
+    return f"RLIMIT_NPROC {wanted} ({reason})"
+
+
+def _owner(pid: str) -> int | None:
+    try:
+        return os.stat(f"/proc/{pid}").st_uid
+    except OSError:
+        return None
+
+
+def release(pid: int, timeout_s: float = 5.0) -> None:
+    """After an agent started through the wrapper has ended: kill what is left in its process group's cgroup (if it
+    got one) and remove the cgroup."""
+    root = pids_root()
+    if root is None:
+        return
+    group = root / f"{_GROUP_PREFIX}{pid}"
+    deadline = time.monotonic() + timeout_s
+    while group.exists():
+        try:
+            left = [int(p) for p in (group / "cgroup.procs").read_text().split()]
+        except OSError:
+            return
+        for p in left:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(p, signal.SIGKILL)
+        if not left:
+            with contextlib.suppress(OSError):
+                group.rmdir()
+                return
+        if time.monotonic() > deadline:
+            return  # still dying; the next wrapper's sweep removes it
+        time.sleep(0.01)
+
+
+def _sweep(root: Path) -> None:
+    """Remove the groups of agents that are gone, left by a runner that died before releasing them."""
+    for group in root.glob(f"{_GROUP_PREFIX}*"):
+        pid = group.name[len(_GROUP_PREFIX):]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():  # a live one may be a wrapper setting itself up
+            with contextlib.suppress(OSError):
+                group.rmdir()  # fails (and is kept) while anything still runs in it
+
+
+def limited(command: list[str], memory_mb: int | None, max_procs: int | None = None) -> list[str]:
+    """`command`, started under a memory cap and a process cap (unchanged when both are None or 0)."""
+    if not memory_mb and not max_procs:
+        return list(command)
+    procs = ["--procs", str(int(max_procs))] if max_procs else []
+    return [sys.executable, "-m", "harness.running.limits", str(int(memory_mb or 0)), *procs, "--", *command]
+
+
+def main(argv: list[str]) -> int:
+    usage = "usage: python -m harness.running.limits MEMORY_MB [--procs N] -- command [args...]"
+    max_procs = None
+    if len(argv) >= 3 and argv[1] == "--procs":
+        max_procs, argv = int(argv[2]), [argv[0], *argv[3:]]
+    if len(argv) < 3 or argv[1] != "--":
+        print(usage, file=sys.stderr)
+        return 2
+    cap_memory(int(argv[0]))
+    if max_procs:
+        root = pids_root()
+        if root is not None:
+            _sweep(root)
+        how = cap_processes(max_procs)
+        if how.startswith("no process cap"):
+            print(f"harness.running.limits: {how}", file=sys.stderr)
+    try:
+        os.execvp(argv[2], argv[2:])
+    except OSError as exc:
+        print(f"could not start {argv[2]!r}: {exc}", file=sys.stderr)
+        return 127
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
