@@ -86,9 +86,9 @@ lint: install
 # The fuzz and soak tests at full size (make test runs them small): 20k fuzzed requests, schemathesis at 300
 # examples per route and mode, 256 agents for 10 minutes.
 soak: install
-	HARNESS_FUZZ_REQUESTS=20000 HARNESS_FUZZ_REPORT=runs/fuzz.json $(BIN)/pytest -q -s tests/test_fuzz.py
+	HARNESS_FUZZ_REQUESTS=20000 HARNESS_FUZZ_REPORT=runs/fuzz.json $(BIN)/pytest -q -s tests/proxy/test_fuzz.py
 	HARNESS_SCHEMATHESIS_EXAMPLES=300 HARNESS_SCHEMATHESIS_REPORT=runs/schemathesis.json $(BIN)/pytest -q -s \
-		tests/test_openapi.py
+		tests/proxy/test_openapi.py
 	$(BIN)/python bench/soak.py --agents 256 --seconds 600 --report runs/soak.json
 
 bench: install

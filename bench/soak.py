@@ -18,7 +18,7 @@ up and is evicted.
 
     .venv/bin/python bench/soak.py --agents 256 --seconds 600 [--report soak.json]
 
-tests/test_soak.py runs the same soak for ~20 s (HARNESS_SOAK_SECONDS) in the fast tier.
+tests/proxy/test_soak.py runs the same soak for ~20 s (HARNESS_SOAK_SECONDS) in the fast tier.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ from bench.soak_parts import DB_MEMORY_MB, EPISODE_PREFIX, ProxyProcess, SoakEng
 from proxy.scripted_engine import Script  # noqa: E402
 
 WARMUP_SHARE = 0.25  # the first quarter of the run fills the proxy's bounded state; RSS must be flat after it
-# Allowed growth of the proxy's RSS from the end of the warm-up to the end (measurements: tests/test_soak.py):
+# Allowed growth of the proxy's RSS from the end of the warm-up to the end (measurements: tests/proxy/test_soak.py):
 RSS_BOUND_MB = 100.0  # in all: DuckDB's rows not yet checkpointed (<= its 64 MB threshold), timelines filling, slack
 OUTSIDE_DUCKDB_BOUND_MB = 60.0  # less the growth of DuckDB's buffer memory (by its own count): the proxy's own state
 

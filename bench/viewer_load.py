@@ -114,7 +114,7 @@ def measure(db: Path, run_id: str, episode_id: str, repeat: int) -> dict:
         return out
     from playwright.sync_api import sync_playwright
 
-    from tests.test_viewer_browser import CHROMIUM_ARGS
+    from tests.viewer.test_browser_engine import CHROMIUM_ARGS
 
     app = BackgroundApp(create_app(viewer))
     try:

@@ -2,7 +2,7 @@
 
 What clients may send and what they get back, route by route (docs/proxy.md says what each route does). Request
 bodies are described as loosely as the proxy takes them: the fields it reads, with their types, and any others
-passed on; every error is the OpenAI error object (Anthropic's on /v1/messages). tests/test_openapi.py checks that
+passed on; every error is the OpenAI error object (Anthropic's on /v1/messages). tests/proxy/test_openapi.py checks that
 the description lists exactly the routes the proxy serves, and runs schemathesis against a live proxy with it.
 """
 

@@ -1,4 +1,10 @@
-"""Shared fixtures. The engine is started once per session: vLLM takes ~40 s to start on a 2-core CPU."""
+"""Shared fixtures, and the rule that makes the engine tier: the tests in files named `*_engine.py` need a real vLLM
+(the `engine` fixture, or engines they start themselves) and carry the `engine` mark, which nothing else may.
+`make test-fast` runs `-m "not engine"`, `make test-engine` runs `-m engine`. The engine is started once per
+session: vLLM takes ~40 s to start on a 2-core CPU.
+
+Tests sit in the folder of the layer they test (tests/core, tests/store, tests/proxy, tests/running, tests/trainer,
+tests/adapters, tests/cli, tests/viewer); tests/test_layers.py holds the layers themselves."""
 
 from __future__ import annotations
 
@@ -15,6 +21,22 @@ from tests.support import BackgroundApp, ScriptedUpstream
 ROOT = Path(__file__).resolve().parents[1]
 
 
+ENGINE_TIER = "_engine.py"  # the file names of the engine tier
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` selects by marks
+def pytest_collection_modifyitems(config, items):
+    misplaced = []
+    for item in items:
+        if item.path.name.endswith(ENGINE_TIER):
+            item.add_marker(pytest.mark.engine)
+        elif item.get_closest_marker("engine") or "engine" in getattr(item, "fixturenames", ()):
+            misplaced.append(item.nodeid)
+    if misplaced:
+        raise pytest.UsageError("tests that need the engine live in files named *_engine.py (the engine tier); move "
+                                "these there: " + ", ".join(misplaced))
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """The tiny random Qwen2 chat model (seed 0), built once per session."""
@@ -23,7 +45,7 @@ def tiny_model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def engine(tiny_model_dir, tmp_path_factory):
-    """A real vLLM serving the tiny model; tests using it carry @pytest.mark.engine."""
+    """A real vLLM serving the tiny model, for the tests in *_engine.py files."""
     with start_vllm(tiny_model_dir, tmp_path_factory.mktemp("engine")) as running:
         yield running
 

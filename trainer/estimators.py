@@ -1,10 +1,10 @@
 """The arithmetic of the estimators that need more than a group of outcome rewards: GAE with a critic's values,
 the critic's clipped value loss, ReMax's greedy baseline, and the KL coefficient controllers for KL-in-reward.
 
-Small pure torch functions, pinned by hand-computed cases in tests/test_values.py, as trainer/algorithms.py's are.
-Tensors are [B, T], right-padded; `mask` is 1 on the tokens the engine sampled. As there, a value where `mask` is
-0 never changes a result, and positions outside the mask (a merged sample's tool output, the next prompt) are not
-steps of the trajectory: the recursion passes over them, so the outcome reward at the end reaches every call.
+Small pure torch functions, pinned by hand-computed cases in tests/trainer/test_estimators.py, as
+trainer/algorithms.py's are. Tensors are [B, T], right-padded; `mask` is 1 on the tokens the engine sampled. As
+there, a value where `mask` is 0 never changes a result, and positions outside the mask (a merged sample's tool
+output, the next prompt) are not steps of the trajectory: the recursion passes over them, so the outcome reward at the end reaches every call.
 
 Departures from verl's `core_algos`, on purpose:
 - `gae_advantages` treats masked-out positions as absent (neither a reward, a value nor a discount step); verl 0.9's

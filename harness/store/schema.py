@@ -1,7 +1,7 @@
 """The SQL schema of recorded rollouts, as an append-only list of named migrations.
 
 The schema is a public API: users write SQL against these table, view and column names, so they are never
-renamed or removed, and docs/schema.md documents every column (tests/test_store.py checks the two agree).
+renamed or removed, and docs/schema.md documents every column (tests/store/test_store.py checks the two agree).
 `Store.open` applies the migrations a file lacks, in order, in one transaction.
 """
 

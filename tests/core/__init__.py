@@ -1,0 +1,1 @@
+"""Tests of the records and the merger (harness/core/)."""

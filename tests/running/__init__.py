@@ -1,0 +1,1 @@
+"""Tests of running agents: engine, runner, tasks, judges, reports (harness/running/)."""

@@ -1,0 +1,52 @@
+"""Every example agent, unmodified, through `harness run`: against the real engine (engine tier), and the tool loop
+against a scripted engine that always asks for a tool (fast tier)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.support import db_rows
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = ROOT / "examples"
+
+
+def harness_run(tmp_path: Path, upstream: str, example: str, *extra: str, agent: list[str] | None = None,
+                limit: int = 3, repeat: int = 2) -> tuple[Path, dict]:
+    run_dir = tmp_path / example
+    target = ["--cmd", " ".join(agent)] if agent else [str(EXAMPLES / example / "agent.py")]
+    out = subprocess.run(
+        [sys.executable, "-m", "harness.cli", "run", *target, "--data", str(EXAMPLES / example / "tasks.jsonl"),
+         "--judge", "math", "--repeat", str(repeat), "--limit", str(limit), "--upstream", upstream,
+         "--run-dir", str(run_dir), "--concurrency", "3", "--timeout", "240", *extra],
+        capture_output=True, text=True, timeout=900,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "mean reward" in out.stdout
+    [report] = run_dir.glob("report-*.json")
+    return run_dir / "harness.duckdb", json.loads(report.read_text())
+
+
+def _episodes(db: Path) -> dict[str, list[tuple]]:
+    """episode -> its calls (call_index, status, requested_model, role_key, stream), in order."""
+    rows = db_rows(db, "SELECT o.episode_id, o.status, c.call_index, c.status, c.requested_model, c.role_key, "
+                   "c.stream FROM episode_outcomes o JOIN calls c USING (episode_id) ORDER BY 1, 3")
+    out: dict[str, list[tuple]] = {}
+    for episode, outcome, *call in rows:
+        assert outcome == "finished", (episode, outcome)
+        out.setdefault(episode, []).append(tuple(call))
+    return out
+
+
+def test_math_agent_tool_loop_on_an_engine_that_always_calls_a_tool(upstream, tmp_path):
+    upstream.script.tool_arguments = '{"expression": "6*7"}'  # a call of tool "lookup", which the agent lacks
+    db, report = harness_run(tmp_path, upstream.url, "math_agent", limit=1, repeat=1)
+    [(episode, calls)] = _episodes(db).items()
+    assert len(calls) == 4  # the loop's cap
+    last_request = json.loads(db_rows(db, "SELECT request FROM calls WHERE episode_id = ? AND call_index = 3",
+                                      [episode])[0][0])
+    tool_results = [m for m in last_request["messages"] if m["role"] == "tool"]
+    assert len(tool_results) == 3 and all(m["content"].startswith("error") for m in tool_results)

@@ -1,0 +1,1 @@
+"""Tests of the store: schema, store, recorder, SQL, exports (harness/store/)."""

@@ -1,0 +1,352 @@
+"""`harness train config.yaml`: the typed config, its overrides, paths, error messages and key reference.
+
+Real YAML files in tmp_path; nothing is faked and no engine is started.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import re
+import typing
+from pathlib import Path
+
+import pytest
+import yaml
+
+from trainer.config import (
+    ConfigError,
+    TrainConfig,
+    config_to_dict,
+    describe_config,
+    iter_keys,
+    load_config,
+    run_dir,
+    save_resolved,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLE = REPO / "examples" / "train" / "math.yaml"
+TRAINING_DOC = REPO / "docs" / "training.md"
+BASE = {"harness": {
+    "model": {"path": "model"},
+    "data": {"train": "tasks.jsonl"},
+    "task_judge": {"judge": "math"},
+    "rollout": {"agent": "agent.py"},
+}}  # fmt: skip
+
+
+def write_config(tmp_path: Path, sections: dict | None = None, *, drop: tuple[str, ...] = (),
+                 name: str = "config.yaml") -> Path:
+    """A config next to a real agent file: BASE with `sections` merged in and the dotted keys in `drop` removed."""
+    (tmp_path / "agent.py").write_text("print('{\"answer\": \"1\"}')\n")
+    tree = copy.deepcopy(BASE)
+    for section, keys in (sections or {}).items():
+        if isinstance(keys, dict) and isinstance(tree["harness"].get(section), dict):
+            tree["harness"][section].update(keys)
+        else:
+            tree["harness"][section] = keys
+    for dotted in drop:
+        section, key = dotted.split(".")
+        del tree["harness"][section][key]
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(tree, sort_keys=False))
+    return path
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Loading
+
+
+def test_example_config_loads_with_paths_relative_to_its_directory():
+    cfg = load_config(EXAMPLE)
+    assert cfg.experiment_name == "math"
+    assert cfg.rollout.agent == str(REPO / "examples" / "math_agent" / "agent.py")
+    assert cfg.data.train == str(REPO / "examples" / "math_agent" / "tasks.jsonl")
+    assert cfg.model.path == str(REPO / "runs" / "tiny")
+    assert cfg.task_judge.judge == "math"  # a built-in judge name is not a path
+    assert cfg.rollout.cwd == str(EXAMPLE.parent)
+    assert run_dir(cfg) == REPO / "runs" / "math"
+    assert cfg.trainer.lr == pytest.approx(1e-5)
+
+
+@pytest.mark.parametrize("example", sorted(EXAMPLE.parent.glob("*.yaml")), ids=lambda p: p.name)
+def test_example_configs_load_with_readable_tasks_and_judge(example):
+    from harness.running.judges import load_judge
+    from harness.running.tasks import read_tasks
+
+    cfg = load_config(example)
+    assert len(read_tasks(cfg.data.train, split=cfg.data.split)) >= cfg.rollout.batch_size
+    if cfg.data.validation:
+        assert read_tasks(cfg.data.validation, split=cfg.data.validation_split)
+    load_judge(cfg.task_judge.judge)
+
+
+def test_defaults_fill_every_key_left_out(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(write_config(tmp_path, name="my-run.yaml"))
+    assert cfg.experiment_name == "my-run"  # the file's name
+    assert cfg.logging.run_dir == str(tmp_path / "runs")  # a default path: relative to the current directory
+    assert cfg.rollout.cwd == str(tmp_path)
+    assert cfg.trainer == type(cfg.trainer)(resume="auto")
+    assert cfg.rollout.num_repeat == 4 and cfg.trainer.adv_estimator == "grpo"
+
+
+def test_exponent_without_a_dot_is_a_number(tmp_path):
+    path = tmp_path / "c.yaml"
+    write_config(tmp_path, name="c.yaml")
+    path.write_text(path.read_text() + "  trainer:\n    lr: 1e-5\n    weight_decay: 0\n")
+    cfg = load_config(path)
+    assert cfg.trainer.lr == pytest.approx(1e-5) and isinstance(cfg.trainer.lr, float)
+    assert cfg.trainer.weight_decay == 0.0 and isinstance(cfg.trainer.weight_decay, float)
+
+
+def test_overrides_are_parsed_by_the_key_type(tmp_path):
+    cfg = load_config(write_config(tmp_path), [
+        "trainer.lr=1e-5", "rollout.num_repeat=8", "trainer.resume=disable", "trainer.val_before_train=false",
+        "rollout.max_tokens=128", "rollout.max_tokens=null", "trainer.adv_estimator=rloo", "trainer.betas=[0.9, 0.95]",
+        "rollout.engine.extra_args=--enforce-eager", "harness.debug.enabled=yes", "rollout.env={HF_HOME: /tmp/hf}",
+        "trainer.fsdp.nprocs=2", "experiment_name=2024",
+    ])  # fmt: skip
+    assert cfg.trainer.lr == pytest.approx(1e-5)
+    assert cfg.rollout.num_repeat == 8
+    assert cfg.trainer.resume == "disable"
+    assert cfg.trainer.val_before_train is False
+    assert cfg.rollout.max_tokens is None  # the later override wins
+    assert cfg.trainer.adv_estimator == "rloo"
+    assert cfg.trainer.betas == [0.9, 0.95]
+    assert cfg.rollout.engine.extra_args == ["--enforce-eager"]
+    assert cfg.debug.enabled is True
+    assert cfg.rollout.env == {"HF_HOME": "/tmp/hf"}
+    assert cfg.trainer.fsdp.nprocs == 2
+    assert cfg.experiment_name == "2024"
+
+
+def test_override_paths_are_relative_to_the_current_directory(tmp_path, monkeypatch):
+    (tmp_path / "conf").mkdir()
+    config = write_config(tmp_path / "conf")
+    (tmp_path / "other.py").write_text("print(1)\n")
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(config, ["rollout.agent=other.py", "logging.run_dir=out"])
+    assert cfg.rollout.agent == str(tmp_path / "other.py")
+    assert cfg.logging.run_dir == str(tmp_path / "out")
+    assert cfg.model.path == str(tmp_path / "conf" / "model")  # written in the file: relative to the file
+
+
+@pytest.mark.parametrize(("given", "resolved"), [
+    ("math", "math"),  # a built-in judge
+    ("myjudges:score", "myjudges:score"),  # module:function
+    ("judges.py:score", "{dir}/judges.py:score"),  # path.py:name, the file part resolved
+    ("judges.py->Scorer", "{dir}/judges.py->Scorer"),
+    ("../shared/judge.py:score", "{parent}/shared/judge.py:score"),
+])  # fmt: skip
+def test_judge_specs_resolve_only_their_file_part(tmp_path, given, resolved):
+    cfg = load_config(write_config(tmp_path, {"task_judge": {"judge": given}}))
+    assert cfg.task_judge.judge == resolved.format(dir=tmp_path, parent=tmp_path.parent)
+
+
+@pytest.mark.parametrize(("given", "resolved"), [
+    ("tasks.jsonl", "{dir}/tasks.jsonl"),
+    ("./data", "{dir}/data"),
+    ("openai/gsm8k", "openai/gsm8k"),  # a Hub name, not a local directory
+    ("openai/gsm8k:main", "openai/gsm8k:main"),
+    ("http://127.0.0.1:8080", "http://127.0.0.1:8080"),  # an environment service
+    ("mytasks:make", "mytasks:make"),
+])  # fmt: skip
+def test_data_sources_resolve_only_when_they_are_paths(tmp_path, given, resolved):
+    cfg = load_config(write_config(tmp_path, {"data": {"train": given}}))
+    assert cfg.data.train == resolved.format(dir=tmp_path)
+
+
+def test_a_local_directory_shadows_a_hub_name(tmp_path):
+    (tmp_path / "org" / "name").mkdir(parents=True)
+    assert load_config(write_config(tmp_path, {"data": {"train": "org/name"}})).data.train == str(tmp_path / "org/name")
+
+
+def test_command_agent_runs_in_cwd(tmp_path):
+    cfg = load_config(write_config(tmp_path, {"rollout": {"command": "node agent.js", "cwd": "agents"}},
+                                   drop=("rollout.agent",)))
+    assert cfg.rollout.command == "node agent.js"
+    assert cfg.rollout.cwd == str(tmp_path / "agents")
+
+
+def test_yaml_merge_keys_may_be_overridden(tmp_path):
+    path = write_config(tmp_path)
+    path.write_text(path.read_text() + "  debug:\n    <<: {n_tasks: 3, seed: 1}\n    seed: 5\n")
+    cfg = load_config(path)
+    assert (cfg.debug.n_tasks, cfg.debug.seed) == (3, 5)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Round trip
+
+
+def test_resolved_config_loads_back_equal(tmp_path, monkeypatch):
+    cfg = load_config(EXAMPLE, ["trainer.lr=3e-6", "rollout.env={A: b}", "trainer.tis_cap=2"])
+    target = save_resolved(cfg, tmp_path / "math")
+    assert target == tmp_path / "math" / "config.resolved.yaml"
+    monkeypatch.chdir(tmp_path)  # absolute paths: loading from elsewhere changes nothing
+    assert load_config(target) == cfg
+
+
+def test_save_resolved_defaults_to_the_run_dir(tmp_path):
+    cfg = load_config(write_config(tmp_path), [f"logging.run_dir={tmp_path / 'runs'}"])
+    target = save_resolved(cfg)
+    assert target == tmp_path / "runs" / "config" / "config.resolved.yaml"
+    assert yaml.safe_load(target.read_text())["harness"]["experiment_name"] == "config"
+
+
+def test_config_to_dict_is_plain_json(tmp_path):
+    data = config_to_dict(load_config(EXAMPLE))
+    assert json.loads(json.dumps(data)) == data
+    assert data["trainer"]["fsdp"]["nprocs"] == 1 and "harness" not in data
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Errors: each names the key, the value and what to do
+
+
+@pytest.mark.parametrize(("sections", "message"), [
+    ({"trainer": {"lrr": 1e-5}}, "unknown key 'trainer.lrr' in config.yaml: did you mean 'trainer.lr'?"),
+    ({"trainer": {"num_repeat": 8}}, "unknown key 'trainer.num_repeat' in config.yaml: did you mean "
+                                     "'rollout.num_repeat'?"),
+    ({"trainer_common": {"lr": 1}}, "unknown key 'trainer_common' in config.yaml: harness calls it 'trainer'"),
+    ({"rollout": {"user_workflow": "x->Y"}}, "harness calls it 'rollout.agent'"),
+    ({"trainer": {"zzz": 1}}, "the keys of trainer are adv_estimator, loss_agg_mode"),
+    ({"trainer": {"lr": "fast"}}, "trainer.lr must be a number, got 'fast'"),
+    ({"rollout": {"batch_size": 2.5}}, "rollout.batch_size must be an integer, got 2.5"),
+    ({"rollout": {"batch_size": True}}, "rollout.batch_size must be an integer, got True"),
+    ({"rollout": {"batch_size": None}}, "rollout.batch_size can't be null: give integer"),
+    ({"logging": {"wandb": "maybe"}}, "logging.wandb must be true or false, got 'maybe'"),
+    ({"trainer": {"adv_estimator": "gpro"}}, "trainer.adv_estimator must be one of 'grpo', 'grpo_no_std', 'drgrpo', "
+                                             "'rloo', 'reinforce_pp', 'reinforce_pp_baseline', 'gae', 'remax', got "
+                                             "'gpro': did you mean 'grpo'?"),
+    ({"trainer": {"loss_agg_mode": "mean"}}, "trainer.loss_agg_mode must be one of 'token-mean'"),
+    ({"trainer": {"kl_type": "low_var_kl"}}, "trainer.kl_type must be one of 'k1', 'k2', 'k3', 'abs'"),
+    ({"trainer": {"betas": 0.9}}, "trainer.betas must be a list, e.g. [a, b], got 0.9"),
+    ({"trainer": {"betas": [0.9, "x"]}}, "trainer.betas[1] must be a number, got 'x'"),
+    ({"trainer": {"betas": [0.9, 0.99, 0.5]}}, "trainer.betas must be two numbers in [0, 1), got [0.9, 0.99, 0.5]"),
+    ({"rollout": {"env": ["A=b"]}}, "rollout.env must be a mapping of names to values"),
+    ({"trainer": 5}, "trainer in config.yaml must be a section of keys, got 5"),
+    ({"trainer": {"clip_low": 1.5}}, "trainer.clip_low must be in (0, 1), got 1.5"),
+    ({"trainer": {"lr": 0}}, "trainer.lr must be > 0, got 0.0"),
+    ({"trainer": {"dual_clip": 0.5}}, "trainer.dual_clip must be > 1, got 0.5"),
+    ({"rollout": {"top_p": 1.5}}, "rollout.top_p must be in (0, 1], got 1.5"),
+    ({"rollout": {"temperature": 0}}, "rollout.temperature must be in (0, 10], got 0.0"),
+    ({"rollout": {"concurrency": 0}}, "rollout.concurrency must be >= 1, got 0"),
+    ({"rollout": {"num_repeat": 1}}, "rollout.num_repeat must be >= 2 for trainer.adv_estimator 'grpo'"),
+    ({"trainer": {"mini_batch_size": 3}}, "trainer.mini_batch_size 3 must divide rollout.batch_size 8"),
+    ({"trainer": {"use_kl_in_reward": True}}, "trainer.use_kl_in_reward needs trainer.kl_coef > 0"),
+    ({"trainer": {"val_before_train": True}}, "trainer.val_before_train needs validation tasks: set data.validation"),
+    ({"rollout": {"validation": {"n": 4}}}, "rollout.validation.n 4 with temperature 0 repeats one greedy episode"),
+    ({"trainer": {"resume": "ckpt/step-3"}}, "trainer.resume '{dir}/ckpt/step-3' does not exist: use auto, disable, "
+                                             "or a checkpoint directory"),
+    ({"experiment_name": "a/b"}, "experiment_name 'a/b' must be a directory name"),
+    ({"rollout": {"tool_parser": "nope"}}, "rollout.tool_parser must be one of"),
+    ({"rollout": {"engine": {"url": "localhost:8000"}}}, "rollout.engine.url 'localhost:8000' must start with http://"),
+    ({"rollout": {"agent": "missing.py"}}, "rollout.agent '{dir}/missing.py' is not a file"),
+    ({"rollout": {"command": "python agent.py"}}, "give rollout.agent or rollout.command, not both"),
+    ({"rollout": {"agent": None}}, "rollout.agent (a Python file) or rollout.command (any command) is required"),
+    ({"rollout": {"agent": None, "command": "python 'agent.py"}}, "is not a command a shell could split"),
+    ({"data": {"train": None}}, "data.train is required (training tasks: "),
+    ({"model": {"path": None}}, "model.path is required"),
+    ({"task_judge": {"judge": None}}, "task_judge.judge is required"),
+])  # fmt: skip
+def test_bad_values_are_named_with_what_to_do(tmp_path, sections, message):
+    with pytest.raises(ConfigError) as info:
+        load_config(write_config(tmp_path, sections))
+    assert message.format(dir=tmp_path) in str(info.value)
+
+
+def test_group_size_one_is_fine_without_a_group_estimator(tmp_path):
+    sections = {"rollout": {"num_repeat": 1}, "trainer": {"adv_estimator": "reinforce_pp"}}
+    cfg = load_config(write_config(tmp_path, sections))
+    assert cfg.rollout.num_repeat == 1
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("", "config.yaml is empty: it needs a root 'harness:'"),
+    ("- a\n- b\n", "config.yaml must be a mapping with one root 'harness:', got list"),
+    ("ajet:\n  model: {path: x}\n", "config.yaml has the AgentJet root 'ajet:'"),
+    ("model: {path: x}\ntrainer: {lr: 1}\n", "has sections at the top level (model, trainer): put them under the "
+                                             "single root 'harness:'"),
+    ("harness: {}\nextra: 1\n", "unknown top-level key 'extra' in config.yaml"),
+    ("harness:\n  trainer:\n    lr: 1\n    lr: 2\n", "config.yaml: key 'lr' appears twice in one section (line 4)"),
+    ("harness:\n  trainer: [\n", "config.yaml is not valid YAML"),
+])  # fmt: skip
+def test_bad_files_are_named_with_what_to_do(tmp_path, text, message):
+    path = tmp_path / "config.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert message in str(info.value)
+
+
+def test_missing_file_is_named(tmp_path):
+    with pytest.raises(ConfigError, match=re.escape(f"config file '{tmp_path / 'nope.yaml'}' not found")):
+        load_config(tmp_path / "nope.yaml")
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    ("trainer.lrr=1", "unknown key 'trainer.lrr' in --set trainer.lrr=1: did you mean 'trainer.lr'?"),
+    ("trainer.lr=fast", "trainer.lr must be a number, got 'fast'"),
+    ("rollout.num_repeat=four", "rollout.num_repeat must be an integer, got 'four'"),
+    ("trainer.lr", "override 'trainer.lr' must look like section.key=value, e.g. trainer.lr=1e-5"),
+    ("trainer=1", "--set trainer=1: 'trainer' is a section; set one of its keys, e.g. trainer.adv_estimator=..."),
+    ("trainer.lr.x=1", "--set trainer.lr.x=1: 'trainer.lr' is a key, not a section"),
+    ("trainer.betas=[0.9", "trainer.betas: can't read '[0.9' as YAML"),
+    ("rollout.batch_size=null", "rollout.batch_size can't be null"),
+    ("trainer.resume=elsewhere", "trainer.resume '{cwd}/elsewhere' does not exist"),
+])  # fmt: skip
+def test_bad_overrides_are_named_with_what_to_do(tmp_path, monkeypatch, override, message):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError) as info:
+        load_config(write_config(tmp_path), [override])
+    assert message.format(cwd=tmp_path) in str(info.value)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The key reference
+
+
+def _fields(cls: type, prefix: str = ""):
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        name = f.name.removesuffix("_") if f.name == "async_" else f.name  # a keyword as a key
+        yield prefix + name, f
+        if dataclasses.is_dataclass(hints[f.name]):
+            yield from _fields(hints[f.name], f"{prefix}{name}.")
+
+
+def test_every_key_has_help_and_a_default():
+    keys = list(_fields(TrainConfig))
+    assert len(keys) > 60
+    for key, f in keys:
+        assert f.metadata.get("help", "").strip(), f"{key} has no help string"
+        assert f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING, key
+    TrainConfig()  # every section builds from its defaults alone
+
+
+def test_describe_config_lists_every_key_with_its_help():
+    text = describe_config()
+    for key, section, f in ((k, s, f) for k, f, _, s in iter_keys()):
+        shown = rf"^\[{re.escape(key)}\]  " if section else rf"^{re.escape(key)}  \("
+        assert re.search(shown, text, re.M), f"{key} missing from describe_config()"
+        assert f.metadata["help"] in text
+    assert "trainer.clip_low  (number, in (0, 1); default 0.2)" in text
+    assert "model.path  (string; default required)" in text
+
+
+def test_iter_keys_matches_the_dataclass_tree():
+    assert [k for k, *_ in iter_keys()] == [k for k, _ in _fields(TrainConfig)]
+
+
+def test_docs_hold_the_generated_key_reference():
+    doc = TRAINING_DOC.read_text()
+    match = re.search(r"<!-- config-reference:start -->\n(.*?)<!-- config-reference:end -->", doc, re.S)
+    assert match, "docs/training.md has no config reference block"
+    assert match.group(1).strip() == describe_config(markdown=True).strip(), (
+        "docs/training.md's key reference is stale: regenerate it with `python -m trainer.config --markdown`")
+    for key, _ in _fields(TrainConfig):
+        assert f"`{key}`" in doc, f"docs/training.md does not list {key}"

@@ -1,0 +1,1 @@
+"""Tests of `harness view` (harness/viewer/)."""
