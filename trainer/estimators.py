@@ -4,7 +4,8 @@ the critic's clipped value loss, ReMax's greedy baseline, and the KL coefficient
 Small pure torch functions, pinned by hand-computed cases in tests/trainer/test_estimators.py, as
 trainer/algorithms.py's are. Tensors are [B, T], right-padded; `mask` is 1 on the tokens the engine sampled. As
 there, a value where `mask` is 0 never changes a result, and positions outside the mask (a merged sample's tool
-output, the next prompt) are not steps of the trajectory: the recursion passes over them, so the outcome reward at the end reaches every call.
+output, the next prompt) are not steps of the trajectory: the recursion passes over them, so the outcome reward at
+the end reaches every call.
 
 Departures from verl's `core_algos`, on purpose:
 - `gae_advantages` treats masked-out positions as absent (neither a reward, a value nor a discount step); verl 0.9's
