@@ -187,6 +187,44 @@ def test_type_checking_imports_do_not_count(tree: Path):
     assert not upward(tree)
 
 
+APP_KEYS = {"CONFIG", "STATE", "STORE", "RECORDER", "EPISODES", "SESSION", "ENGINES", "RESPONSES"}
+
+
+def app_key_uses(root: Path, folders=("harness", "trainer", "adapters", "tests", "bench", "examples")) -> list[str]:
+    """Code outside proxy/ that touches the proxy's aiohttp app keys (proxy/state.py), by import or by subscript:
+    what it needs of a running proxy is a method of proxy.server.ProxyServer."""
+    found = []
+    for folder in folders:
+        for path in sorted((root / folder).rglob("*.py")):
+            if ".venv" in path.parts or "node_modules" in path.parts:
+                continue
+            for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+                where = f"{path.relative_to(root)}:{getattr(node, 'lineno', 0)}"
+                if isinstance(node, ast.ImportFrom) and node.module in ("proxy.state", "proxy.app"):
+                    keys = sorted(a.name for a in node.names if a.name in APP_KEYS or node.module == "proxy.state")
+                    if keys:
+                        found.append(f"{where}: imports {', '.join(keys)} from {node.module}")
+                elif isinstance(node, ast.Import) and any(a.name == "proxy.state" for a in node.names):
+                    found.append(f"{where}: imports proxy.state")
+                elif (isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Name) and node.slice.id in APP_KEYS
+                      and "app" in (getattr(node.value, "attr", None), getattr(node.value, "id", None))):
+                    found.append(f"{where}: reads the proxy app's {node.slice.id}")
+    return found
+
+
+def test_nothing_outside_the_proxy_touches_its_app_keys():
+    found = app_key_uses(ROOT)
+    assert not found, "use proxy.server.ProxyServer's methods instead:\n" + "\n".join(found)
+
+
+def test_a_planted_app_key_use_is_found(tmp_path: Path):
+    (tmp_path / "trainer").mkdir()
+    (tmp_path / "trainer" / "x.py").write_text("from proxy.app import STORE\n\n\ndef f(server):\n"
+                                               "    return server.app[STORE]\n")
+    assert app_key_uses(tmp_path, folders=("trainer",)) == [
+        "trainer/x.py:1: imports STORE from proxy.app", "trainer/x.py:5: reads the proxy app's STORE"]
+
+
 def test_importing_a_parser_or_the_config_does_not_load_the_server():
     import subprocess
     import sys
