@@ -38,22 +38,10 @@ from harness.core.records import Sample
 from harness.running.tasks import read_tasks
 from harness.store.database import Store
 from trainer import algorithms as algo
+from trainer import loop_parts as parts
 from trainer.checkpoint import check_resume, find_resume, load, save, save_hf
 from trainer.config import Mode, TrainConfig, config_to_dict, run_dir, save_resolved
 from trainer.fsdp import Dist, full_state_dict, init_distributed, metrics_over_ranks, most_over_ranks, shutdown
-from trainer.loop_parts import (
-    broadcast,
-    log_metrics,
-    pad_id_of,
-    policy_and_optimizer,
-    push_weights,
-    seed_all,
-    token_weights,
-    tracker_for,
-    validate,
-    weight_sync,
-    wind_down,
-)
 from trainer.lora import save_adapter
 from trainer.offline_data import OfflineData, OfflineDataError
 from trainer.policy import collate, micro_batches, padded, token_logprobs
@@ -76,12 +64,12 @@ def train_offline(cfg: TrainConfig, mode: Mode) -> dict[str, float]:
 def _train(cfg: TrainConfig, mode: Mode, dist: Dist) -> dict[str, float]:
     # ---------------------------------------------------------------------------------------------- setup
     t, o = cfg.trainer, cfg.offline
-    seed_all(t.seed + dist.rank)
+    parts.seed_all(t.seed + dist.rank)
     out = run_dir(cfg)
     if dist.is_main:
         out.mkdir(parents=True, exist_ok=True)
         save_resolved(cfg)
-    data = broadcast(_samples_or_error(cfg, mode) if dist.is_main else None, dist)
+    data = parts.broadcast(_samples_or_error(cfg, mode) if dist.is_main else None, dist)
     if isinstance(data, Exception):  # on every rank, so each ends with the same clear error
         raise data
     samples, advantages = data.samples, data.advantages
@@ -90,8 +78,8 @@ def _train(cfg: TrainConfig, mode: Mode, dist: Dist) -> dict[str, float]:
                            limit=cfg.data.validation_limit) if cfg.data.validation else []
     plan = _batches(len(samples), o.batch_size, o.epochs, t.seed)
     total_steps = len(plan)
-    model, optimizer, scheduler = policy_and_optimizer(cfg, dist, total_steps)
-    pad_id = pad_id_of(cfg.model.path, cfg.model.trust_remote_code)
+    model, optimizer, scheduler = parts.policy_and_optimizer(cfg, dist, total_steps)
+    pad_id = parts.pad_id_of(cfg.model.path, cfg.model.trust_remote_code)
     start, fingerprint = 0, _fingerprint(mode, samples, cfg)
     checkpoint = find_resume(out, t.resume)
     if checkpoint is not None:
@@ -105,14 +93,14 @@ def _train(cfg: TrainConfig, mode: Mode, dist: Dist) -> dict[str, float]:
         try:
             if val_tasks:  # the agent validates the trained weights on the engine
                 rollouts = start_rollouts(cfg, out)
-                sync = weight_sync(rollouts, cfg, out)
-                tracker = tracker_for(rollouts.store, rollouts.run_id, cfg)
+                sync = parts.weight_sync(rollouts, cfg, out)
+                tracker = parts.tracker_for(rollouts.store, rollouts.run_id, cfg)
             else:  # metrics only
                 store = Store.open(out / "harness.duckdb")
                 run_id = f"{mode.replace('_', '-')}-{uuid.uuid4().hex[:12]}"
                 store.start_run(run_id, {"command": mode, "model": cfg.model.path,
                                          "offline": config_to_dict(cfg)["offline"]}, harness.__version__)
-                tracker = tracker_for(store, run_id, cfg)
+                tracker = parts.tracker_for(store, run_id, cfg)
         except duckdb.IOException as exc:  # another process (a proxy still recording?) holds the file
             raise OfflineDataError(f"can't write this run's metrics into {str(out / 'harness.duckdb')!r}: {exc}. "
                                    "Stop the process that holds it, or give this run another experiment_name (and "
@@ -120,12 +108,12 @@ def _train(cfg: TrainConfig, mode: Mode, dist: Dist) -> dict[str, float]:
         log.info("%s: %d samples, %d steps (%d epochs of batches of %d), curve at %s", mode, len(samples),
                  total_steps, o.epochs, o.batch_size, out / "curve.png")
     if start > 0 and sync is not None:  # the engine serves the checkpoint's weights
-        push_weights(model, sync, dist, version=start)
+        parts.push_weights(model, sync, dist, version=start)
     if start == 0:
         before = {**data.metrics, "offline/data_nll": _data_nll(model, samples, pad_id, cfg, dist)}
         if t.val_before_train and val_tasks:
-            before.update(validate(rollouts, 0, val_tasks, cfg) if dist.is_main else {})
-        log_metrics(tracker, 0, before)
+            before.update(parts.validate(rollouts, 0, val_tasks, cfg) if dist.is_main else {})
+        parts.log_metrics(tracker, 0, before)
 
     metrics: dict[str, float] = {}
     try:
@@ -134,8 +122,8 @@ def _train(cfg: TrainConfig, mode: Mode, dist: Dist) -> dict[str, float]:
             epoch, batch = plan[step - 1]
             # ------------------------------------------------ 1. one optimizer step over the batch, all ranks
             rows, advs = [samples[i] for i in batch], [advantages[i] for i in batch]
-            metrics = _step(model, rows, advs, token_weights(rows, t.loss_agg_mode), samples[0], pad_id, cfg, dist,
-                            o.loss)
+            weights = parts.token_weights(rows, t.loss_agg_mode)
+            metrics = _step(model, rows, advs, weights, samples[0], pad_id, cfg, dist, o.loss)
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip or float("inf"))
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -155,12 +143,12 @@ def _train(cfg: TrainConfig, mode: Mode, dist: Dist) -> dict[str, float]:
 
             # ------------------------------------------------ 3. validation with the agent, checkpoint, metrics
             if val_tasks and t.test_freq and (step % t.test_freq == 0 or last):
-                metrics.update(push_weights(model, sync, dist, version=step))
-                metrics.update(validate(rollouts, step, val_tasks, cfg) if dist.is_main else {})
+                metrics.update(parts.push_weights(model, sync, dist, version=step))
+                metrics.update(parts.validate(rollouts, step, val_tasks, cfg) if dist.is_main else {})
             if (t.save_freq and step % t.save_freq == 0) or last:
                 save(out, step, model, optimizer, scheduler, {"mode": mode, "plan": fingerprint}, dist)
             metrics["time/step_s"] = time.perf_counter() - started
-            log_metrics(tracker, step, metrics)
+            parts.log_metrics(tracker, step, metrics)
         state = full_state_dict(model, dist)  # a collective
         if dist.is_main and t.lora.rank == 0:
             log.info("the trained model: %s", save_hf(state, cfg.model.path, out / "hf"))
@@ -168,7 +156,7 @@ def _train(cfg: TrainConfig, mode: Mode, dist: Dist) -> dict[str, float]:
             save_adapter(model, out / "adapter", state)
             log.info("the trained adapter: %s", out / "adapter")
     finally:
-        wind_down(tracker, rollouts)
+        parts.wind_down(tracker, rollouts)
         if store is not None:
             store.end_run(run_id)
             store.close()

@@ -9,6 +9,7 @@ import random
 import pytest
 import torch
 
+from tests.trainer.test_algorithms import close, t
 from trainer.algorithms import (
     KL_KINDS,
     aggregate,
@@ -18,15 +19,6 @@ from trainer.algorithms import (
     policy_loss,
     reinforce_pp_returns,
 )
-
-
-def t(rows, dtype=torch.float64) -> torch.Tensor:
-    return torch.as_tensor(rows, dtype=dtype)
-
-
-def close(actual, expected, tol=1e-5) -> None:
-    assert torch.allclose(torch.as_tensor(actual, dtype=torch.float64), t(expected), atol=tol, rtol=0), actual
-
 
 needs_verl = pytest.mark.skipif(importlib.util.find_spec("verl") is None, reason="verl is not installed")
 
