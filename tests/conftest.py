@@ -1,7 +1,5 @@
-"""Shared fixtures, and the rule that makes the engine tier: the tests in files named `*_engine.py` need a real vLLM
-(the `engine` fixture, or engines they start themselves) and carry the `engine` mark, which nothing else may.
-`make test-fast` runs `-m "not engine"`, `make test-engine` runs `-m engine`. The engine is started once per
-session: vLLM takes ~40 s to start on a 2-core CPU.
+"""Shared fixtures. The engine is started once per session: vLLM takes ~40 s to start on a 2-core CPU. The engine
+tier is the files named `*_engine.py` (tests/tiers.py).
 
 Tests sit in the folder of the layer they test (tests/core, tests/store, tests/proxy, tests/running, tests/trainer,
 tests/adapters, tests/cli, tests/viewer); tests/test_layers.py holds the layers themselves."""
@@ -19,22 +17,7 @@ from harness.running.vllm_server import start_vllm
 from tests.support import BackgroundApp, ScriptedUpstream
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-ENGINE_TIER = "_engine.py"  # the file names of the engine tier
-
-
-@pytest.hookimpl(tryfirst=True)  # before `-m` selects by marks
-def pytest_collection_modifyitems(config, items):
-    misplaced = []
-    for item in items:
-        if item.path.name.endswith(ENGINE_TIER):
-            item.add_marker(pytest.mark.engine)
-        elif item.get_closest_marker("engine") or "engine" in getattr(item, "fixturenames", ()):
-            misplaced.append(item.nodeid)
-    if misplaced:
-        raise pytest.UsageError("tests that need the engine live in files named *_engine.py (the engine tier); move "
-                                "these there: " + ", ".join(misplaced))
+pytest_plugins = ["tests.tiers", "pytester"]
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,23 @@
+"""The rule that makes the engine tier, as a pytest plugin (tests/conftest.py loads it): the tests in files named
+`*_engine.py` need a real vLLM (the `engine` fixture, or engines they start themselves) and get the `engine` mark;
+a test anywhere else that marks itself `engine` or asks for the engine is refused, naming it. `make test-fast` runs
+`-m "not engine"`, `make test-engine` runs `-m engine`."""
+
+from __future__ import annotations
+
+import pytest
+
+ENGINE_TIER = "_engine.py"  # the file names of the engine tier
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` selects by marks
+def pytest_collection_modifyitems(config, items):
+    misplaced = []
+    for item in items:
+        if item.path.name.endswith(ENGINE_TIER):
+            item.add_marker(pytest.mark.engine)
+        elif item.get_closest_marker("engine") or "engine" in getattr(item, "fixturenames", ()):
+            misplaced.append(item.nodeid)
+    if misplaced:
+        raise pytest.UsageError("tests that need the engine live in files named *_engine.py (the engine tier); move "
+                                "these there: " + ", ".join(misplaced))
