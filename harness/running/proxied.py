@@ -1,5 +1,6 @@
 """A run of agents behind the recording proxy, wired once for `harness run` and the trainer: the proxy's config
-from the engine it fronts, the keys agents are never given, and transparent mode's hop in front of the proxy.
+from the engine it fronts, the keys agents are never given, and what each agent gets from transparent mode's hop
+(proxy/transparent.py), when one stands in front of the proxy.
 
     engine -> proxy_config -> ProxyServer -> the hop (optional) -> Runner(agents_config, proxy=server,
                                                                           episode_env=agent_env(hop))
