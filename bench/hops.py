@@ -1,5 +1,6 @@
 """The processes of bench/proxy_overhead.py: each hop (engine, byte relay, proxy) in its own process pinned to a
-core, with a pipe to the parent, plus the bookkeeping of whose CPU is whose on the machine.
+core, with a pipe to the parent, plus the bookkeeping of whose CPU is whose on the machine. A proxy may run another
+commit's code (`proxy_main`'s `code`: a checkout of that commit), for a before / after comparison in one run.
 """
 
 from __future__ import annotations
@@ -12,16 +13,18 @@ import multiprocessing
 import os
 import pstats
 import signal
+import sys
 import time
 from pathlib import Path
 from urllib.parse import urlsplit
 
 import psutil
 
-from bench.loadgen import run_loop
+from bench.loadgen import client_load, client_streams, run_loop
 from proxy import ProxyConfig, serve_forever
 from proxy.scripted_engine import Script, ScriptedEngine
 
+PROXY_CORE, LOAD_CORE = 0, 1  # the hops' core; the engine's and the load generator's
 PROMPT_TOKENS, COMPLETION_TOKENS = 512, 32
 SERVED_MODEL = "scripted-model"
 ENGINES = {  # name: what the scripted engine does
@@ -142,12 +145,28 @@ def relay_main(conn, core: int, upstreams: dict[str, str]) -> None:
     run_loop(main(), "uvloop")
 
 
+def proxy_code(path: str | None):
+    """(ProxyConfig, serve_forever) of this tree, or of the checkout at `path` (another commit): its `proxy` and
+    `harness` packages then replace this tree's in this process (a proxy's own process: nothing else runs here)."""
+    if path is None:
+        return ProxyConfig, serve_forever
+    for name in [n for n in sys.modules if n.split(".")[0] in ("proxy", "harness")]:
+        del sys.modules[name]
+    sys.path.insert(0, path)
+    import proxy
+
+    assert proxy.__file__.startswith(str(Path(path).resolve())), proxy.__file__
+    return proxy.ProxyConfig, proxy.serve_forever
+
+
 def proxy_main(conn, core: int, upstream: str, db_path: str, loop_kind: str, overrides: dict,
-                profile_path: str | None) -> None:  # fmt: skip
-    """The proxy as `harness proxy` runs it (serve_forever); SIGUSR1 / SIGUSR2 start / stop cProfile if asked."""
+                profile_path: str | None, code: str | None = None) -> None:  # fmt: skip
+    """The proxy as `harness proxy` runs it (serve_forever), this tree's or `code`'s (proxy_code); SIGUSR1 /
+    SIGUSR2 start / stop cProfile if asked."""
     pin(core)
-    config = ProxyConfig(upstream_url=upstream, db_path=Path(db_path), port=0, served_model=SERVED_MODEL,
-                         **overrides)  # fmt: skip
+    config_class, serve = proxy_code(code)
+    config = config_class(upstream_url=upstream, db_path=Path(db_path), port=0, served_model=SERVED_MODEL,
+                          **overrides)  # fmt: skip
     profiler = cProfile.Profile(time.thread_time) if profile_path else None  # CPU time of the loop thread
     gc_s = [0.0, 0.0]  # CPU seconds spent in garbage collections, start of the current one
 
@@ -171,7 +190,7 @@ def proxy_main(conn, core: int, upstream: str, db_path: str, loop_kind: str, ove
         watch_parent(conn, lambda: gc_s[0])  # Child.gc_seconds()
         conn.send(server.url)
 
-    run_loop(serve_forever(config, on_ready=ready), loop_kind)
+    run_loop(serve(config, on_ready=ready), loop_kind)
 
 
 class Child:
@@ -263,12 +282,61 @@ def wait_quiet(max_s: float, threshold: float = 0.15) -> float:
             return used
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# The phases that meter the hops' CPU while the load runs.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def throughput(pool, reqs: dict[str, bytes], hops: dict[str, Child], engine: Child, s) -> dict:
+    """Windows rotating over the paths; CPU of the hop on core 0 (loop thread / other threads), the engine, and
+    how busy each core was. `s`: bench/proxy_overhead.py's Settings."""
+    keys = ("calls_per_s", "client_cpu", "engine_cpu", "hop_loop_cpu", "hop_other_cpu", "hop_gc_cpu", "core0", "core1")
+    out = {name: {"latency": [], "errors": 0, "sent": 0} | {k: [] for k in keys} for name in reqs}
+    names = list(reqs)
+    for i in range(s.rounds):
+        for name in names[i % len(names) :] + names[: i % len(names)]:
+            hop = hops.get(name)
+            pending = pool.apply_async(client_load, (reqs[name], s.concurrency, s.warmup_s, s.window_s))
+            time.sleep(s.warmup_s + 0.1)
+            g0 = hop.gc_seconds() if hop and hop.name == "proxy_main" else 0.0
+            t0, h0, e0, c0 = time.perf_counter(), hop.cpu() if hop else (0, 0), sum(engine.cpu()), core_busy()
+            time.sleep(s.window_s - 0.2)
+            t1, h1, e1, c1 = time.perf_counter(), hop.cpu() if hop else (0, 0), sum(engine.cpu()), core_busy()
+            g1 = hop.gc_seconds() if hop and hop.name == "proxy_main" else 0.0
+            r, o, dt = pending.get(), out[name], t1 - t0
+            for k in ("latency", "errors", "sent"):
+                o[k] += r[k]
+            o["calls_per_s"].append(r["calls_per_s"])
+            o["client_cpu"].append(r["client_cpu"])
+            o["engine_cpu"].append((e1 - e0) / dt)
+            o["hop_loop_cpu"].append((h1[0] - h0[0]) / dt)
+            o["hop_other_cpu"].append((h1[1] - h0[1]) / dt)
+            o["hop_gc_cpu"].append((g1 - g0) / dt)
+            for core in (PROXY_CORE, LOAD_CORE):
+                o[f"core{core}"].append((c1[core][0] - c0[core][0]) / max(1, c1[core][1] - c0[core][1]))
+        time.sleep(s.settle_s)
+    return out
+
+
+def streams(pool, reqs: dict[str, bytes], proxies: dict[str, Child], s) -> dict:
+    """Each path in turn at c=50, with the CPU share its proxy took meanwhile."""
+    stagger = ENGINES["paced"].chunk_delay_s / s.stream_concurrency
+    out = {}
+    for name, raw in reqs.items():
+        hop = proxies.get(f"{name}-paced")
+        c0, t0 = sum(hop.cpu()) if hop else 0.0, time.perf_counter()
+        out[name] = pool.apply(client_streams, (raw, s.stream_concurrency, s.streams_per_client, stagger))
+        out[name]["hop_cpu_s"] = (sum(hop.cpu()) if hop else 0.0) - c0
+        out[name]["hop_cpu"] = out[name]["hop_cpu_s"] / (time.perf_counter() - t0)
+    return out
+
+
 PROFILE_PARTS = {  # share of the loop thread's CPU: (file, function) whose cumulative time counts
     "upstream aiohttp client (ClientSession._request, response read)": [("client.py", "_request"),
                                                                          ("client_reqrep.py", "read")],
-    "request.prepare (parse, check, translate the request)": [("request.py", "prepare")],
-    "Capture.take_response (collect ids, strip, model name)": [("capture.py", "take_response")],
-    "Capture.to_call (build the record)": [("capture.py", "to_call")],
+    "app._prepare (parse, check, translate the request)": [("app.py", "_prepare")],
+    "Capture.take_response (collect ids, strip, model name)": [("forward.py", "take_response")],
+    "Capture.to_call (build the record)": [("forward.py", "to_call")],
     "Recorder.record_call": [("recorder.py", "record_call")],
     "proxy handler, all of it (app._llm_call)": [("app.py", "_llm_call")],
 }  # fmt: skip

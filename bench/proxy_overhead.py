@@ -22,7 +22,11 @@ sampled during each measurement, so the report says which core was the limit and
      once at c=1, and inter-chunk gaps at c=50 (engine 20 ms between tokens).
 Then an asyncio proxy once more under c=64 with cProfile (CPU time of its loop thread); the top is printed.
 
-    .venv/bin/python bench/proxy_overhead.py [--quick] [--no-docs]
+With `--before PATH` (a checkout of an earlier commit: `git worktree add /tmp/before c31202a`), that commit's
+proxy (asyncio, as `harness serve` runs it) takes part in phases 1 and 2 beside this tree's, in its own process
+on the same core, and a second table sets the two side by side.
+
+    .venv/bin/python bench/proxy_overhead.py [--quick] [--no-docs] [--before PATH]
 
 Writes its section of docs/BENCHMARKS.md (between the proxy_overhead markers) unless --no-docs.
 """
@@ -36,6 +40,7 @@ import os
 import platform
 import pstats
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -54,19 +59,22 @@ from bench.docs_section import DOCS, write_section  # noqa: E402
 from bench.hops import (  # noqa: E402
     COMPLETION_TOKENS,
     ENGINES,
+    LOAD_CORE,
     PROMPT_TOKENS,
+    PROXY_CORE,
     SERVED_MODEL,
     Child,
     CoTenant,
-    core_busy,
     engine_main,
     pin,
     profile_shares,
     proxy_main,
     relay_main,
+    streams,
+    throughput,
     wait_quiet,
 )
-from bench.loadgen import client_blocks, client_load, client_streams, mean, pct  # noqa: E402
+from bench.loadgen import client_blocks, client_load, mean, pct  # noqa: E402
 from proxy import ProxyConfig  # noqa: E402
 from proxy.request import CHAT, prepare  # noqa: E402
 
@@ -75,13 +83,13 @@ try:
 except ImportError:  # the stdlib loop still gives every number but the uvloop column
     uvloop = None
 
-PROXY_CORE, LOAD_CORE = 0, 1
 LOOPS = ("asyncio", "uvloop") if uvloop else ("asyncio",)
 DEFERRED = {"record_batch": 10**9, "record_delay_s": 10**6}  # the recorder writes only at shutdown
 # proxy name: (event loop, engine, config overrides)
 PROXIES = {f"{loop}-{engine}": (loop, engine, {}) for loop in LOOPS for engine in ENGINES} | {
     "deferred": ("asyncio", "fast", DEFERRED)
 }
+BEFORE = "before"  # the proxy of --before PATH: asyncio, fast engine
 
 
 @dataclass(frozen=True)
@@ -132,54 +140,10 @@ def request_bytes(url: str, body: bytes) -> bytes:
 def requests_for(engine_url: str, stream: bool, **hop_urls: str) -> dict[str, bytes]:
     """To each hop the agent's request; to the engine ("direct") the body the proxy would send it."""
     agent = chat_body(stream)
-    upstream = prepare(CHAT, agent, ProxyConfig(upstream_url=engine_url), SERVED_MODEL).upstream_body
+    upstream = orjson.dumps(prepare(CHAT, orjson.loads(agent), ProxyConfig(upstream_url=engine_url), SERVED_MODEL).body)
     return {"direct": request_bytes(engine_url, upstream)} | {
         name: request_bytes(url, agent) for name, url in hop_urls.items()
     }
-
-
-def throughput(pool, reqs: dict[str, bytes], hops: dict[str, Child], engine: Child, s: Settings) -> dict:
-    """Windows rotating over the paths; CPU of the hop on core 0 (loop thread / other threads), the engine, and
-    how busy each core was."""
-    keys = ("calls_per_s", "client_cpu", "engine_cpu", "hop_loop_cpu", "hop_other_cpu", "hop_gc_cpu", "core0", "core1")
-    out = {name: {"latency": [], "errors": 0, "sent": 0} | {k: [] for k in keys} for name in reqs}
-    names = list(reqs)
-    for i in range(s.rounds):
-        for name in names[i % len(names) :] + names[: i % len(names)]:
-            hop = hops.get(name)
-            pending = pool.apply_async(client_load, (reqs[name], s.concurrency, s.warmup_s, s.window_s))
-            time.sleep(s.warmup_s + 0.1)
-            g0 = hop.gc_seconds() if name in LOOPS else 0.0
-            t0, h0, e0, c0 = time.perf_counter(), hop.cpu() if hop else (0, 0), sum(engine.cpu()), core_busy()
-            time.sleep(s.window_s - 0.2)
-            t1, h1, e1, c1 = time.perf_counter(), hop.cpu() if hop else (0, 0), sum(engine.cpu()), core_busy()
-            g1 = hop.gc_seconds() if name in LOOPS else 0.0
-            r, o, dt = pending.get(), out[name], t1 - t0
-            for k in ("latency", "errors", "sent"):
-                o[k] += r[k]
-            o["calls_per_s"].append(r["calls_per_s"])
-            o["client_cpu"].append(r["client_cpu"])
-            o["engine_cpu"].append((e1 - e0) / dt)
-            o["hop_loop_cpu"].append((h1[0] - h0[0]) / dt)
-            o["hop_other_cpu"].append((h1[1] - h0[1]) / dt)
-            o["hop_gc_cpu"].append((g1 - g0) / dt)
-            for core in (PROXY_CORE, LOAD_CORE):
-                o[f"core{core}"].append((c1[core][0] - c0[core][0]) / max(1, c1[core][1] - c0[core][1]))
-        time.sleep(s.settle_s)
-    return out
-
-
-def streams(pool, reqs: dict[str, bytes], proxies: dict[str, Child], s: Settings) -> dict:
-    """Each path in turn at c=50, with the CPU share its proxy took meanwhile."""
-    stagger = ENGINES["paced"].chunk_delay_s / s.stream_concurrency
-    out = {}
-    for name, raw in reqs.items():
-        hop = proxies.get(f"{name}-paced")
-        c0, t0 = sum(hop.cpu()) if hop else 0.0, time.perf_counter()
-        out[name] = pool.apply(client_streams, (raw, s.stream_concurrency, s.streams_per_client, stagger))
-        out[name]["hop_cpu_s"] = (sum(hop.cpu()) if hop else 0.0) - c0
-        out[name]["hop_cpu"] = out[name]["hop_cpu_s"] / (time.perf_counter() - t0)
-    return out
 
 
 def count_rows(db_path: Path) -> tuple[int, int]:
@@ -210,7 +174,8 @@ def measure(pool, engine: Child, relay: Child, proxies: dict[str, Child], s: Set
         out = {"relay": rl[engine_name]} if relay_too else {}
         return out | {loop: via[f"{loop}-{engine_name}"] for loop in LOOPS}
 
-    reqs = requests_for(e["fast"], False, **hops("fast", True), deferred=via["deferred"])
+    before = {BEFORE: via[BEFORE]} if BEFORE in via else {}
+    reqs = requests_for(e["fast"], False, **hops("fast", True), deferred=via["deferred"], **before)
     phase(
         "lat",
         f"c=1 latency, {s.latency_n} requests per path",
@@ -228,8 +193,9 @@ def measure(pool, engine: Child, relay: Child, proxies: dict[str, Child], s: Set
         f"c=1 32-chunk streams, {s.burst_n} per path",
         lambda: pool.apply(client_blocks, (reqs_burst, s.burst_n, s.block, s.warmup_n, s.settle_s, True)),
     )
-    reqs_load = requests_for(e["fast"], False, **hops("fast", True))
-    load_hops = {"relay": relay} | {loop: proxies[f"{loop}-fast"] for loop in LOOPS}
+    reqs_load = requests_for(e["fast"], False, **hops("fast", True), **before)
+    load_hops = {"relay": relay} | {loop: proxies[f"{loop}-fast"] for loop in LOOPS} | {
+        name: proxies[name] for name in before}
     phase(
         "tput",
         f"c={s.concurrency} throughput, {s.rounds} x {s.window_s:g} s per path",
@@ -243,6 +209,8 @@ def measure(pool, engine: Child, relay: Child, proxies: dict[str, Child], s: Set
 def answered(r: dict) -> dict[str, int]:
     """Calls each proxy answered, from the load generator's counts."""
     out = {"deferred": r["lat"]["deferred"]["sent"]}
+    if BEFORE in r["lat"]:
+        out[BEFORE] = r["lat"][BEFORE]["sent"] + r["tput"][BEFORE]["sent"]
     for loop in LOOPS:
         out[f"{loop}-fast"] = sum(r[k][loop]["sent"] for k in ("lat", "burst", "tput"))
         out[f"{loop}-trickle"] = r["ttft"][loop]["sent"]
@@ -374,7 +342,28 @@ def _recorded(recorded: dict[str, tuple[int, int, int]], loop: str) -> str:
 
 
 def _loop_of(proxy_name: str) -> str:
-    return PROXIES[proxy_name][0]
+    return PROXIES[proxy_name][0] if proxy_name in PROXIES else proxy_name
+
+
+def before_table(r: dict, recorded: dict[str, tuple[int, int, int]], label: str, s: Settings) -> list[str]:
+    """--before: the earlier commit's proxy and this tree's, both on asyncio, measured in the same phases."""
+    lat, tput, cells = r["lat"], r["tput"], {}
+    for path in (BEFORE, "asyncio"):
+        rate = mean(tput[path]["calls_per_s"])
+        cpu = (mean(tput[path]["hop_loop_cpu"]) + mean(tput[path]["hop_other_cpu"])) / rate * 1e6
+        rows, n_ok, n = recorded[BEFORE if path == BEFORE else "asyncio-fast"]
+        cells[path] = [_added(lat, path, "latency", q)[0] for q in (0.5, 0.99)] + [
+            f"**{rate:,.0f}**", f"{cpu:.0f}", f"{1e6 / cpu:,.0f}", f"{n_ok:,} / {n:,}"]
+    what = ["c=1 non-stream latency p50, ms (added over direct)", "c=1 non-stream latency p99, ms",
+            f"c={s.concurrency} calls/s (the proxy on one core)", f"c={s.concurrency} hop CPU a call, us",
+            "calls/s one full core of the hop carries", "rows in `calls` (status ok) / calls answered"]
+    return [f"| measurement | proxy before ({label}), asyncio | proxy now, asyncio |", "| --- | ---: | ---: |",
+            *(f"| {w} | {b} | {n} |" for w, b, n in zip(what, cells[BEFORE], cells["asyncio"], strict=True))]
+
+
+def _revision(path: str) -> str:
+    out = subprocess.run(["git", "-C", path, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    return out.stdout.strip() or Path(path).name
 
 
 def limits(r: dict, s: Settings) -> list[str]:
@@ -406,7 +395,8 @@ def _bound(busy: float) -> str:
     return "**saturated: the limit**" if busy >= 0.9 else "not saturated"
 
 
-def report(r: dict, recorded: dict, s: Settings, quick: bool, prof_rate: float, shares: dict[str, float]) -> str:
+def report(r: dict, recorded: dict, s: Settings, quick: bool, prof_rate: float, shares: dict[str, float],
+           before: str | None) -> str:
     versions = (f"`nproc` {os.cpu_count()}, Python {platform.python_version()}, aiohttp {aiohttp.__version__}, "
                 f"uvloop {uvloop.__version__ if uvloop else 'absent'}, DuckDB {duckdb.__version__}, "
                 f"{platform.machine()}")  # fmt: skip
@@ -417,7 +407,8 @@ def report(r: dict, recorded: dict, s: Settings, quick: bool, prof_rate: float, 
         [
             "## proxy_overhead",
             "",
-            f"`python bench/proxy_overhead.py{' --quick' if quick else ''}` on {date.today()}: {versions}.",
+            f"`python bench/proxy_overhead.py{' --quick' if quick else ''}{' --before PATH' if before else ''}` on "
+            f"{date.today()}: {versions}.",
             f"Each hop (proxy, relay) alone on core {PROXY_CORE} in its own process (event loop, recorder thread "
             "and DuckDB share it); scripted engine (uvloop) and load generator (raw keep-alive HTTP/1.1 on uvloop) "
             f"on core {LOAD_CORE}, each in its own process. Chat calls: ~2 kB request; the engine answers "
@@ -430,6 +421,9 @@ def report(r: dict, recorded: dict, s: Settings, quick: bool, prof_rate: float, 
             "",
             *table(r, recorded, s),
             "",
+            *([f"Before and after (`--before`: commit {before}'s proxy in the c=1 latency and c={s.concurrency} "
+               "throughput phases beside this tree's, same core, same run):", "",
+               *before_table(r, recorded, before, s), ""] if before else []),
             f"What limited the c={s.concurrency} windows (share of one core, sampled during each measured window):",
             "",
             *limits(r, s),
@@ -445,6 +439,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="smaller counts (under a minute)")
     parser.add_argument("--no-docs", action="store_true", help="print only; leave docs/BENCHMARKS.md alone")
+    parser.add_argument("--before", metavar="PATH", help="a checkout of an earlier commit: its proxy runs beside "
+                        "this tree's (asyncio) in the c=1 latency and c=64 throughput phases")
     args = parser.parse_args()
     s = QUICK if args.quick else Settings()
     if len(os.sched_getaffinity(0)) < 2:
@@ -465,6 +461,10 @@ def main() -> None:
                 db = str(tmp / f"{name}.duckdb")
                 proxies[name] = Child(proxy_main, PROXY_CORE, engine.served[upstream], db, loop, overrides, None)
                 children.append(proxies[name])
+            if args.before:
+                proxies[BEFORE] = Child(proxy_main, PROXY_CORE, engine.served["fast"], str(tmp / f"{BEFORE}.duckdb"),
+                                        "asyncio", {}, None, str(Path(args.before).resolve()))
+                children.append(proxies[BEFORE])
             for child in children:
                 child.ready()
             pool = multiprocessing.get_context("spawn").Pool(1, initializer=pin, initargs=(LOAD_CORE,))
@@ -482,7 +482,8 @@ def main() -> None:
                 pool.join()
             for child in reversed(children):
                 child.stop()
-    text = report(results, recorded, s, args.quick, prof_rate, prof_shares)
+    text = report(results, recorded, s, args.quick, prof_rate, prof_shares,
+                  _revision(args.before) if args.before else None)
     print(text)
     print("\ncProfile of the proxy's loop thread under load (CPU time):\n" + prof_text)
     if not args.no_docs:

@@ -1,8 +1,11 @@
 """The proxy as an aiohttp application: the OpenAI surface and the path of one call (the admin surface is
 proxy/admin.py, the shared state proxy/state.py).
 
-    agent -> /v1/chat/completions -> request.prepare -> capture.forward -> engine
+    agent -> /v1/chat/completions -> request.prepare -> forward.forward -> engine
                                                       \\-> Recorder -> DuckDB
+
+Each request body is parsed once (`_prepare`: a wire format's translation hands on a dict), serialised once per
+upstream attempt (`_plan_call`), and every `Call` record is built by proxy/forward.py.
 """
 
 from __future__ import annotations
@@ -12,7 +15,6 @@ import dataclasses
 import hashlib
 import logging
 import os
-import time
 import uuid
 from urllib.parse import quote
 
@@ -23,20 +25,20 @@ from yarl import URL
 
 from harness import __version__
 from harness.core.flags import max_tokens_of
-from harness.core.records import CANCELLED, ERROR, NONE, OK, Call
+from harness.core.records import CANCELLED, ERROR, NONE, OK
 from harness.store.database import Store
 from harness.store.recorder import Recorder
 from proxy.admin import add_admin_routes
 from proxy.chat_answer import ChatAnswer
-from proxy.config import ProxyConfig, SamplingOverrides
+from proxy.config import ProxyConfig
 from proxy.continuity import Timelines, completions_body, plan, prefix_hashes
 from proxy.episodes import Episodes
-from proxy.forward import Capture, forward
+from proxy.forward import Capture, forward, refused_call
 from proxy.guard import GuardConfig, degenerate, ended_flag, ended_why, flags_of
-from proxy.http_json import ApiError, error_middleware, json_response, read_body
+from proxy.http_json import ApiError, error_middleware, json_response, parse_json_object, read_body
 from proxy.openapi import openapi
 from proxy.record_only import Forwarded, forwarded, redact
-from proxy.request import CHAT, COMPLETIONS, Prepared, prepare
+from proxy.request import CHAT, COMPLETIONS, Prepared, as_sent, for_engine, read_request
 from proxy.roles import RoleRule, find_role
 from proxy.state import CONFIG, ENGINES, EPISODES, RECORDER, RESPONSES, SESSION, STATE, STORE, RunState, request_key
 from proxy.tool_parsers import get_parser
@@ -165,8 +167,6 @@ async def _llm_call(request: web.Request, endpoint: str, wire: Wire | None = Non
                        code="storage_full")
     episode_id = await episodes.resolve(request.match_info.get("episode"), api_key)
     raw = await read_body(request)
-    if (deployment := request.match_info.get("deployment")) is not None:
-        raw = _with_model(raw, deployment)
     call_index = await episodes.start_call(episode_id)
     try:
         fwd = forwarded(request, api_key)
@@ -177,42 +177,26 @@ async def _llm_call(request: web.Request, endpoint: str, wire: Wire | None = Non
         episodes.end_call(episode_id)
 
 
-def _with_model(raw: bytes, deployment: str) -> bytes:
-    """An Azure deployment URL's body: the deployment names the model when the body does not (AzureOpenAI sends
-    both; a bare request may send only the URL's)."""
-    try:
-        body = orjson.loads(raw)
-        return orjson.dumps({"model": deployment, **body}) if isinstance(body, dict) and "model" not in body else raw
-    except (orjson.JSONDecodeError, orjson.JSONEncodeError):
-        return raw  # prepare() says what is wrong with it
-
-
 async def _numbered_call(request: web.Request, endpoint: str, wire: Wire | None, episode_id: str, call_index: int,
                          raw: bytes, fwd: Forwarded) -> web.StreamResponse:
     """One call with its place in its episode: forwarded (to another engine if its own is down) and recorded.
     `fwd`: in record-only mode, what of the agent's request goes upstream besides its body (proxy/record_only.py)."""
     app = request.app
-    config, state = app[CONFIG], app[STATE]
-    seed = _call_seed(state, episode_id, call_index)
-    role, frozen = None, False
+    state = app[STATE]
+    where = {"run_id": state.run_id, "episode_id": episode_id, "call_index": call_index,
+             "weight_version": state.weight_version}
     if (refusal := _refusal(app, episode_id, call_index)) is not None:
         flag, exc = refusal
-        call = _rejected_call(state, call_index, episode_id, endpoint, exc, wire)
+        call = refused_call(endpoint, exc, wire, **where)
         call.extra["flags"] = [flag]
         app[RECORDER].record_call(call)
         raise exc
     try:
-        chat_raw = raw if wire is None else wire.translate(raw)  # another API: its request as a chat request
-        prepared = prepare(endpoint, chat_raw, config, state.served_model, state.sampling, seed=seed)
-        role = find_role(config.roles, prepared.requested_model, prepared.body, prepared.role_key)
-        frozen = role is not None and role.upstream is not None
-        if frozen:  # a frozen role: its own server, the agent's own sampling
-            prepared = _as_sent(endpoint, chat_raw, config, role.upstream_model)
-        elif config.record_only:
-            prepared = _as_sent(endpoint, chat_raw, config, None)
+        prepared, role = _prepare(request, endpoint, wire, raw, _call_seed(state, episode_id, call_index))
     except ApiError as exc:
-        app[RECORDER].record_call(_rejected_call(state, call_index, episode_id, endpoint, exc, wire))
+        app[RECORDER].record_call(refused_call(endpoint, exc, wire, **where))
         raise
+    frozen = role is not None and role.upstream is not None
     engines, moved_from = app[ENGINES], []
     while True:  # once, unless the engine cannot be reached and another can take the call
         base = None if frozen else engines.pick(episode_id)
@@ -244,6 +228,28 @@ async def _numbered_call(request: web.Request, endpoint: str, wire: Wire | None,
         return resp
 
 
+def _prepare(request: web.Request, endpoint: str, wire: Wire | None, raw: bytes,
+             seed: int | None) -> tuple[Prepared, RoleRule | None]:
+    """The request parsed (once), checked, and made what its upstream gets, with its role: our engine's request,
+    or the agent's as sent for a frozen role's server (its own sampling) and for the API recorded in record-only
+    mode. An Azure deployment URL names the model when the body does not (AzureOpenAI sends both; a bare request
+    may send only the URL's); another API's request becomes a chat request: either is stored as it serialises,
+    any other request as the agent sent it."""
+    config, state = request.app[CONFIG], request.app[STATE]
+    body = parse_json_object(raw)
+    if wire is not None:
+        body, raw = wire.translate(body), None
+    elif (deployment := request.match_info.get("deployment")) is not None and "model" not in body:
+        body, raw = {"model": deployment, **body}, None
+    agent = read_request(endpoint, body, raw)
+    role = find_role(config.roles, agent.requested_model, agent.body, agent.role_key)
+    if role is not None and role.upstream is not None:
+        return as_sent(agent, role.upstream_model), role
+    if config.record_only:
+        return as_sent(agent, None), role
+    return for_engine(agent, config, state.served_model, state.sampling, seed=seed), role
+
+
 async def _plan_call(app: web.Application, prepared: Prepared, episode_id: str, call_index: int, endpoint: str,
                      role: RoleRule | None, base: str | None, fwd: Forwarded):
     """Where one attempt of a call goes (`base`: the policy engine chosen; None: a frozen role's upstream) and how:
@@ -259,6 +265,7 @@ async def _plan_call(app: web.Application, prepared: Prepared, episode_id: str, 
         key = os.environ.get(role.upstream_key_env) if role.upstream_key_env else None
         if key:
             cap.upstream_headers["Authorization"] = f"Bearer {key}"
+        cap.upstream_body = orjson.dumps(prepared.body)
         return cap, url, None, None
     url = f"{base}/v1/{route}"
     if app[CONFIG].record_only:  # not our engine: the agent's key and query string go along, nothing of ours
@@ -270,18 +277,18 @@ async def _plan_call(app: web.Application, prepared: Prepared, episode_id: str, 
         cap.upstream_headers[EPISODE_HEADER] = episode_id
     if not app[ENGINES].single:
         cap.notes["engine"] = base
-    answer, hashes = None, None
+    answer, hashes, send = None, None, prepared.body
     if endpoint == CHAT and state.timelines is not None:
-        hashes = prefix_hashes(prepared.body)
-        how = await plan(state.timelines, episode_id, prepared.body, hashes, app[SESSION], base)
+        body = prepared.body
+        hashes = prefix_hashes(body)
+        how = await plan(state.timelines, episode_id, body, hashes, app[SESSION], base)
         cap.continuity = how.record()
         if how.prompt_ids is not None:
-            body = prepared.body
-            cap.p = dataclasses.replace(prepared, upstream_body=orjson.dumps(completions_body(body, how)))
-            url = f"{base}/v1/completions"
+            send, url = completions_body(body, how), f"{base}/v1/completions"
             parse = body.get("tools") and body.get("tool_choice") != "none"
             answer = ChatAnswer(state.tool_parser if parse else None, int(body.get("top_logprobs") or 0),
                                 parallel_tool_calls=body.get("parallel_tool_calls") is not False)
+    cap.upstream_body = orjson.dumps(send)
     return cap, url, answer, hashes
 
 
@@ -336,21 +343,6 @@ def _record(app: web.Application, cap: Capture, prepared: Prepared, hashes, base
         log.warning("the engine at %s returned no token ids: this run records text only", base)
 
 
-def _as_sent(endpoint: str, raw: bytes, config: ProxyConfig, model: str | None) -> Prepared:
-    """A request as an upstream that is not our engine gets it (a frozen role's fixed model, or any API in
-    record-only mode): the agent's sampling, `model` (default: the agent's), and nothing the recorder would add
-    (token ids, logprobs) unless the agent asked for it, since it may be any OpenAI-compatible server (reasoning
-    models refuse logprobs)."""
-    prepared = prepare(endpoint, raw, dataclasses.replace(config, returns_token_ids=False), model,
-                       SamplingOverrides())
-    body = prepared.body
-    if not prepared.asked_logprobs:
-        body.pop("logprobs", None)
-    if not prepared.asked_token_ids:
-        body.pop("return_token_ids", None)
-    return dataclasses.replace(prepared, upstream_body=orjson.dumps(body))
-
-
 def _call_seed(state: RunState, episode_id: str, call_index: int) -> int | None:
     """With a sampling seed set, each call's own seed: from the seed, the episode id without this proxy run's
     prefix (a trainer's episode ids start with it) and the call index, so a restarted run seeds the same calls
@@ -360,19 +352,6 @@ def _call_seed(state: RunState, episode_id: str, call_index: int) -> int | None:
         return None
     key = f"{base}\0{episode_id.removeprefix(state.run_id)}\0{call_index}".encode()
     return int.from_bytes(hashlib.blake2b(key, digest_size=4).digest(), "big") & 0x7FFFFFFF
-
-
-def _rejected_call(state: RunState, call_index: int, episode_id: str, endpoint: str, exc: ApiError,
-                   wire: Wire | None = None) -> Call:
-    """A request the proxy refused: recorded (without its body, which may not even be JSON) so nothing vanishes."""
-    return Call(
-        call_id=uuid.uuid4().hex, run_id=state.run_id, episode_id=episode_id,
-        call_index=call_index, endpoint=endpoint, stream=False, requested_model=None,
-        served_model=None, role_key="", system_hash=None, tools_hash=None, request=b"null", response=None,
-        prompt_ids=None, choices=[], token_source=NONE, status=ERROR, http_status=exc.status,
-        error=exc.message, started_at=time.time(), latency_ms=0.0, ttft_ms=None,
-        weight_version=state.weight_version, extra={"wire": wire.name} if wire is not None else {},
-    )
 
 
 async def models(request: web.Request) -> web.Response:

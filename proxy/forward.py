@@ -1,5 +1,6 @@
 """The answer side of one call: forward the prepared request (proxy/request.py) to the engine, hand the answer
-back (a stream chunk by chunk, as it arrives), and collect what the recorder needs on the side.
+back (a stream chunk by chunk, as it arrives), and collect what the recorder needs on the side: every `Call`
+record is built here (`Capture.to_call`), a request the proxy refused included (`refused_call`).
 
 What changes on the way back: exactly what the request side added (token ids, logprobs) is removed again, and
 the model name is the one the agent asked for, so the agent sees the shape it asked for.
@@ -114,6 +115,7 @@ class Capture:
         self.continuity: dict | None = None  # how a chat call was served (proxy/continuity.py), and why
         self.wire: str | None = None  # the wire format the agent spoke, when not chat ("responses", "messages")
         self.notes: dict = {}  # more for calls.extra: the role's name, the upstream that served a frozen role
+        self.upstream_body = b""  # what goes upstream: the prepared body, or its completions form (continuity)
         self.upstream_headers: dict[str, str] = {}  # e.g. a frozen role's upstream key: sent, never recorded
         self.upstream_query = ""  # record-only: the agent's query string, sent as it came, never recorded
         self.unreachable = False  # the engine could not be reached: nothing went to the agent, another may take it
@@ -234,7 +236,8 @@ class Capture:
             obj["usage"] = self.usage
         return orjson.dumps(obj)
 
-    def to_call(self) -> Call:
+    def to_call(self, latency_ms: float | None = None) -> Call:
+        """The record of this call (`latency_ms`: None, from its start until now)."""
         choices = [acc.to_choice() for acc in sorted(self.choices.values(), key=lambda a: a.index)]
         have_ids = self.prompt_ids is not None
         completion_tokens = sum(len(c.completion_ids) for c in choices if c.completion_ids) if have_ids else None
@@ -270,13 +273,24 @@ class Capture:
             http_status=self.http_status,
             error=self.error,
             started_at=self.started_at,
-            latency_ms=(time.perf_counter() - self.t0) * 1000.0,
+            latency_ms=(time.perf_counter() - self.t0) * 1000.0 if latency_ms is None else latency_ms,
             ttft_ms=self.ttft_ms,
             weight_version=self.weight_version,
             prompt_tokens=prompt_tokens,
             completion_tokens=completion_tokens,
             extra=extra,
         )
+
+
+def refused_call(endpoint: str, exc: ApiError, wire: Wire | None, *, run_id: str, episode_id: str,
+                 call_index: int, weight_version: int) -> Call:
+    """A request the proxy refused: recorded (without its body, which may not even be JSON) so nothing vanishes."""
+    nothing = Prepared(endpoint=endpoint, stream=False, requested_model=None, asked_logprobs=False,
+                       asked_token_ids=False, record_request=b"null", system_hash=None, tools_hash=None, role_key="")
+    cap = Capture(nothing, run_id=run_id, episode_id=episode_id, call_index=call_index, weight_version=weight_version)
+    cap.fail(ERROR, exc.status, exc.message)
+    cap.wire = wire.name if wire is not None else None
+    return cap.to_call(latency_ms=0.0)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -324,7 +338,7 @@ async def forward(
     if wire is not None:
         cap.wire = wire.name
     try:
-        async with session.post(with_query(url, cap.upstream_query), data=cap.p.upstream_body,
+        async with session.post(with_query(url, cap.upstream_query), data=cap.upstream_body,
                                 headers=headers) as upstream:
             if upstream.status != 200:
                 raw = await upstream.read()

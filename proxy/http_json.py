@@ -64,13 +64,18 @@ def parse_json_object(raw: bytes) -> dict:
         raise ApiError(400, f"request body is not valid JSON: {exc}", code="invalid_json") from None
     if not isinstance(body, dict):
         raise ApiError(400, f"request body must be a JSON object, got {type(body).__name__}", code="invalid_json")
+    check_depth(body)
+    return body
+
+
+def check_depth(body: dict) -> None:
+    """ApiError(400) for an object nested deeper than MAX_JSON_DEPTH (a translated request is checked again)."""
     level, depth = [body], 1
     while level:
         level = [v for x in level for v in (x.values() if isinstance(x, dict) else x) if isinstance(v, (dict, list))]
         depth += bool(level)
         if depth > MAX_JSON_DEPTH:
             raise ApiError(400, f"request body is nested more than {MAX_JSON_DEPTH} levels deep", code="invalid_json")
-    return body
 
 
 async def read_body(request: web.Request) -> bytes:

@@ -1,19 +1,26 @@
-"""The request side of one call: check what the proxy touches, translate it for the engine, fingerprint the role.
+"""The request side of one call: check what the proxy touches, translate it for its upstream, fingerprint the role.
 
-To the engine go `return_token_ids` and `logprobs` (so the recorder gets the engine's own ids), the served
-policy's model name, and training-time sampling overrides; what the agent asked for is kept in `Prepared` so the
-answer can be put back into the shape it expects (proxy/forward.py).
+The body comes parsed (proxy/app.py parses it once); `read_request` checks it, takes secrets out of what is
+stored and fingerprints the role, then one of two makes what goes upstream:
+
+- `for_engine`: for our engine, `return_token_ids` and `logprobs` (so the recorder gets the engine's own ids),
+  the served policy's model name, and training-time sampling overrides; what the agent asked for is kept in
+  `Prepared` so the answer can be put back into the shape it expects (proxy/forward.py);
+- `as_sent`: for an upstream that is not our engine (a frozen role's server, the API recorded in record-only mode),
+  the agent's request with nothing added.
+
+`prepare` is `read_request` then `for_engine`. The upstream body is serialised once per attempt, by proxy/app.py.
 """
 
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import orjson
 
 from proxy.config import ProxyConfig, SamplingOverrides
-from proxy.http_json import ApiError, parse_json_object
+from proxy.http_json import ApiError
 
 CHAT = "chat"
 COMPLETIONS = "completions"
@@ -22,10 +29,9 @@ _SECRET_KEYS = {"api_key", "apikey", "api-key", "authorization", "openai_api_key
 
 @dataclass
 class Prepared:
-    """An agent request checked and translated for the engine."""
+    """An agent request checked, and made what its upstream gets (`body`)."""
 
     endpoint: str
-    upstream_body: bytes
     stream: bool
     requested_model: str | None
     asked_logprobs: bool  # the agent asked for logprobs itself: keep them in its answer
@@ -34,8 +40,9 @@ class Prepared:
     system_hash: str | None
     tools_hash: str | None
     role_key: str
-    overrides: dict  # sampling values replaced by config: {key: agent's value}
-    body: dict | None = None  # the upstream request as parsed (what upstream_body encodes)
+    overrides: dict = field(default_factory=dict)  # sampling values replaced by config: {key: agent's value}
+    body: dict | None = None  # what goes upstream, as a dict (serialised per attempt)
+    agent_body: dict | None = None  # the agent's request as parsed, secrets removed: what `body` is made from
 
 
 def _digest(data: bytes) -> str:
@@ -115,54 +122,74 @@ def _fingerprint(endpoint: str, body: dict) -> tuple[str | None, str | None, str
     return system_hash, tools_hash, role_key
 
 
-def prepare(endpoint: str, raw: bytes, config: ProxyConfig, served_model: str | None,
-            sampling: SamplingOverrides | None = None, *, seed: int | None = None) -> Prepared:
-    """Parse, check and translate one agent request; raises ApiError(400) naming what is wrong. `sampling`
-    replaces the config's overrides (a trainer switches to validation sampling and back); `seed` replaces the
-    agent's sampling seed (a trainer's reproducible rollouts)."""
-    body = parse_json_object(raw)
+def read_request(endpoint: str, body: dict, raw: bytes | None = None) -> Prepared:
+    """One agent request, parsed (`body`): checked (ApiError 400 naming what is wrong), its secrets taken out,
+    its role fingerprinted. Stored: `raw` (the bytes as sent) when no secret had to come out, else `body` as
+    serialised. Its `body` is the agent's until `for_engine` or `as_sent` makes it what goes upstream."""
     _validate(endpoint, body)
-
     secrets_found = [k for k in body if k.lower() in _SECRET_KEYS]
-    record_request = raw
-    if secrets_found:
-        for key in secrets_found:
-            del body[key]
-        record_request = orjson.dumps(body)
-
+    for key in secrets_found:
+        del body[key]
+    record_request = raw if raw is not None and not secrets_found else orjson.dumps(body)
     system_hash, tools_hash, role_key = _fingerprint(endpoint, body)
-    requested_model = body.get("model")
-    stream = bool(body.get("stream"))
-    asked_token_ids = bool(body.get("return_token_ids"))
-    if endpoint == CHAT:
-        asked_logprobs = bool(body.get("logprobs"))
-        body["logprobs"] = True
-    else:
-        asked_logprobs = body.get("logprobs") is not None
-        if body.get("logprobs") is None:
-            body["logprobs"] = 0
-    if config.returns_token_ids:
-        body["return_token_ids"] = True
-    if served_model:
-        body["model"] = served_model
-    overrides = _apply_overrides(body, sampling or config.sampling)
-    if seed is not None:
-        overrides["seed"] = body.get("seed")
-        body["seed"] = seed
+    logprobs = body.get("logprobs")
     return Prepared(
         endpoint=endpoint,
-        upstream_body=orjson.dumps(body),
-        stream=stream,
-        requested_model=requested_model,
-        asked_logprobs=asked_logprobs,
-        asked_token_ids=asked_token_ids,
+        stream=bool(body.get("stream")),
+        requested_model=body.get("model"),
+        asked_logprobs=bool(logprobs) if endpoint == CHAT else logprobs is not None,
+        asked_token_ids=bool(body.get("return_token_ids")),
         record_request=record_request,
         system_hash=system_hash,
         tools_hash=tools_hash,
         role_key=role_key,
-        overrides=overrides,
         body=body,
+        agent_body=body,
     )
+
+
+def for_engine(p: Prepared, config: ProxyConfig, served_model: str | None,
+               sampling: SamplingOverrides | None = None, *, seed: int | None = None) -> Prepared:
+    """`p` with `body` made the request our engine gets. `sampling` replaces the config's overrides (a trainer
+    switches to validation sampling and back); `seed` replaces the agent's sampling seed (a trainer's
+    reproducible rollouts)."""
+    body = p.body = dict(p.agent_body)
+    if p.endpoint == CHAT:
+        body["logprobs"] = True
+    elif body.get("logprobs") is None:
+        body["logprobs"] = 0
+    if config.returns_token_ids:
+        body["return_token_ids"] = True
+    if served_model:
+        body["model"] = served_model
+    p.overrides = _apply_overrides(body, sampling or config.sampling)
+    if seed is not None:
+        p.overrides["seed"] = body.get("seed")
+        body["seed"] = seed
+    return p
+
+
+def as_sent(p: Prepared, model: str | None) -> Prepared:
+    """`p` with `body` made the request an upstream that is not our engine gets (a frozen role's fixed model, or
+    any API in record-only mode): the agent's sampling, `model` (default: the agent's), and nothing the recorder
+    would add (token ids, logprobs) unless the agent asked for it, since it may be any OpenAI-compatible server
+    (reasoning models refuse logprobs)."""
+    body = p.body = dict(p.agent_body)
+    if not p.asked_logprobs:
+        body.pop("logprobs", None)
+    if not p.asked_token_ids:
+        body.pop("return_token_ids", None)
+    if model:
+        body["model"] = model
+    p.overrides = {}
+    return p
+
+
+def prepare(endpoint: str, body: dict, config: ProxyConfig, served_model: str | None,
+            sampling: SamplingOverrides | None = None, *, seed: int | None = None,
+            raw: bytes | None = None) -> Prepared:
+    """One agent request, parsed, checked and made what our engine gets (`read_request`, then `for_engine`)."""
+    return for_engine(read_request(endpoint, body, raw), config, served_model, sampling, seed=seed)
 
 
 def _apply_overrides(body: dict, sampling: SamplingOverrides) -> dict:

@@ -7,7 +7,7 @@ the wire format the agent asked for. What is recorded stays chat form (`calls.ex
 
 A wire object serves one call:
 
-    translate(raw) -> chat request bytes     (ApiError 400 naming the field; 501 for what is not offered)
+    translate(body) -> chat request (dict)   (ApiError 400 naming the field; 501 for what is not offered)
     response(chat_obj) -> dict               a whole answer
     chunk(chat_chunk, prompt_tokens) -> bytes    SSE events for one chat chunk (after capture stripped it)
     done() -> bytes                          the closing events (the engine said [DONE])
@@ -23,7 +23,7 @@ from collections import OrderedDict
 import orjson
 from aiohttp import web
 
-from proxy.http_json import ApiError, error_body, parse_json_object
+from proxy.http_json import ApiError, check_depth, error_body
 
 # vLLM sampling extensions an agent may send on any format (`extra_body`): passed to the chat request as they are.
 ENGINE_EXTRAS = ("seed", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
@@ -93,8 +93,11 @@ class Wire:
     name = ""
     forwards_query = True  # record-only mode: the agent's query string goes on to the upstream's chat endpoint
 
-    def translate(self, raw: bytes) -> bytes:
-        return orjson.dumps(self.to_chat(parse_json_object(raw)))
+    def translate(self, body: dict) -> dict:
+        """The request (parsed once, proxy/app.py) as a chat request; checked for depth as a body as sent is."""
+        chat = self.to_chat(body)
+        check_depth(chat)
+        return chat
 
     def to_chat(self, body: dict) -> dict:
         raise NotImplementedError
