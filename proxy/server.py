@@ -1,7 +1,8 @@
-"""Running the proxy: bound to a port, announced in a run-info file so `harness sql` can find it, stopped cleanly.
+"""Running the proxy, and its front door: `ProxyServer` binds it to a port, announces it in a run-info file so
+`harness sql` can find it (harness/store/live.py), stops it cleanly, and is all that code running a proxy needs
+of it (its store, flushing, opening episodes, sampling overrides, the weight version).
 
 DuckDB lets one process hold a database file; while the proxy runs, queries go through its read-only SQL route.
-The run-info file `<db>.proxy.json` (mode 0600: it holds the admin token) tells other processes where that is.
 """
 
 from __future__ import annotations
