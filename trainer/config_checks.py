@@ -96,6 +96,13 @@ def check(cfg: TrainConfig, where: str, mode: Mode = "rl") -> None:
             LoraSpec(t.lora.rank, t.lora.alpha, tuple(t.lora.target_modules), t.lora.dropout)
         except ValueError as exc:
             raise ConfigError(f"trainer.lora: {exc}") from None
+    from trainer.tied import ties_embeddings
+
+    if r.engine.url and t.lora.rank == 0 and cfg.backbone == "harness" and ties_embeddings(cfg.model.path):
+        raise ConfigError(f"model.path {cfg.model.path!r} ties its input and output embeddings, and the engine at "
+                          f"rollout.engine.url {r.engine.url} serves it as it is: vLLM's weight reload would keep its "
+                          "old output layer. Leave rollout.engine.url out (harness then starts the engine from an "
+                          "untied view of the model), or train with LoRA (trainer.lora.rank)")
     from proxy.tool_parsers import known_parsers
 
     if r.tool_parser not in known_parsers():

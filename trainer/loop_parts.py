@@ -18,7 +18,7 @@ from trainer.experience import Experience, mean
 from trainer.fsdp import Dist, full_state_dict, shard, shutdown
 from trainer.lora import ADAPTER_NAME, adapters_in_use, spec_of, with_adapter
 from trainer.policy import load_policy
-from trainer.rollout import Rollouts, sampling_seed
+from trainer.rollout import Rollouts, engine_model_dir, sampling_seed
 from trainer.schedule import lr_factor
 from trainer.tracking import Tracker
 from trainer.weight_sync import WeightSync
@@ -45,7 +45,7 @@ def weight_sync(rollouts: Rollouts, cfg: TrainConfig, out) -> WeightSync:
     """How new weights reach the rollouts' engines: a full checkpoint per push, or with LoRA the adapter."""
     lora = spec_of(cfg.trainer.lora) is not None
     return WeightSync(rollouts.engine.base_url, out / ("adapters" if lora else "weights"), proxy_url=rollouts.url,
-                      proxy_admin_token=rollouts.admin_token, model_dir=cfg.model.path,
+                      proxy_admin_token=rollouts.admin_token, model_dir=engine_model_dir(cfg, out),
                       keep=adapters_in_use(cfg.rollout.async_.max_staleness) if lora else 2,
                       more_engine_urls=tuple(e.base_url for e in rollouts.more_engines),
                       adapter=ADAPTER_NAME if lora else None)

@@ -30,6 +30,7 @@ from proxy.roles import RoleRule
 from proxy.server import ProxyServer
 from trainer.config import TrainConfig, role_rules, trains
 from trainer.lora import ENGINE_ENV, adapters_in_use, engine_args, spec_of
+from trainer.tied import engine_view, ties_embeddings
 
 log = logging.getLogger("harness.train")
 GUARD_JUDGE = "guard"  # the judge name of the guard's penalty in `judgements` (rollout.guard.penalty)
@@ -265,13 +266,17 @@ def start_engines(cfg: TrainConfig, out: Path) -> list[Engine]:
     e = cfg.rollout.engine
     if e.url:
         return [attach(url) for url in (e.url, *e.more_urls)]
+    served = engine_model_dir(cfg, out)
+    if served != Path(cfg.model.path):  # tied embeddings: the engines serve the untied view
+        engine_view(cfg.model.path, served)
     lora = spec_of(cfg.trainer.lora)
     loaded = adapters_in_use(cfg.rollout.async_.max_staleness)
     extra, env = [*(engine_args(lora, loaded) if lora else []), *e.extra_args], ENGINE_ENV if lora else None
     started = []
     try:
         for k in range(cfg.rollout.engines):
-            started.append(start_vllm(cfg.model.path, out / "logs" / (f"engine{k}" if k else ""),
+            started.append(start_vllm(served, out / "logs" / (f"engine{k}" if k else ""),
+                                      served_model_name=Path(cfg.model.path).name,
                                       max_model_len=e.max_model_len, extra_args=extra, env=env,
                                       share=(k, cfg.rollout.engines) if cfg.rollout.engines > 1 else None))
     except BaseException:
@@ -279,6 +284,14 @@ def start_engines(cfg: TrainConfig, out: Path) -> list[Engine]:
             engine.stop()
         raise
     return started
+
+
+def engine_model_dir(cfg: TrainConfig, out: Path) -> Path:
+    """The model directory the engines serve and every push rewrites: the model itself, or for a model that ties
+    its embeddings, trained with full weights, its untied view in the run directory (trainer/tied.py)."""
+    if spec_of(cfg.trainer.lora) is None and ties_embeddings(cfg.model.path):
+        return out / "engine-model"
+    return Path(cfg.model.path)
 
 
 def sampling_seed(cfg: TrainConfig) -> int | None:

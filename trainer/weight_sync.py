@@ -28,8 +28,8 @@ trainer.lora.adapters_in_use), so a call the proxy sent just before the notify, 
 older version, still finds its adapter.
 
 The reload routes exist when the server runs with VLLM_SERVER_DEV_MODE=1 (running/vllm_server.py's start_vllm sets it).
-Models must have untied input and output embeddings: with tied ones vLLM's reload_weights silently keeps the
-old output layer.
+The engine's model must have untied input and output embeddings: with tied ones vLLM's reload_weights keeps the old
+output layer. A tied model is trained tied and served untied (trainer/tied.py): a push writes its output layer out.
 
 Pure stdlib HTTP (urllib, no environment proxies: HTTP(S)_PROXY may point at our own recording proxy).
 """
@@ -50,6 +50,7 @@ import torch
 
 from trainer.checkpoint import copy_model_files, fsync_path
 from trainer.lora import save_adapter
+from trainer.tied import untied
 
 __all__ = ["WeightSync", "WeightSyncError"]
 
@@ -133,8 +134,7 @@ class WeightSync:
             else:
                 state = weights.state_dict() if isinstance(weights, torch.nn.Module) else weights
                 self._write_configs(tmp, getattr(weights, "config", None))
-                tensors = {name: t.detach().to("cpu").contiguous() for name, t in state.items()}
-                _check_not_shared(tensors)
+                tensors = untied({name: t.detach().to("cpu").contiguous() for name, t in state.items()})
                 written = tmp / "model.safetensors"
                 save_file(tensors, written, metadata={"format": "pt"})
             fsync_path(written)
@@ -287,9 +287,9 @@ class WeightSync:
                              "its config files; give WeightSync(model_dir=...) or push the model itself")
         written = json.loads((out / "config.json").read_text(encoding="utf-8"))
         if written.get("tie_word_embeddings", False):
-            raise ValueError("the model ties its input and output embeddings (tie_word_embeddings: true): vLLM's "
-                             "reload_weights would keep the old output layer; untie them before training "
-                             "(copy embed_tokens into lm_head and set tie_word_embeddings false)")
+            raise ValueError("the engine's model ties its input and output embeddings (tie_word_embeddings: true): "
+                             "vLLM's reload_weights would keep the old output layer; give model_dir the untied view "
+                             "the engine serves (trainer/tied.py engine_view)")
 
     def _prune(self, keep_also: Path) -> None:
         versions = sorted((p for p in self.work_dir.glob("v*") if p.is_dir() and p.name[1:].isdigit()),
@@ -327,13 +327,3 @@ def _post(url: str, body: dict, timeout_s: float, token: str | None) -> tuple[in
 
 def _shown(answer: Any) -> str:
     return repr(answer if not isinstance(answer, str | bytes) else answer[:300])[:300]
-
-
-def _check_not_shared(tensors: Mapping[str, torch.Tensor]) -> None:
-    seen: dict[tuple[int, int], str] = {}
-    for name, t in tensors.items():
-        key = (t.untyped_storage().data_ptr(), t.storage_offset())
-        if key in seen and t.numel():
-            raise ValueError(f"weights {seen[key]!r} and {name!r} share memory (tied): vLLM's reload_weights "
-                             "would keep the old output layer; untie them before training")
-        seen[key] = name

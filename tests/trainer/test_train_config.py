@@ -350,3 +350,21 @@ def test_docs_hold_the_generated_key_reference():
         "docs/training.md's key reference is stale: regenerate it with `python -m trainer.config --markdown`")
     for key, _ in _fields(TrainConfig):
         assert f"`{key}`" in doc, f"docs/training.md does not list {key}"
+
+
+@pytest.mark.parametrize("tie", [True, None, False])
+def test_a_tied_model_on_an_engine_the_user_started_is_refused_when_the_config_loads(tmp_path, tie):
+    """vLLM's reload would keep such an engine's output layer; harness's own engines serve an untied view
+    (trainer/tied.py), and LoRA leaves the embeddings frozen, so only this pair is refused (a config that does not
+    say ties, as transformers reads it)."""
+    (tmp_path / "model").mkdir()
+    config = {"model_type": "llama"} if tie is None else {"model_type": "llama", "tie_word_embeddings": tie}
+    (tmp_path / "model" / "config.json").write_text(json.dumps(config))
+    attached = {"rollout": {"engine": {"url": "http://127.0.0.1:8000"}}}
+    if tie is False:
+        load_config(write_config(tmp_path, attached))
+        return
+    with pytest.raises(ConfigError, match=r"ties its input and output embeddings.*Leave rollout.engine.url out"):
+        load_config(write_config(tmp_path, attached))
+    load_config(write_config(tmp_path))  # harness starts the engine
+    load_config(write_config(tmp_path, {**attached, "trainer": {"lora": {"rank": 8}}}))

@@ -114,7 +114,7 @@ def test_an_engine_without_pause_reloads_without_it(tiny_model_dir, tmp_path):
         routes.close()
 
 
-def test_unreachable_engine_and_tied_embeddings_are_named(dev_routes, tiny_model_dir, tmp_path):
+def test_unreachable_engine_and_a_tied_engine_config_are_named(dev_routes, tiny_model_dir, tmp_path):
     model = _model(tiny_model_dir)
     with pytest.raises(WeightSyncError, match=r"POST http://127.0.0.1:9/pause\?mode=keep failed.*Connection refused"):
         WeightSync("http://127.0.0.1:9/v1", tmp_path / "a", model_dir=tiny_model_dir, timeout_s=5).push(model, 1)
@@ -122,11 +122,27 @@ def test_unreachable_engine_and_tied_embeddings_are_named(dev_routes, tiny_model
     with pytest.raises(ValueError, match="tie_word_embeddings"):
         WeightSync(dev_routes.url, tmp_path / "b").push(model, 1)
     state = dict(model.state_dict(), **{"lm_head.weight": model.model.embed_tokens.weight})
-    with pytest.raises(ValueError, match="share memory"):
-        WeightSync(dev_routes.url, tmp_path / "c", model_dir=tiny_model_dir).push(state, 1)
     with pytest.raises(ValueError, match="needs model_dir"):
         WeightSync(dev_routes.url, tmp_path / "d").push(state, 1)
     assert dev_routes.calls == []
+
+
+def test_a_tied_state_is_written_with_its_output_layer_as_its_own_tensor(tiny_model_dir, tmp_path):
+    """The trainer keeps a tied model tied; the untied engine (trainer/tied.py) gets the output layer written out,
+    equal to the trained embeddings, whether the state shares the tensor or leaves it out."""
+    import torch
+    from safetensors.torch import load_file
+
+    model = _model(tiny_model_dir)
+    embeddings = model.model.embed_tokens.weight
+    shared = dict(model.state_dict(), **{"lm_head.weight": embeddings})
+    left_out = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    sync = WeightSync("http://127.0.0.1:9", tmp_path / "w", model_dir=tiny_model_dir)
+    for version, state in enumerate((shared, left_out), start=1):
+        weights_dir, _ = sync.write(state, version)
+        written = load_file(weights_dir / "model.safetensors")
+        assert torch.equal(written["lm_head.weight"], embeddings.detach())
+        assert torch.equal(written["model.embed_tokens.weight"], embeddings.detach())
 
 
 # --- the real engine (engine tier) -----------------------------------------------------------------------------------

