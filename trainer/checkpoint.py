@@ -233,7 +233,7 @@ def save_hf(
     tmp.mkdir(parents=True)
     copy_model_files(config_dir, tmp)
 
-    tensors = _unshared_contiguous(model_state_dict)
+    tensors = unshared_contiguous(model_state_dict)
     shards = _split(tensors, max_shard_bytes)
     if len(shards) == 1:
         save_file(shards[0], tmp / "model.safetensors", metadata={"format": "pt"})
@@ -258,7 +258,7 @@ def save_hf(
     return out
 
 
-def _unshared_contiguous(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def unshared_contiguous(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """safetensors refuses tensors that share memory (tied embeddings in a plain state dict): copy those."""
     seen: set[int] = set()
     result = {}

@@ -108,7 +108,8 @@ def shutdown() -> None:
 
 
 def _units(model) -> list:
-    """The modules to shard, innermost first: each decoder layer, the decoder, the output layer.
+    """The modules to shard, innermost first: each decoder layer, the decoder, the output layer (with tied
+    embeddings, the input and output embeddings together as one unit, before the decoder).
 
     The decoder and the output layer are units of their own, not left to the root, because the trainer calls
     them separately (trainer/policy.py runs the decoder once, then the output layer on chunks of positions): a
@@ -116,12 +117,30 @@ def _units(model) -> list:
     `_no_split_modules` (e.g. Qwen2DecoderLayer).
     """
     names = set(getattr(model, "_no_split_modules", None) or ())
-    units = [module for module in model.modules() if type(module).__name__ in names and module is not model]
+    units: list = [module for module in model.modules() if type(module).__name__ in names and module is not model]
+    tied = _tied_embeddings(model)
+    if tied is not None:  # one unit for both: a parameter in two units would become two parameters, untied
+        units.append(list(tied))
     for getter in ("get_decoder", "get_output_embeddings"):
         module = getattr(model, getter)() if hasattr(model, getter) else None
-        if module is not None and module is not model and all(module is not unit for unit in units):
+        if module is not None and module is not model and all(module is not unit for unit in units) and not (
+                tied is not None and module is tied[1]):
             units.append(module)
     return units
+
+
+def _tied_embeddings(model) -> tuple | None:
+    """(input, output) embedding modules when they share their weight (tie_word_embeddings), else None."""
+    get_in, get_out = getattr(model, "get_input_embeddings", None), getattr(model, "get_output_embeddings", None)
+    inputs, outputs = (get_in() if get_in else None), (get_out() if get_out else None)
+    if inputs is None or outputs is None or inputs is outputs:
+        return None
+    return (inputs, outputs) if getattr(inputs, "weight", None) is getattr(outputs, "weight", False) else None
+
+
+def _unit_tensors(unit) -> list:
+    modules = unit if isinstance(unit, list) else [unit]
+    return [t for m in modules for t in (*m.parameters(), *m.buffers())]
 
 
 def shard(
@@ -163,7 +182,7 @@ def shard(
     units = _units(model)
     for unit in units:
         fully_shard(unit, **kwargs)
-    covered = {id(t) for unit in units for t in (*unit.parameters(), *unit.buffers())}
+    covered = {id(t) for unit in units for t in _unit_tensors(unit)}
     if not units or any(id(p) not in covered for p in model.parameters()):
         fully_shard(model, **kwargs)
     else:  # the root stays a plain module: bring its own buffers (if any) where fully_shard put the rest

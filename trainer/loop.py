@@ -58,6 +58,7 @@ from trainer.loop_parts import (
     validate,
     weight_sync,
     wind_down,
+    write_trained,
 )
 from trainer.lora import spec_of
 from trainer.policy import collate, load_policy, micro_batches, padded, token_logprobs
@@ -197,6 +198,7 @@ def _train(cfg: TrainConfig, dist: Dist) -> dict[str, float]:
                 metrics["time/checkpoint_s"] = time.perf_counter() - t0
             metrics["time/step_s"] = time.perf_counter() - started
             log_metrics(tracker, step, metrics)
+        write_trained(model, cfg, out, dist)
     finally:
         if ahead is not None:
             ahead.close()

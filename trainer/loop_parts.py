@@ -4,6 +4,7 @@ winding a run down, and small distributed helpers."""
 
 from __future__ import annotations
 
+import logging
 import random
 import time
 
@@ -13,15 +14,18 @@ from harness.core.records import Sample
 from harness.running.report import pass_at_k
 from proxy.config import SamplingOverrides
 from trainer import algorithms as algo
+from trainer.checkpoint import save_hf
 from trainer.config import TrainConfig, config_to_dict, run_dir
 from trainer.experience import Experience, mean
 from trainer.fsdp import Dist, full_state_dict, shard, shutdown
-from trainer.lora import ADAPTER_NAME, adapters_in_use, spec_of, with_adapter
+from trainer.lora import ADAPTER_NAME, adapters_in_use, save_adapter, spec_of, with_adapter
 from trainer.policy import load_policy
 from trainer.rollout import Rollouts, engine_model_dir, sampling_seed
 from trainer.schedule import lr_factor
 from trainer.tracking import Tracker
 from trainer.weight_sync import WeightSync
+
+log = logging.getLogger("harness.train")
 
 
 def policy_and_optimizer(cfg: TrainConfig, dist: Dist, total_steps: int):
@@ -150,3 +154,18 @@ def log_metrics(tracker: Tracker | None, step: int, metrics: dict) -> None:
 def seed_all(seed: int) -> None:
     random.seed(seed)
     torch.manual_seed(seed)
+
+
+def write_trained(model, cfg: TrainConfig, out, dist: Dist) -> None:
+    """The end of a run: the trained model as a plain model directory that transformers and vLLM load
+    (`<run>/hf`: weights in the trained dtype, the base's config, tokenizer and template, its embeddings tied as
+    the base had them), or with LoRA the adapter alone (`<run>/adapter`; harness export --merge makes a whole
+    model of it). A collective: every rank calls it."""
+    state = full_state_dict(model, dist)
+    if not dist.is_main:
+        return
+    if spec_of(cfg.trainer.lora) is None:
+        log.info("the trained model: %s", save_hf(state, cfg.model.path, out / "hf"))
+    else:
+        save_adapter(model, out / "adapter", state)
+        log.info("the trained adapter: %s", out / "adapter")

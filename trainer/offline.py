@@ -39,10 +39,9 @@ from harness.running.tasks import read_tasks
 from harness.store.database import Store
 from trainer import algorithms as algo
 from trainer import loop_parts as parts
-from trainer.checkpoint import check_resume, find_resume, load, save, save_hf
+from trainer.checkpoint import check_resume, find_resume, load, save
 from trainer.config import Mode, TrainConfig, config_to_dict, run_dir, save_resolved
-from trainer.fsdp import Dist, full_state_dict, init_distributed, metrics_over_ranks, most_over_ranks, shutdown
-from trainer.lora import save_adapter
+from trainer.fsdp import Dist, init_distributed, metrics_over_ranks, most_over_ranks, shutdown
 from trainer.offline_data import OfflineData, OfflineDataError
 from trainer.policy import collate, micro_batches, padded, token_logprobs
 from trainer.rollout import start_rollouts
@@ -149,12 +148,7 @@ def _train(cfg: TrainConfig, mode: Mode, dist: Dist) -> dict[str, float]:
                 save(out, step, model, optimizer, scheduler, {"mode": mode, "plan": fingerprint}, dist)
             metrics["time/step_s"] = time.perf_counter() - started
             parts.log_metrics(tracker, step, metrics)
-        state = full_state_dict(model, dist)  # a collective
-        if dist.is_main and t.lora.rank == 0:
-            log.info("the trained model: %s", save_hf(state, cfg.model.path, out / "hf"))
-        elif dist.is_main:  # the adapter alone, as vLLM loads it (harness export --merge makes a whole model of it)
-            save_adapter(model, out / "adapter", state)
-            log.info("the trained adapter: %s", out / "adapter")
+        parts.write_trained(model, cfg, out, dist)
     finally:
         parts.wind_down(tracker, rollouts)
         if store is not None:

@@ -44,13 +44,11 @@ def ties_embeddings(model_dir: str | Path) -> bool:
 
 
 def untied(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A state dict as an untied engine loads it: the output layer as its own tensor (a copy of the embeddings
-    when the dict ties, or leaves out, the output layer), and no two tensors sharing memory."""
-    out, seen = {}, {}
-    for name, t in tensors.items():
-        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
-        out[name] = t.clone() if key in seen and t.numel() else t
-        seen.setdefault(key, name)
+    """A state dict as an untied engine loads it, on the CPU: the output layer as its own tensor (a copy of the
+    embeddings when the dict ties, or leaves out, the output layer), and no two tensors sharing memory."""
+    from trainer.checkpoint import unshared_contiguous
+
+    out = unshared_contiguous(tensors)
     if OUTPUT not in out and EMBEDDINGS in out:
         out[OUTPUT] = out[EMBEDDINGS].clone()
     return out

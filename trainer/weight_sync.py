@@ -134,7 +134,7 @@ class WeightSync:
             else:
                 state = weights.state_dict() if isinstance(weights, torch.nn.Module) else weights
                 self._write_configs(tmp, getattr(weights, "config", None))
-                tensors = untied({name: t.detach().to("cpu").contiguous() for name, t in state.items()})
+                tensors = untied(state)
                 written = tmp / "model.safetensors"
                 save_file(tensors, written, metadata={"format": "pt"})
             fsync_path(written)

@@ -16,6 +16,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 
 from trainer.fsdp import Dist, all_reduce_mean, init_distributed, launch, shutdown, under_torchrun
 
@@ -147,6 +148,21 @@ def test_two_process_fsdp_matches_one_unsharded_process(tmp_path, tiny_model_dir
     # The unsharded reference itself: both loss paths agree.
     reference = single["forward"]
     assert abs(single["decoder_head"]["loss"] - reference["loss"]) <= 1e-6 * abs(reference["loss"])
+
+
+def test_tied_embeddings_stay_one_parameter_on_two_ranks(tmp_path, tied_model, monkeypatch):
+    """With tied embeddings, FSDP2 shards the input and output embeddings as one unit: the shared weight stays one
+    parameter, trained once, as in one unsharded process (two units would make it two parameters, untied)."""
+    sharded, _, single = _run_worker(tmp_path, tied_model, monkeypatch)
+    for name in ("forward", "decoder_head", "options"):
+        result, reference = sharded[name], single["forward"]
+        assert set(result["grads"]) == set(reference["grads"]) and "lm_head.weight" not in reference["grads"]
+        assert _max_rel(result["grads"], reference["grads"]) <= 1e-5, name
+        params = result["params"]
+        assert torch.equal(params["lm_head.weight"], params["model.embed_tokens.weight"]), name
+        # A tenth of one AdamW step (lr 1e-3): the tied weight's gradient sums its two uses in another order on two
+        # ranks, and Adam's first step divides by |grad|, so its rows of near-zero gradient move a little apart.
+        assert max((params[k] - reference["params"][k]).abs().max().item() for k in reference["params"]) <= 1e-4
 
 
 def test_one_process_without_torchrun_gets_a_one_rank_group(monkeypatch):

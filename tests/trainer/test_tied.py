@@ -4,7 +4,6 @@ writes."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -12,19 +11,6 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from trainer.tied import engine_view, ties_embeddings
-
-
-@pytest.fixture
-def tied_model(tiny_model_dir, tmp_path) -> Path:
-    """The tiny model with its output layer tied to its embeddings, saved as transformers saves a tied model."""
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-    model.config.tie_word_embeddings = True
-    model.tie_weights()
-    out = tmp_path / "tied"
-    model.save_pretrained(out)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        (out / name).write_bytes((tiny_model_dir / name).read_bytes())
-    return out
 
 
 def test_ties_embeddings_reads_the_config_as_transformers_does(tmp_path, tiny_model_dir, tied_model):

