@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 
     from trainer.fsdp import Dist
 
-__all__ = ["ResumeError", "check_resume", "save", "find_resume", "load", "save_hf"]
+__all__ = ["ResumeError", "check_resume", "checkpoint_model", "save", "find_resume", "load", "save_hf"]
 
 log = logging.getLogger(__name__)
 
@@ -201,6 +201,31 @@ def _options(model):
 
 
 # ---------------------------------------------------------------------------------------------------- HF format
+
+
+def checkpoint_model(path: str | Path, base: str | Path, out: str | Path) -> Path:
+    """A full-weight checkpoint (`<run>/checkpoints/step_<k>`) as a plain model directory `out` that transformers
+    and vLLM load: its model weights in the base's dtype, with the base's config, tokenizer and template (tied
+    embeddings tied as the base has them). One process, no process group; the optimizer state is not read."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    from trainer.policy import load_policy
+
+    path = Path(path)
+    if not (path / _META).is_file():
+        raise FileNotFoundError(f"{str(path)!r} is not a complete checkpoint (no {_META}): give one of "
+                                "<run>/checkpoints/step_<k>")
+    model = load_policy(base)
+    state = {"model": get_model_state_dict(model)}
+    try:
+        dcp.load(state, checkpoint_id=path / "state")
+    except Exception as exc:  # another model's checkpoint: missing or mismatched tensors
+        raise ValueError(f"checkpoint {str(path)!r} does not hold the weights of {str(base)!r} ({type(exc).__name__}: "
+                         f"{str(exc)[:300]}); give the run's model.path as the base (a LoRA checkpoint holds only "
+                         "the adapter: use <run>/adapters/v... with harness export --merge)") from None
+    model.load_state_dict(state["model"])
+    return save_hf(model.state_dict(), base, out)
 
 
 def copy_model_files(model_dir: Path, out: Path) -> None:

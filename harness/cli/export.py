@@ -27,12 +27,15 @@ def add_parser(verbs) -> None:
         "fine-tuning (messages and tools as TRL's SFT trainer reads them; each assistant message has weight 1 "
         "if the model gave it, 0 if the agent wrote it) or token records for RL (the engine's ids, loss mask, "
         "logprobs, reward and GRPO advantage); docs/export.md. With --merge: a LoRA adapter (e.g. "
-        "<run>/adapters/v000012) merged into its base model, written as a plain model directory.",
+        "<run>/adapters/v000012) merged into its base model, written as a plain model directory. With --checkpoint: a "
+        "training checkpoint as a plain model directory.",
     )
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--run", metavar="RUN", help="the run whose episodes to export (harness sql \"SELECT DISTINCT "
                       "run_id FROM episode_summary\")")
     what.add_argument("--merge", type=Path, metavar="ADAPTER", help="the LoRA adapter directory to merge")
+    what.add_argument("--checkpoint", type=Path, metavar="CKPT", help="a full-weight checkpoint of harness train "
+                      "(<run>/checkpoints/step_<k>) to write as a plain model directory")
     p.add_argument("--out", type=Path, required=True, help="the file (or, for --format hf and --merge, the "
                    "directory) to write; must not exist")
     p.add_argument("--db", type=Path, default=options.DEFAULT_RUN_DIR / "harness.duckdb",
@@ -44,7 +47,8 @@ def add_parser(verbs) -> None:
     p.add_argument("--where", metavar="SQL", help="keep the episodes this SQL predicate holds for, e.g. "
                    "'reward >= 1'; columns: " + ", ".join(EPISODE_COLUMNS))
     p.add_argument("--model", type=Path, help="with --merge: the base model directory (default: the one the "
-                   "adapter names)")
+                   "adapter names); with --checkpoint: the run's model.path (default: the one its "
+                   "config.resolved.yaml names)")
     p.set_defaults(func=main)
 
 
@@ -57,6 +61,8 @@ def main(args) -> int:
         return 2
     if args.merge is not None:
         return _merge_main(args)
+    if args.checkpoint is not None:
+        return _checkpoint_main(args)
     from harness.store.export import ExportError, records, write
     from harness.store.sql import Reader, SqlError
 
@@ -84,6 +90,29 @@ def _merge_main(args) -> int:
         return 2
     merge(adapter, base, out)
     print(f"merged {adapter} into {base}: {out}", file=sys.stderr)
+    return 0
+
+
+def _checkpoint_main(args) -> int:
+    import yaml
+
+    from trainer.checkpoint import checkpoint_model
+
+    base = args.model
+    resolved = args.checkpoint.resolve().parent.parent / "config.resolved.yaml"
+    if base is None and resolved.is_file():
+        base = Path(((yaml.safe_load(resolved.read_text()) or {}).get("harness") or {}).get("model", {}).get("path")
+                    or "")
+    if base is None or not (base / "config.json").is_file():
+        print(f"error: no base model for {str(args.checkpoint)!r}: give the run's model.path with --model (looked "
+              f"for {str(resolved)!r})", file=sys.stderr)
+        return 2
+    try:
+        out = checkpoint_model(args.checkpoint, base, args.out)
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"checkpoint {args.checkpoint} with {base}'s config: {out}", file=sys.stderr)
     return 0
 
 

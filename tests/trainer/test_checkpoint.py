@@ -351,3 +351,37 @@ def test_save_hf_copies_tied_weights(tmp_path, tiny_model_dir):
     assert torch.equal(loaded["a.weight"], shared) and torch.equal(loaded["b.weight"], shared)
     with pytest.raises(FileNotFoundError, match="no config.json"):
         save_hf({"a": shared}, tmp_path, tmp_path / "other")
+
+
+def test_a_checkpoint_becomes_a_plain_model_directory_tied_as_its_base(one_rank, tmp_path, tied_model):
+    """`harness export --checkpoint`: a training checkpoint of a tied model (sharded as the trainer shards it) as a
+    model directory transformers loads tied, with the trained weights; a wrong base or a non-checkpoint is named."""
+    import subprocess
+    import sys
+
+    import torch
+    import yaml
+    from transformers import AutoModelForCausalLM
+
+    from trainer.fsdp import full_state_dict, shard
+    from trainer.policy import load_policy
+
+    model = shard(load_policy(tied_model), one_rank)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(input_ids=torch.tensor([[1, 2, 3, 4, 5]])).logits.square().mean().backward()
+    optimizer.step()
+    trained = full_state_dict(model, one_rank)
+    run = tmp_path / "run"
+    path = save(run, 1, model, optimizer, None, {}, one_rank)
+    (run / "config.resolved.yaml").write_text(yaml.safe_dump({"harness": {"model": {"path": str(tied_model)}}}))
+    harness = [sys.executable, "-m", "harness.cli", "export", "--checkpoint"]
+    done = subprocess.run([*harness, str(path), "--out", str(tmp_path / "model")], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    out = AutoModelForCausalLM.from_pretrained(tmp_path / "model", dtype=torch.float32)
+    assert out.config.tie_word_embeddings and out.lm_head.weight.data_ptr() == out.model.embed_tokens.weight.data_ptr()
+    assert all(torch.equal(out.state_dict()[k], v) for k, v in trained.items())
+    assert not torch.equal(trained["model.embed_tokens.weight"],
+                           load_policy(tied_model).state_dict()["model.embed_tokens.weight"])  # it did train
+    bad = subprocess.run([*harness, str(tmp_path), "--out", str(tmp_path / "x"), "--model", str(tied_model)],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and "is not a complete checkpoint" in bad.stderr and not (tmp_path / "x").exists()
