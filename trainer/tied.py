@@ -18,8 +18,6 @@ when the config loads. With LoRA nothing changes: the embeddings stay frozen and
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -60,6 +58,7 @@ def engine_view(model_dir: str | Path, out_dir: str | Path) -> Path:
     written out, every other file (tokenizer, template) as the model has it."""
     from safetensors.torch import load_file, save_file
 
+    from harness.running.model_dir import write_model_dir
     from trainer.checkpoint import copy_model_files
 
     model_dir, out = Path(model_dir), Path(out_dir)
@@ -78,16 +77,10 @@ def engine_view(model_dir: str | Path, out_dir: str | Path) -> Path:
     config["tie_word_embeddings"] = False
     if isinstance(config.get("text_config"), dict):
         config["text_config"]["tie_word_embeddings"] = False
-    out.parent.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
-        copy_model_files(model_dir, work)
-        (work / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
-        save_file(tensors, str(work / "model.safetensors"), metadata={"format": "pt"})
-        if out.exists():
-            shutil.rmtree(out)
-        work.rename(out)
-    except BaseException:
-        shutil.rmtree(work, ignore_errors=True)
-        raise
-    return out
+
+    def write(folder: Path) -> None:
+        copy_model_files(model_dir, folder)
+        (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+        save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+
+    return write_model_dir(out, write)

@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import shutil
-import tempfile
 from pathlib import Path
+
+from harness.running.model_dir import write_model_dir
 
 __all__ = ["GGUF_NAME", "PACKAGE", "SmolLM2Error", "build_smollm2", "find_gguf"]
 
@@ -53,18 +53,7 @@ def build_smollm2(out_dir: str | Path, gguf: str | Path | None = None) -> Path:
     if importlib.util.find_spec("gguf") is None:
         raise SmolLM2Error(f"reading {source.name} needs the `gguf` package: {_INSTALL}")
     tokenizer, model = _load(source)
-    out = Path(out_dir)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=f".{out.name}.building-", dir=out.parent))
-    try:
-        _write(tokenizer, model, work)
-        if out.exists():
-            shutil.rmtree(out)
-        work.rename(out)
-    except BaseException:
-        shutil.rmtree(work, ignore_errors=True)
-        raise
-    return out
+    return write_model_dir(out_dir, lambda folder: _write(tokenizer, model, folder))
 
 
 def _load(source: Path):
