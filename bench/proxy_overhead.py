@@ -6,7 +6,7 @@ thread and DuckDB share that one core); the scripted engine and the load generat
 process. The engine is `proxy.scripted_engine.ScriptedEngine` on uvloop, answering chat calls with 512 prompt ids and 32
 completion tokens with logprobs. Recording is on, into DuckDB files in a temp dir.
 
-Direct requests carry the body the proxy itself sends upstream (built with `proxy.forward.prepare`), so the engine
+Direct requests carry the body the proxy itself sends upstream (built with `proxy.request.prepare`), so the engine
 does the same work on every path. The byte relay copies bytes and parses nothing: the floor that any extra process
 hop pays on this pinning (the direct path's client and engine share core 1; a hop adds four cross-core wake-ups).
 The load generator is a minimal keep-alive HTTP/1.1 client on asyncio.Protocol (uvloop): an aiohttp client would

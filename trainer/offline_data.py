@@ -2,7 +2,7 @@
 advantage each carries.
 
     episodes of offline.run that offline.where keeps (harness.store.export.episodes: reward, status, task_id, ...)
-      -> their calls (harness.store.EPISODE_CALLS, read through harness.store.sql.Reader: a file a proxy is recording
+      -> their calls (store.database.EPISODE_CALLS, read through store.sql.Reader: a file a proxy is recording
          into is read through that proxy) -> merge_episode (the engine's own ids; and `retokenized` ones only with
          offline.allow_retokenized) -> the samples of the roles that train (roles.train) -> OfflineData
 

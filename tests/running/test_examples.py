@@ -1,5 +1,6 @@
 """Every example agent, unmodified, through `harness run`: against the real engine (engine tier), and the tool loop
-against a scripted engine that always asks for a tool (fast tier)."""
+against a scripted engine that always asks for a tool (fast tier).
+The tests on the real engine are in test_examples_engine.py."""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """`harness export --run`: recorded episodes as SFT chat records and RL token records (harness/store/export.py).
 
 Runs are recorded for real: `harness run` of the unmodified terse agent through the proxy in front of the scripted
-engine, answering like a hosted API (no token ids) or like vLLM (ids and logprobs)."""
+engine, answering like a hosted API (no token ids) or like vLLM (ids and logprobs).
+The tests on the real engine are in test_export_engine.py."""
 
 from __future__ import annotations
 

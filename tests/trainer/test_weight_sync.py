@@ -1,6 +1,7 @@
 """Weight sync: atomic weights directories, the engine's pause / reload / reset / resume sequence against a scripted
 engine (exact control over failures), and against the real vLLM: after a push the engine's greedy output is
-transformers' greedy output of the new weights, and the proxy records the pushed version on later calls."""
+transformers' greedy output of the new weights, and the proxy records the pushed version on later calls.
+The tests on the real engine are in test_weight_sync_engine.py."""
 
 from __future__ import annotations
 
