@@ -277,3 +277,55 @@ def test_the_critic_on_two_fsdp_ranks_makes_the_update_of_one_process(tmp_path, 
     assert _max_rel(two["state"], one["state"]) <= 1e-4
     assert all(torch.allclose(a, b, atol=1e-4) for a, b in zip(two["after"], one["after"], strict=True))
     assert any(v.abs().max() > 0 for v in one["after"])  # the zero head learned something
+
+
+SHUTDOWN_WORKER = textwrap.dedent(
+    '''
+    import sys
+    import time
+    from pathlib import Path
+
+    import torch.distributed
+
+    from trainer.fsdp import init_distributed, shutdown
+
+    mode, folder = sys.argv[1], Path(sys.argv[2])
+    dist = init_distributed(device="cpu")
+    if mode == "clean":  # rank 0 is still busy (writing the model) when rank 1 reaches the end
+        if dist.is_main:
+            time.sleep(1.0)
+            (folder / "rank0-wrote").write_text("done")
+        shutdown()
+        if not dist.is_main:
+            (folder / "rank1-saw").write_text(str((folder / "rank0-wrote").exists()))
+    else:  # rank 1 fails while rank 0 waits for something rank 1 would have sent: rank 1 must leave at once
+        if dist.is_main:
+            deadline = time.monotonic() + 60
+            while not (folder / "rank1-left").exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            (folder / "rank0-saw").write_text(str((folder / "rank1-left").exists()))
+            torch.distributed.destroy_process_group()  # rank 1 is gone: no barrier to meet it at
+        else:
+            try:
+                try:
+                    raise RuntimeError("rank 1 fails")
+                finally:
+                    shutdown()
+            except RuntimeError:
+                (folder / "rank1-left").write_text("left")
+    '''
+)
+
+
+@pytest.mark.parametrize("mode", ["clean", "failing"])
+def test_shutdown_waits_for_every_rank_on_a_clean_exit_only(tmp_path, monkeypatch, mode):
+    """A clean exit leaves the group together (a rank tearing it down under another died of SIGABRT in gloo); a rank
+    leaving with an exception does not wait for ranks that may be stuck in a collective."""
+    script = tmp_path / "shutdown_worker.py"
+    script.write_text(SHUTDOWN_WORKER)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    assert launch(2, [str(script), mode, str(tmp_path)]) == 0
+    if mode == "clean":
+        assert (tmp_path / "rank1-saw").read_text() == "True"  # rank 1 left only after rank 0 had finished
+    else:
+        assert (tmp_path / "rank0-saw").read_text() == "True"  # rank 1 left while rank 0 was still working
