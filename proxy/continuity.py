@@ -17,13 +17,20 @@ turned back into a chat completion (proxy/chat_answer.py).
 
 Matching is by canonical messages (role, text, tool calls as name + parsed arguments with sorted keys; ids and
 reasoning dropped) folded into rolling hashes, with the model name, tools and template arguments in the first
-one. Anything else falls back to the engine's chat rendering, and the call records why (`Call.extra`).
+one. Assistant messages count by their words (whitespace runs and ends ignored): many agents strip or collapse
+the whitespace of the replies they keep, or re-serialise tool arguments, and the model should go on from the ids
+it sampled, not from the tidied text; the call records which replies came back tidied (`normalised`). Other
+messages count exactly as sent: a user, system or tool message whose whitespace changed is another context. A
+reply whose words changed is the agent's edit (`edited`, with where), which the merger then reports as
+`reply_edited` rather than as retokenization drift. Anything that cannot be continued falls back to the engine's
+chat rendering, and the call records why (`Call.extra`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+import re
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -36,6 +43,7 @@ from harness.core.records import Call
 # Fallback reasons (Call.extra["continuity"]["reason"]).
 NO_EARLIER_CALL = "no_earlier_call"  # nothing of this episode to continue (its first call, or forgotten)
 HISTORY_NOT_RECORDED = "history_not_recorded"  # no earlier call + its reply is a prefix of these messages
+REPLY_EDITED = "reply_edited"  # the history follows an earlier call up to a reply whose words the agent changed
 NO_NEW_MESSAGES = "no_new_messages"  # the messages end with the earlier reply itself
 PARENT_EMPTY = "parent_empty"  # the earlier reply has no sampled token at all
 UNSUPPORTED = "unsupported_request"  # a request feature the completions path cannot reproduce (see detail)
@@ -43,6 +51,10 @@ RENDER_FAILED = "render_failed"  # the engine could not render the conversation 
 NOT_APPEND_ONLY = "template_not_append_only"  # rendering the new messages changed the rendering before them
 CLOSE_TOKEN_NOT_RENDERED = "close_token_not_rendered"  # the template's turn end was not found after the reply
 PROMPT_TOO_LONG = "prompt_too_long"  # the spliced prompt leaves no room to generate
+
+# What an agent may change in a reply it re-sends and still continue it (Call.extra["continuity"]["normalised"]).
+WHITESPACE = "whitespace"  # the same words, other whitespace between, before or after them
+TOOL_ARGUMENTS = "tool_arguments"  # the same parsed arguments, serialised otherwise (spacing, key order)
 
 # Request fields that change how a conversation is rendered: part of the match key.
 _TEMPLATE_FIELDS = ("tools", "chat_template_kwargs", "add_generation_prompt", "continue_final_message")
@@ -91,19 +103,29 @@ def _tool_calls(calls) -> list:
     return out
 
 
+def _words(text: str) -> str:
+    return " ".join(text.split())
+
+
 def canonical_message(message: dict) -> bytes:
-    """What of a message the template renders: role, text, tool calls (parsed), and which call a result answers."""
-    return orjson.dumps([message.get("role"), _text(message.get("content")), _tool_calls(message.get("tool_calls")),
+    """What of a message the template renders: role, text, tool calls (parsed), and which call a result answers.
+    An assistant message's text counts by its words: agents tidy the whitespace of the replies they keep, and the
+    model should go on from what it wrote (its ids), not from the tidied text. Other messages count as sent."""
+    text = _text(message.get("content"))
+    role = message.get("role")
+    return orjson.dumps([role, _words(text) if role == "assistant" else text, _tool_calls(message.get("tool_calls")),
                          message.get("tool_call_id"), message.get("name")])
 
 
 def canonical_reply(content, tool_calls) -> bytes:
-    """An assistant reply as the agent received it or echoes it back: text and parsed tool calls, no ids."""
-    return orjson.dumps(["assistant", _text(content), _tool_calls(tool_calls)])
+    """An assistant reply as the agent received it or echoes it back, tidied or not: its words (whitespace runs
+    and ends ignored) and parsed tool calls, no ids. Two replies with the same canonical form continue alike."""
+    return orjson.dumps(["assistant", _words(_text(content)), _tool_calls(tool_calls)])
 
 
 def prefix_hashes(body: dict) -> list[bytes]:
-    """h[i] identifies (model, template fields, messages[:i]); len(h) == len(messages) + 1."""
+    """h[i] identifies (model, template fields, messages[:i]) as canonical_message sees them (assistant messages
+    by their words); len(h) == len(messages) + 1."""
     key = orjson.dumps([body.get("model"), *(body.get(f) for f in _TEMPLATE_FIELDS)], option=orjson.OPT_SORT_KEYS)
     hashes = [_digest(key)]
     for message in body["messages"]:
@@ -115,6 +137,26 @@ def _extension_key(prefix_hash: bytes, reply: bytes) -> bytes:
     return _digest(prefix_hash, b"reply", reply)
 
 
+_WORD = re.compile(r"\S+")
+
+
+def first_edit(sent: str, sampled: str) -> int | None:
+    """Where `sent` first differs from `sampled` other than by whitespace, as an offset into `sent`; None when
+    only whitespace differs. A truncated text differs where it ends (after its last word)."""
+    words = [(m.start(), m.group()) for m in _WORD.finditer(sent)]
+    theirs = _WORD.findall(sampled)
+    for (start, word), other in zip(words, theirs, strict=False):
+        if word != other:
+            common = next((k for k, (a, b) in enumerate(zip(word, other, strict=False)) if a != b),
+                          min(len(word), len(other)))
+            return start + common
+    if len(words) > len(theirs):
+        return words[len(theirs)][0]
+    if len(words) < len(theirs):
+        return words[-1][0] + len(words[-1][1]) if words else 0
+    return None
+
+
 @dataclass
 class Parent:
     """One choice of an earlier call: the timeline a new request may continue."""
@@ -124,15 +166,32 @@ class Parent:
     prompt_ids: array
     completion_ids: array
     unusable: str | None  # why it cannot be continued token-exactly, or None
+    prefix: bytes  # the prefix hash of the request it answered
+    text: str  # the reply's text as the agent received it ("" for none)
+    tool_calls: list | None  # its tool calls as the agent received them
 
     @property
     def size(self) -> int:
         return len(self.prompt_ids) + len(self.completion_ids)
 
+    def normalised(self, message: dict) -> list[str]:
+        """How an echo of this reply (same canonical form) differs from what the agent received: [] if not at all."""
+        kinds = []
+        if _text(message.get("content")) != self.text:
+            kinds.append(WHITESPACE)
+        if _raw_arguments(message.get("tool_calls")) != _raw_arguments(self.tool_calls):
+            kinds.append(TOOL_ARGUMENTS)
+        return kinds
+
+
+def _raw_arguments(calls) -> list:
+    return [(c.get("function") or {}).get("arguments") if isinstance(c, dict) else c for c in calls or ()]
+
 
 @dataclass
 class _EpisodeTimelines:
     parents: dict[bytes, Parent] = field(default_factory=dict)  # extension key -> parent, oldest first
+    answered: dict[bytes, list[Parent]] = field(default_factory=dict)  # request's prefix hash -> its parents
     seen_prefixes: set[bytes] = field(default_factory=set)  # prefix hashes of requests recorded
     tokens: int = 0  # ids held by its parents (a prompt shared by n choices counts n times)
 
@@ -155,11 +214,23 @@ class Plan:
         return out
 
 
+@dataclass
+class Found:
+    """The reply a request continues and its index (or the fallback saying why there is none), and notes for the
+    call's record whatever serves it: `normalised` (tidied replies), `edited` (a reply the agent changed)."""
+
+    parent: Parent | None = None
+    reply_index: int = -1
+    fallback: Plan | None = None
+    notes: dict = field(default_factory=dict)
+
+
 class Timelines:
     """Per episode, the earlier calls' replies that a later request may continue. Bounded: an episode keeps its
     `max_parents` latest replies, and least recently used episodes are forgotten first when there are more than
     `max_episodes` or their ids exceed `max_tokens` (their later calls then fall back to chat rendering, with a
-    reason). The default budget, 32M ids, is 128 MB of int32."""
+    reason). The default budget, 32M ids, is 128 MB of int32 (a reply's text, kept to tell a tidied echo from an
+    edited one, is small next to the prompt ids)."""
 
     def __init__(self, max_episodes: int = 4096, max_tokens: int = 32_000_000, max_parents: int = 64):
         self.max_episodes, self.max_tokens, self.max_parents = max_episodes, max_tokens, max_parents
@@ -188,15 +259,18 @@ class Timelines:
             return
         ep = self._episode(call.episode_id, create=True)
         ep.seen_prefixes.update(hashes)
+        prefix = hashes[-1]
         prompt = array("i", call.prompt_ids)
         for choice in call.choices:
             if choice.completion_ids is None:
                 continue
             unusable = None if choice.completion_ids else PARENT_EMPTY
-            key = _extension_key(hashes[-1], canonical_reply(choice.text, choice.tool_calls))
-            parent = Parent(call.call_id, choice.index, prompt, array("i", choice.completion_ids), unusable)
+            key = _extension_key(prefix, canonical_reply(choice.text, choice.tool_calls))
+            parent = Parent(call.call_id, choice.index, prompt, array("i", choice.completion_ids), unusable, prefix,
+                            _text(choice.text), choice.tool_calls)
             self._drop(ep, ep.parents.pop(key, None))
             ep.parents[key] = parent
+            ep.answered.setdefault(prefix, []).append(parent)
             ep.tokens += parent.size
             self.tokens += parent.size
             if len(ep.parents) > self.max_parents:
@@ -207,29 +281,74 @@ class Timelines:
         if parent is not None:
             ep.tokens -= parent.size
             self.tokens -= parent.size
+            replies = ep.answered[parent.prefix]
+            replies.remove(parent)
+            if not replies:
+                del ep.answered[parent.prefix]
 
-    def find(self, episode_id: str, body: dict, hashes: list[bytes]) -> tuple[Parent | None, int, Plan | None]:
+    def find(self, episode_id: str, body: dict, hashes: list[bytes]) -> Found:
         """The parent whose request + reply is the longest prefix of these messages, and the reply's index; or a
-        fallback Plan saying why there is none."""
+        fallback Plan saying why there is none. Notes which remembered replies came back tidied, and a later
+        assistant message that answers a remembered request but is none of its replies (the agent edited it)."""
         ep = self._episode(episode_id, create=False)
         if ep is None or not ep.parents:
-            return None, -1, Plan("chat", NO_EARLIER_CALL)
+            return Found(fallback=Plan("chat", NO_EARLIER_CALL))
         messages = body["messages"]
-        for i in range(len(messages) - 1, -1, -1):
+        parent, i, edited_at = None, len(messages), -1
+        while parent is None and i > 0:
+            i -= 1
             message = messages[i]
             if message.get("role") != "assistant":
                 continue
             parent = ep.parents.get(_extension_key(hashes[i], canonical_reply(message.get("content"),
                                                                                 message.get("tool_calls"))))
-            if parent is None:
-                continue
-            if parent.unusable:
-                return None, i, Plan("chat", parent.unusable, {"parent_call": parent.call_id})
-            if i == len(messages) - 1:
-                return None, i, Plan("chat", NO_NEW_MESSAGES, {"parent_call": parent.call_id})
-            return parent, i, None
-        matched = max((i for i, h in enumerate(hashes) if h in ep.seen_prefixes), default=0)
-        return None, -1, Plan("chat", HISTORY_NOT_RECORDED, {"first_unmatched_message": matched})
+            if parent is None and edited_at < 0 and hashes[i] in ep.answered:
+                edited_at = i
+        notes = {}
+        if edited_at >= 0:
+            notes["edited"] = _edit(ep.answered[hashes[edited_at]], messages[edited_at], edited_at)
+        if parent is None:
+            if notes:
+                return Found(fallback=Plan("chat", REPLY_EDITED), notes=notes)
+            matched = max((k for k, h in enumerate(hashes) if h in ep.seen_prefixes), default=0)
+            return Found(fallback=Plan("chat", HISTORY_NOT_RECORDED, {"first_unmatched_message": matched}))
+        replies = [*self._replies(ep, messages[:i], hashes), (i, parent)]
+        normalised = [{"message": j, "kind": kind} for j, p in replies for kind in p.normalised(messages[j])]
+        if normalised:
+            notes["normalised"] = normalised
+        if parent.unusable:
+            return Found(fallback=Plan("chat", parent.unusable, {"parent_call": parent.call_id}), notes=notes)
+        if i == len(messages) - 1:
+            return Found(fallback=Plan("chat", NO_NEW_MESSAGES, {"parent_call": parent.call_id}), notes=notes)
+        return Found(parent, i, notes=notes)
+
+    @staticmethod
+    def _replies(ep: _EpisodeTimelines, messages: list[dict], hashes: list[bytes]):
+        """(index, parent) of each of these assistant messages that is a reply the episode still remembers."""
+        for j, message in enumerate(messages):
+            if message.get("role") == "assistant":
+                key = _extension_key(hashes[j], canonical_reply(message.get("content"), message.get("tool_calls")))
+                if (parent := ep.parents.get(key)) is not None:
+                    yield j, parent
+
+
+def _edit(replies: list[Parent], message: dict, index: int) -> dict:
+    """Where an assistant message differs from the closest of the replies its request was answered with: the
+    first character of its text, or (same words) the first tool call that differs."""
+    text, calls = _text(message.get("content")), _tool_calls(message.get("tool_calls"))
+    best, best_key = {}, None
+    for parent in replies:
+        at = first_edit(text, parent.text)
+        if at is None:
+            theirs = _tool_calls(parent.tool_calls)
+            at = next((k for k, (a, b) in enumerate(zip(calls, theirs, strict=False)) if a != b),
+                      min(len(calls), len(theirs)))
+            where, key = {"tool_call": at}, (1, at)
+        else:
+            where, key = {"char": at}, (0, at)
+        if best_key is None or key >= best_key:  # of equally close replies, the latest
+            best, best_key = {"message": index, **where, "parent_call": parent.call_id}, key
+    return best
 
 
 def unsupported(body: dict) -> str | None:
@@ -344,12 +463,15 @@ def completions_body(body: dict, plan: Plan) -> dict:
 async def plan(timelines: Timelines, episode_id: str, body: dict, hashes: list[bytes],
                session: aiohttp.ClientSession, base_url: str) -> Plan:
     """Decide how to serve one chat request: token-exact when it continues a recorded reply, else chat rendering."""
-    parent, reply_index, fallback = timelines.find(episode_id, body, hashes)
-    if fallback is not None:
-        return fallback
-    feature = unsupported(body)
-    if feature is not None:
-        return Plan("chat", UNSUPPORTED, {"field": feature, "parent_call": parent.call_id})
-    if timelines.no_render is not None:
-        return Plan("chat", RENDER_FAILED, {"error": timelines.no_render})
-    return await splice(timelines, session, base_url, body, parent, reply_index)
+    found = timelines.find(episode_id, body, hashes)
+    parent = found.parent
+    if found.fallback is not None:
+        how = found.fallback
+    elif (feature := unsupported(body)) is not None:
+        how = Plan("chat", UNSUPPORTED, {"field": feature, "parent_call": parent.call_id})
+    elif timelines.no_render is not None:
+        how = Plan("chat", RENDER_FAILED, {"error": timelines.no_render})
+    else:
+        how = await splice(timelines, session, base_url, body, parent, found.reply_index)
+    how.detail.update(found.notes)
+    return how

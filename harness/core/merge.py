@@ -6,10 +6,13 @@ whose mask marks exactly the engine-sampled tokens (completion ids, mask 1, with
 else (prompts, tool results, template text between turns: mask 0). Pure functions over records; no I/O.
 
 Every call that does not continue the closest earlier timeline says why (`Break`): the first call of the
-episode or of a role, a changed system prompt or tool list, a history that was cut or summarised, or
-retokenization drift (the earlier assistant turn came back as different tokens), with the first differing
-position and the tokens on both sides. A drifted call may still extend an ancestor of that timeline: it then
-merges there, the drifted reply is context (mask 0) and its Break says so. A call with n>1 choices is one
+episode or of a role, a changed system prompt or tool list, a history that was cut or summarised,
+retokenization drift (the earlier assistant turn came back as different tokens), or an earlier reply the agent
+edited, with the first differing position and the tokens on both sides. The merger sees only ids, so the last two
+look alike to it: a call whose record says the proxy found an edited reply in its history (proxy/continuity.py,
+`calls.extra.continuity.edited`) is `reply_edited`, and drift keeps meaning "the same text came back as other
+tokens". A drifted or edited call may still extend an ancestor of that timeline: it then merges there, the
+drifted reply is context (mask 0) and its Break says so. A call with n>1 choices is one
 branch point: its first choice carries the call's reason (or none), every other choice is an N_BRANCH sibling;
 a call that sends an earlier call's prompt again (a retry, a regenerate) is an N_BRANCH sibling of that call.
 
@@ -26,11 +29,12 @@ from harness.core.flags import cuts
 from harness.core.records import ENGINE, OK, Break, Call, Sample
 
 __all__ = ["DRIFT", "FIRST_CALL", "HISTORY_CHANGED", "MERGE_VERSION", "N_BRANCH", "NEW_ROLE", "REASONS",
-           "SYSTEM_CHANGED", "TOOLS_CHANGED", "Merged", "format_merge_summary", "merge_episode", "mergeable",
-           "summarise_merges"]  # fmt: skip
+           "REPLY_EDITED", "SYSTEM_CHANGED", "TOOLS_CHANGED", "Merged", "format_merge_summary", "merge_episode",
+           "mergeable", "reply_edited", "summarise_merges"]  # fmt: skip
 
 # Stored with every sample: bump it when merge_episode would build other samples from the same calls.
-MERGE_VERSION = 1
+# 2: a drift break of a call whose history holds an edited reply is reply_edited.
+MERGE_VERSION = 2
 
 # Break.reason values.
 FIRST_CALL = "first_call"  # the episode's first call
@@ -39,8 +43,9 @@ SYSTEM_CHANGED = "system_prompt_changed"  # same model name, another system prom
 TOOLS_CHANGED = "tools_changed"  # same model name and system prompt, another tool list
 HISTORY_CHANGED = "history_changed"  # the shared history differs before the last assistant turn (cut, summarised)
 DRIFT = "retokenization_drift"  # the history matches up to an assistant turn, whose tokens came back different
+REPLY_EDITED = "reply_edited"  # as DRIFT, but the agent changed that turn's text (the call's record says where)
 N_BRANCH = "n_branch"  # a sibling on the same prompt: choice 1.. of an n>1 call, or a call repeating a prompt
-REASONS = (FIRST_CALL, NEW_ROLE, SYSTEM_CHANGED, TOOLS_CHANGED, HISTORY_CHANGED, DRIFT, N_BRANCH)
+REASONS = (FIRST_CALL, NEW_ROLE, SYSTEM_CHANGED, TOOLS_CHANGED, HISTORY_CHANGED, DRIFT, REPLY_EDITED, N_BRANCH)
 
 _SHOWN = 8  # tokens of each side a Break keeps
 
@@ -100,6 +105,13 @@ class Merged:
         return sum(b.reason == DRIFT for b in self.breaks)
 
 
+def reply_edited(call: Call) -> bool:
+    """Whether the proxy found, in this call's history, an earlier reply whose words the agent changed
+    (`calls.extra.continuity.edited`: which message, and its first differing character or tool call)."""
+    continuity = call.extra.get("continuity")
+    return isinstance(continuity, dict) and continuity.get("edited") is not None
+
+
 def mergeable(call: Call, sources: tuple[str, ...] = (ENGINE,)) -> bool:
     """Calls that can be trained on: answered, with ids from one of `sources` (by default the engine's own)."""
     return call.status == OK and call.token_source in sources and call.prompt_ids is not None
@@ -122,6 +134,8 @@ def merge_episode(calls: list[Call], sources: tuple[str, ...] = (ENGINE,)) -> Me
         role = roles.setdefault(call.role_key, _Role())
         followups += bool(role.nodes)
         parent, why = _best_parent(call, role.nodes, previous)
+        if why is not None and why.reason == DRIFT and reply_edited(call):
+            why = replace(why, reason=REPLY_EDITED)  # the tokens differ because the text does
         first = True
         for choice in call.choices:
             if choice.completion_ids is None:

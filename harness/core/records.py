@@ -132,8 +132,8 @@ class Break:
     call_id: str  # the call
     choice_index: int  # its choice
     reason: str  # first_call, new_role, system_prompt_changed, tools_changed, history_changed, retokenization_drift,
-    #              or n_branch: choice 1.. of a call with n>1 choices, or a call that repeats an earlier prompt
-    position: int | None = None  # first differing token position in the prompt, for HISTORY_CHANGED / DRIFT
+    #              reply_edited, or n_branch: choice 1.. of a call with n>1 choices, or a call that repeats a prompt
+    position: int | None = None  # first differing token position in the prompt (history_changed, drift, edited)
     ours: list[int] | None = None  # a few tokens of the closest earlier timeline from that position
     theirs: list[int] | None = None  # the same span of this call's prompt
 

@@ -4,6 +4,7 @@ call that starts a new timeline says why. Hand-made cases, then random call tree
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -13,9 +14,13 @@ from harness.core.merge import (
     HISTORY_CHANGED,
     N_BRANCH,
     NEW_ROLE,
+    REASONS,
+    REPLY_EDITED,
     SYSTEM_CHANGED,
     TOOLS_CHANGED,
+    format_merge_summary,
     merge_episode,
+    summarise_merges,
 )
 from harness.core.records import ENGINE, ERROR, OK, Call, Choice
 
@@ -214,3 +219,48 @@ def test_random_call_trees_merge_exactly(seed):
         assert (sample.token_ids, sample.loss_mask, sample.logprobs) == (ids, mask, logprobs)
     assert seen == {(c.call_id, ch.index) for c in calls for ch in c.choices}  # every choice is in some sample
     assert merged.merged_tokens == sum(len(s.token_ids) for s in merged.samples) <= merged.per_call_tokens
+
+
+# --- replies the agent edited ------------------------------------------------------------------------------------
+
+def edited(c: Call, message: int = 2, char: int = 5) -> Call:
+    """The call as the proxy records it when the agent changed an earlier reply's words (proxy/continuity.py)."""
+    return replace(c, extra={"continuity": {"mode": "chat", "reason": "reply_edited",
+                                            "edited": {"message": message, "char": char, "parent_call": "c0"}}})
+
+
+def test_a_drift_whose_call_records_an_edited_reply_is_reply_edited():
+    c0 = call(0, [1, 2, 3], [10, 11, 12])
+    c1 = edited(call(1, [1, 2, 3, 10, 13, 4], [14]))  # the agent cut the reply short: 11 12 came back as 13
+    merged = merge_episode([c0, c1])
+    assert [(b.call_id, b.reason, b.position) for b in merged.breaks] == [("c0", FIRST_CALL, None),
+                                                                          ("c1", REPLY_EDITED, 4)]
+    assert (merged.breaks[1].ours, merged.breaks[1].theirs) == ([11, 12], [13, 4])
+    assert merged.n_drift == 0 and len(merged.samples) == 2 and REPLY_EDITED in REASONS
+    summary = summarise_merges([merged])
+    assert summary["drift_calls"] == 0 and summary["reasons"] == {FIRST_CALL: 1, REPLY_EDITED: 1}
+    assert "reply_edited 1" in format_merge_summary(summary)
+
+
+def test_an_edited_later_reply_merges_under_the_earlier_one_as_context():
+    """Served token-exactly from the first reply, the edited second reply is context (mask 0) of one sample."""
+    c0 = call(0, [1, 2], [10, 11])
+    c1 = call(1, [1, 2, 10, 11, 3], [20, 21, 22])
+    c2 = edited(call(2, [1, 2, 10, 11, 3, 20, 4], [30]), message=4)  # 21 22 cut: the edited reply ends early
+    merged = merge_episode([c0, c1, c2])
+    assert [(b.call_id, b.reason, b.position) for b in merged.breaks] == [("c0", FIRST_CALL, None),
+                                                                          ("c2", REPLY_EDITED, 6)]
+    by_leaf = {tuple(s.call_ids): s for s in merged.samples}
+    assert set(by_leaf) == {("c0", "c1"), ("c0", "c2")}
+    assert by_leaf[("c0", "c2")].loss_mask == [0, 0, 1, 1, 0, 0, 0, 1]
+
+
+def test_only_drift_is_relabelled_and_only_by_an_edit_record():
+    c0 = call(0, [1, 2, 3, 4], [10])
+    cut = edited(call(1, [1, 2, 7, 4, 10, 5], [11]))  # the history changed before the reply: not the reply's edit
+    assert merge_episode([c0, cut]).breaks[1].reason == HISTORY_CHANGED
+    tidied = replace(call(1, [1, 2, 3, 4, 99, 5], [11]), extra={"continuity": {
+        "mode": "chat", "reason": "render_failed", "normalised": [{"message": 2, "kind": "whitespace"}]}})
+    assert merge_episode([c0, tidied]).breaks[1].reason == DRIFT  # served from the tidied text: it drifted
+    exact = replace(call(1, [1, 2, 3, 4, 10, 5], [11]), extra=edited(c0).extra)
+    assert [b.reason for b in merge_episode([c0, exact]).breaks] == [FIRST_CALL]  # nothing to relabel

@@ -12,7 +12,7 @@ import pytest
 
 from harness.core.records import OK, Call, Choice
 from proxy.chat_answer import ChatAnswer
-from proxy.continuity import Plan, Timelines, completions_body, prefix_hashes, unsupported
+from proxy.continuity import Plan, Timelines, completions_body, first_edit, prefix_hashes, unsupported
 from proxy.tool_parsers import get_parser
 from tests.support import RunningProxy, db_rows
 
@@ -40,26 +40,29 @@ def _remembered(episode="ep") -> tuple[Timelines, Call]:
     return timelines, call
 
 
-@pytest.mark.parametrize("echo", [
-    {"role": "assistant", "content": None, "tool_calls": REPLY_CALLS},
-    {"role": "assistant", "content": "", "tool_calls": [{"id": "call_1", "type": "function",
-                                                         "function": {"name": "add", "arguments": '{"a":1,"b":2}'}}]},
-    {"role": "assistant", "content": [], "reasoning_content": "hm", "refusal": None, "tool_calls": REPLY_CALLS},
+@pytest.mark.parametrize("echo, normalised", [
+    ({"role": "assistant", "content": None, "tool_calls": REPLY_CALLS}, None),
+    ({"role": "assistant", "content": "", "tool_calls": [{"id": "call_1", "type": "function", "function": {
+        "name": "add", "arguments": '{"a":1,"b":2}'}}]}, [{"message": 2, "kind": "tool_arguments"}]),
+    ({"role": "assistant", "content": [], "reasoning_content": "hm", "refusal": None, "tool_calls": REPLY_CALLS},
+     None),
 ], ids=["as_sent", "compact_arguments", "sdk_fields"])
-def test_an_echoed_reply_is_found_however_the_agent_serialises_it(echo):
+def test_an_echoed_reply_is_found_however_the_agent_serialises_it(echo, normalised):
     timelines, call = _remembered()
     messages = [*BASE, echo, {"role": "tool", "tool_call_id": "call_1", "content": "3"}]
     body = _body(messages)
-    parent, index, fallback = timelines.find("ep", body, prefix_hashes(body))
-    assert fallback is None and index == 2
+    found = timelines.find("ep", body, prefix_hashes(body))
+    assert found.fallback is None and found.reply_index == 2
+    parent = found.parent
     assert (parent.call_id, list(parent.prompt_ids), list(parent.completion_ids)) == (call.call_id, [1, 2, 3],
                                                                                      [7, 8, 9])
+    assert found.notes.get("normalised") == normalised
 
 
 @pytest.mark.parametrize("change, reason", [
     (lambda m: m.__setitem__(2, {"role": "assistant", "content": None, "tool_calls": [
         {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 5}'}}]}),
-     "history_not_recorded"),
+     "reply_edited"),
     (lambda m: m.__setitem__(0, {"role": "system", "content": "Other."}), "history_not_recorded"),
     (lambda m: m.pop(), "no_new_messages"),
 ], ids=["edited_reply", "changed_system", "nothing_new"])
@@ -69,8 +72,8 @@ def test_what_does_not_continue_a_reply_says_why(change, reason):
                 {"role": "tool", "tool_call_id": "call_1", "content": "3"}]
     change(messages)
     body = _body(messages)
-    parent, _, fallback = timelines.find("ep", body, prefix_hashes(body))
-    assert parent is None and fallback.reason == reason
+    found = timelines.find("ep", body, prefix_hashes(body))
+    assert found.parent is None and found.fallback.reason == reason
 
 
 def test_other_tools_model_or_episode_do_not_continue():
@@ -79,8 +82,8 @@ def test_other_tools_model_or_episode_do_not_continue():
                 {"role": "user", "content": "more"}]
     for body, episode in ((_body(messages, tools=[]), "ep"), ({**_body(messages), "model": "other"}, "ep"),
                           (_body(messages), "other-episode")):
-        parent, _, fallback = timelines.find(episode, body, prefix_hashes(body))
-        assert parent is None and fallback.reason in ("history_not_recorded", "no_earlier_call")
+        found = timelines.find(episode, body, prefix_hashes(body))
+        assert found.parent is None and found.fallback.reason in ("history_not_recorded", "no_earlier_call")
 
 
 def test_the_least_recently_used_episodes_are_forgotten():
@@ -89,8 +92,8 @@ def test_the_least_recently_used_episodes_are_forgotten():
         body = _body(BASE)
         timelines.remember(_call(episode, [1], [2], text="x", finish="stop"), body, prefix_hashes(body))
     body = _body([*BASE, {"role": "assistant", "content": "x"}, {"role": "user", "content": "y"}])
-    assert timelines.find("a", body, prefix_hashes(body))[2].reason == "no_earlier_call"
-    assert timelines.find("c", body, prefix_hashes(body))[2] is None
+    assert timelines.find("a", body, prefix_hashes(body)).fallback.reason == "no_earlier_call"
+    assert timelines.find("c", body, prefix_hashes(body)).fallback is None
 
 
 def test_unsupported_features_are_named():
@@ -198,8 +201,180 @@ def test_memory_is_bounded_by_ids_held_and_replies_per_episode():
     assert timelines.tokens == 12
     body = _body([*BASE, {"role": "user", "content": "turn 2"}, {"role": "assistant", "content": "r2"},
                   {"role": "user", "content": "next"}])
-    assert timelines.find("a", body, prefix_hashes(body))[2].reason == "no_earlier_call"
-    assert timelines.find("b", body, prefix_hashes(body))[2] is None
+    assert timelines.find("a", body, prefix_hashes(body)).fallback.reason == "no_earlier_call"
+    assert timelines.find("b", body, prefix_hashes(body)).fallback is None
     old = _body([*BASE, {"role": "user", "content": "turn 0"}, {"role": "assistant", "content": "r0"},
                  {"role": "user", "content": "next"}])
-    assert timelines.find("b", old, prefix_hashes(old))[2].reason == "history_not_recorded"
+    assert timelines.find("b", old, prefix_hashes(old)).fallback.reason == "history_not_recorded"
+
+
+# --- replies the agent tidied or edited --------------------------------------------------------------------------
+
+SAID = "Sure.\n\nThe sum  is 3.\n"  # a reply as the model wrote it, and as the agent received it
+
+
+def _said(episode="ep") -> tuple[Timelines, Call]:
+    timelines = Timelines()
+    body = _body(BASE)
+    call = _call(episode, [1, 2, 3], [7, 8, 9], text=SAID, finish="stop")
+    timelines.remember(call, body, prefix_hashes(body))
+    return timelines, call
+
+
+def _echo(timelines: Timelines, *history: dict, episode="ep"):
+    body = _body([*BASE, *history, {"role": "user", "content": "next"}])
+    return timelines.find(episode, body, prefix_hashes(body))
+
+
+@pytest.mark.parametrize("tidied", [
+    "Sure.\n\nThe sum  is 3.",  # trailing newline removed
+    SAID.strip(),
+    "Sure.\nThe sum  is 3.\n",  # "\n\n" -> "\n"
+    "Sure.\n\nThe sum is 3.\n",  # "  " -> " "
+    " ".join(SAID.split()),  # every run collapsed to one space, ends stripped
+    "\n  Sure.\t\n\nThe sum is 3.   ",
+], ids=["trailing_newline", "stripped", "blank_line", "double_space", "collapsed", "other_whitespace"])
+def test_a_reply_with_tidied_whitespace_continues_and_says_so(tidied):
+    timelines, call = _said()
+    found = _echo(timelines, {"role": "assistant", "content": tidied})
+    assert found.fallback is None and found.parent.call_id == call.call_id and found.reply_index == 2
+    assert found.notes == {"normalised": [{"message": 2, "kind": "whitespace"}]}
+
+
+def test_a_reply_as_received_continues_with_nothing_normalised():
+    timelines, call = _said()
+    found = _echo(timelines, {"role": "assistant", "content": SAID})
+    assert found.fallback is None and found.parent.call_id == call.call_id and found.notes == {}
+
+
+def test_reserialised_arguments_and_tidied_text_are_both_recorded():
+    timelines = Timelines()
+    body = _body(BASE)
+    call = _call("ep", [1, 2, 3], [7, 8, 9], text="Adding.\n", tool_calls=REPLY_CALLS)
+    timelines.remember(call, body, prefix_hashes(body))
+    echo = {"role": "assistant", "content": "Adding.", "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a":1,"b":2}'}}]}
+    found = _echo(timelines, echo)
+    assert found.fallback is None and found.parent.call_id == call.call_id
+    assert found.notes["normalised"] == [{"message": 2, "kind": "whitespace"}, {"message": 2, "kind": "tool_arguments"}]
+
+
+def test_every_remembered_reply_that_came_back_tidied_is_listed():
+    """An agent that tidies its history late (the older replies only) still continues; each tidied reply is named."""
+    timelines, first = _said()
+    turn2 = [*BASE, {"role": "assistant", "content": SAID}, {"role": "user", "content": "and 4?"}]
+    body = _body(turn2)
+    second = _call("ep", [1, 2, 3, 7, 8, 9, 4], [10, 11], text="It is 7. ", finish="stop")
+    timelines.remember(second, body, prefix_hashes(body))
+    found = _echo(timelines, {"role": "assistant", "content": SAID.strip()}, {"role": "user", "content": "and 4?"},
+                  {"role": "assistant", "content": "It is 7."})
+    assert found.fallback is None and found.parent.call_id == second.call_id and found.reply_index == 4
+    assert found.notes["normalised"] == [{"message": 2, "kind": "whitespace"}, {"message": 4, "kind": "whitespace"}]
+
+
+@pytest.mark.parametrize("edited, char", [
+    ("Sure.\n\nThe sum", 14),  # truncated: differs where its last word ends
+    ("Sure.\n\nThe total  is 3.\n", 11),  # a word changed: "sum" -> "total" from its first letter
+    ("Sure.\n\nThe sum  is 4.\n", 19),
+    ("Sure. The sum is 3. Done.", 20),  # tidied and extended: the first extra word
+    ("Sure.\n\nThesum is 3.", 10),  # two words joined: not whitespace only
+], ids=["truncated", "word", "digit", "extended", "joined"])
+def test_a_reply_whose_words_changed_is_reply_edited_with_where(edited, char):
+    timelines, call = _said()
+    found = _echo(timelines, {"role": "assistant", "content": edited})
+    assert found.parent is None and found.fallback.reason == "reply_edited"
+    assert found.notes == {"edited": {"message": 2, "char": char, "parent_call": call.call_id}}
+
+
+def test_an_edited_tool_call_names_the_call():
+    timelines, call = _remembered()
+    echo = {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 5}'}}]}
+    found = _echo(timelines, echo, {"role": "tool", "tool_call_id": "call_1", "content": "6"})
+    assert found.fallback.reason == "reply_edited"
+    assert found.notes["edited"] == {"message": 2, "tool_call": 0, "parent_call": call.call_id}
+
+
+def test_an_edited_later_reply_continues_the_earlier_one_and_says_where():
+    """The agent truncated its second reply: the first still continues token-exactly, the edit is noted."""
+    timelines, first = _said()
+    turn2 = [*BASE, {"role": "assistant", "content": SAID}, {"role": "user", "content": "and 4?"}]
+    body = _body(turn2)
+    second = _call("ep", [1, 2, 3, 7, 8, 9, 4], [10, 11], text="It is 7, I think.", finish="stop")
+    timelines.remember(second, body, prefix_hashes(body))
+    found = _echo(timelines, {"role": "assistant", "content": SAID}, {"role": "user", "content": "and 4?"},
+                  {"role": "assistant", "content": "It is 7."})
+    assert found.fallback is None and found.parent.call_id == first.call_id and found.reply_index == 2
+    assert found.notes == {"edited": {"message": 4, "char": 7, "parent_call": second.call_id}}
+
+
+@pytest.mark.parametrize("index, message", [
+    (0, {"role": "system", "content": "You add. "}),
+    (1, {"role": "user", "content": "1  and 2"}),
+], ids=["system", "user"])
+def test_whitespace_changed_outside_replies_is_another_history(index, message):
+    timelines, _ = _said()
+    history = [*BASE, {"role": "assistant", "content": SAID}, {"role": "user", "content": "next"}]
+    history[index] = message
+    body = _body(history)
+    found = timelines.find("ep", body, prefix_hashes(body))
+    assert found.parent is None and found.fallback.reason == "history_not_recorded" and found.notes == {}
+
+
+def test_a_changed_tool_result_is_another_history_not_an_edit():
+    timelines, first = _remembered()
+    found = _echo(timelines, {"role": "assistant", "content": None, "tool_calls": REPLY_CALLS},
+                  {"role": "tool", "tool_call_id": "call_1", "content": "3 "})
+    assert found.fallback is None  # the reply itself continues: the tool result is rendered as context...
+    body = _body([*BASE, {"role": "assistant", "content": None, "tool_calls": REPLY_CALLS},
+                  {"role": "tool", "tool_call_id": "call_1", "content": "3"}])
+    second = _call("ep", [1, 2, 3, 7, 8, 9, 5], [6], text="3", finish="stop")
+    timelines.remember(second, body, prefix_hashes(body))
+    later = _echo(timelines, {"role": "assistant", "content": None, "tool_calls": REPLY_CALLS},
+                  {"role": "tool", "tool_call_id": "call_1", "content": "3 "}, {"role": "assistant", "content": "3"})
+    assert later.parent.call_id == first.call_id and "edited" not in later.notes  # ...and never matches it
+
+
+async def test_the_proxy_records_tidied_and_edited_replies_queryable_in_sql(upstream, tmp_path):
+    """Through the proxy and the store: the notes reach calls.extra whatever serves the call (here the scripted
+    engine has no /tokenize, so chat rendering), and the documented queries find them."""
+    upstream.script.content = SAID
+    proxy = RunningProxy(upstream.url, tmp_path / "rec.duckdb")
+    url = f"{proxy.url}/e/ep/v1/chat/completions"
+    try:
+        async with aiohttp.ClientSession() as session:
+            async with session.post(url, json={"model": "m", "messages": BASE}) as r:
+                reply = (await r.json())["choices"][0]["message"]
+            assert reply["content"] == SAID
+            for content in (SAID.strip(), "Sure."):
+                body = {"model": "m", "messages": [*BASE, {**reply, "content": content}, {"role": "user",
+                                                                                           "content": "again"}]}
+                async with session.post(url, json=body) as r:
+                    assert r.status == 200
+    finally:
+        proxy.close()
+    db = tmp_path / "rec.duckdb"
+    records = [json.loads(r[0]) for r in db_rows(db, "SELECT extra->'continuity' FROM calls ORDER BY call_index")]
+    assert records[1]["reason"] == "render_failed" and records[1]["normalised"] == [{"message": 2,
+                                                                                      "kind": "whitespace"}]
+    assert records[2]["reason"] == "reply_edited" and records[2]["edited"]["message"] == 2
+    assert records[2]["edited"]["char"] == 5 and "normalised" not in records[2]
+    assert db_rows(db, _documented_query("docs/proxy.md", "Tidied replies, by kind:")) == [("whitespace", 1, 1)]
+    edited = db_rows(db, _documented_query("docs/proxy.md", "Edited replies and the new timelines they started"))
+    assert edited == [("ep", 2, 2, 5, None)]  # not merged yet: no break row
+
+
+def _documented_query(doc: str, title: str) -> str:
+    """The SQL a doc shows under a title: the docs' queries must run as written."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / doc).read_text()
+    return text.split(title, 1)[1].split("```sql\n", 1)[1].split("```", 1)[0]
+
+
+@pytest.mark.parametrize("sent, sampled, at", [
+    ("a b", "a  b\n", None), ("", " \n", None), ("ab", "a b", 1), ("a", "a b", 1), ("a b c", "a b", 4),
+    ("", "a", 0), ("x", "", 0), ("  hello wor", "hello world", 11),
+])
+def test_first_edit_skips_whitespace(sent, sampled, at):
+    assert first_edit(sent, sampled) == at

@@ -4,17 +4,20 @@ The conversations force real tool calls out of the random tiny model with a rege
 compact JSON (`{"a":1}`) that the chat template re-renders with spaces (`{"a": 1}`): rendered again, the earlier
 assistant turn comes back as other tokens. Plain chat rendering records that drift; token-exact continuity builds
 the next prompt from the recorded ids, so the episode merges into one sequence and the agent gets the same answer.
+Agents that tidy the replies they keep (whitespace, re-serialised arguments) still merge into one sequence; an
+agent that cuts a reply short starts a `reply_edited` timeline, never counted as drift.
 """
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import openai
 import pytest
 from transformers import AutoTokenizer
 
-from harness.core.merge import DRIFT, FIRST_CALL, merge_episode
+from harness.core.merge import DRIFT, FIRST_CALL, REPLY_EDITED, merge_episode
 from harness.store.database import Store
 from tests.support import RunningProxy
 
@@ -28,12 +31,14 @@ def _proxy(engine, path, **overrides) -> RunningProxy:
     return RunningProxy(engine.base_url, path, served_model=engine.served_model, **overrides)
 
 
-def _ask(client, messages, *, stream: bool, tool_call: bool, **kwargs) -> tuple[dict, str]:
-    """One call; returns the assistant message as an agent appends it, and the finish reason."""
+def _ask(client, messages, *, stream: bool, tool_call: bool, regex: str | None = None, **kwargs) -> tuple[dict, str]:
+    """One call; returns the assistant message as an agent appends it, and the finish reason. `regex` forces the
+    reply's text (a tool call with `tool_call`)."""
     body = dict(model="gpt-4o-mini", messages=messages, tools=TOOLS, temperature=0.0, seed=3,
-                max_tokens=40 if tool_call else 6, **kwargs)
-    if tool_call:
-        body["extra_body"] = {"structured_outputs": {"regex": TOOL_CALL}}
+                max_tokens=40 if tool_call else 6)
+    body.update(kwargs)
+    if tool_call or regex:
+        body["extra_body"] = {"structured_outputs": {"regex": regex or TOOL_CALL}}
     if not stream:
         choice = client.chat.completions.create(**body).choices[0]
         return choice.message.model_dump(exclude_none=True), choice.finish_reason
@@ -54,15 +59,18 @@ def _ask(client, messages, *, stream: bool, tool_call: bool, **kwargs) -> tuple[
     return message, finish
 
 
-def _episode(url: str, episode: str, *, stream: bool) -> list[tuple[dict, str]]:
-    """Two forced tool calls, each answered, then a short text answer."""
+def _episode(url: str, episode: str, *, stream: bool, keep=lambda message, turn: message,
+             regex: str | None = None) -> list[tuple[dict, str]]:
+    """Two forced tool calls, each answered, then a short text answer. `keep`: what the agent keeps of each reply
+    in its history (as received, by default)."""
     client = openai.OpenAI(base_url=f"{url}/e/{episode}/v1", api_key="sk-test", max_retries=0)
     messages = [{"role": "system", "content": "You add numbers."}, {"role": "user", "content": "Add two numbers."}]
     replies = []
     for turn in range(3):
-        message, finish = _ask(client, messages, stream=stream, tool_call=turn < 2)
+        forced = {"regex": regex, "max_tokens": 60} if regex and turn < 2 else {}
+        message, finish = _ask(client, messages, stream=stream, tool_call=turn < 2, **forced)
         replies.append((message, finish))
-        messages.append(message)
+        messages.append(keep(message, turn))
         for call in message.get("tool_calls") or ():
             messages.append({"role": "tool", "tool_call_id": call["id"], "content": "7"})
     return replies
@@ -180,11 +188,141 @@ def test_fallbacks_say_why(engine, tmp_path):
     reasons = [(c.extra["continuity"]["mode"], c.extra["continuity"].get("reason")) for c in calls]
     assert reasons == [
         ("chat", "no_earlier_call"),
-        ("chat", "history_not_recorded"),
+        ("chat", "reply_edited"),  # the reply's arguments hold another number: the agent edited it
         ("chat", "unsupported_request"),
         ("chat", "history_not_recorded"),
         ("chat", "history_not_recorded"),
         ("token_exact", None),  # max_tokens=6 cut the reply off: its turn is closed as context
         ("token_exact", None),
     ]
+    assert calls[1].extra["continuity"]["edited"] == {"message": 2, "tool_call": 0, "parent_call": calls[0].call_id}
     assert calls[5].extra["continuity"]["synthetic_close"] is True
+
+
+# --- agents that tidy or edit their history ----------------------------------------------------------------------
+
+TIDY_TOOL_CALL = r"Sure,  adding\.\n\n" + TOOL_CALL  # text with whitespace to tidy, before the call
+ANSWER = r"The answer is [1-9]{3}\."
+
+
+def _tidy(message: dict, turn: int) -> dict:
+    """What a tidying agent keeps of a reply: whitespace collapsed and stripped, tool arguments re-serialised."""
+    out = dict(message)
+    if out.get("content"):
+        out["content"] = " ".join(out["content"].split())
+    if out.get("tool_calls"):
+        out["tool_calls"] = [{**c, "function": {**c["function"], "arguments": json.dumps(
+            json.loads(c["function"]["arguments"]), indent=2)}} for c in out["tool_calls"]]
+    return out
+
+
+def _documented_query(doc: str, title: str) -> str:
+    """The SQL a doc shows under a title: the docs' queries must run as written."""
+    text = (Path(__file__).resolve().parents[2] / doc).read_text()
+    return text.split(title, 1)[1].split("```sql\n", 1)[1].split("```", 1)[0]
+
+
+def _merge_all(db_path, episodes) -> dict:
+    """Merge the episodes into the store, as `harness merge` does; returns {episode: Merged}."""
+    with Store.open(db_path) as store:
+        merged = {e: merge_episode(store.load_calls(e)) for e in episodes}
+        store.add_merged_episodes("run", [(e, m, None) for e, m in merged.items()])
+    return merged
+
+
+def test_a_tidying_agent_keeps_one_sequence_and_the_calls_say_what_was_tidied(engine, tmp_path):
+    db = tmp_path / "rec.duckdb"
+    proxy = _proxy(engine, db)
+    episodes = {"tidy-0": False, "tidy-1": False, "tidy-stream": True}
+    try:
+        for episode, stream in episodes.items():
+            replies = _episode(proxy.url, episode, stream=stream, keep=_tidy, regex=TIDY_TOOL_CALL)
+            for message, finish in replies[:2]:
+                assert finish == "tool_calls" and "  " in message["content"], message
+    finally:
+        proxy.close()
+
+    merged = _merge_all(db, episodes)
+    for episode in episodes:
+        calls = _calls(db, episode)
+        records = [c.extra["continuity"] for c in calls]
+        assert [r["mode"] for r in records] == ["chat", "token_exact", "token_exact"], records
+        both = ["whitespace", "tool_arguments"]
+        assert [(n["message"], n["kind"]) for n in records[1]["normalised"]] == [(2, k) for k in both]
+        assert [(n["message"], n["kind"]) for n in records[2]["normalised"]] == [(2, k) for k in both] + [
+            (4, k) for k in both]
+        assert [b.reason for b in merged[episode].breaks] == [FIRST_CALL]
+        (sample,) = merged[episode].samples
+        assert sample.call_ids == [c.call_id for c in calls]
+        for call in calls:  # the replies as sampled, not as tidied, are what the sample trains
+            start, ids = len(call.prompt_ids), call.choices[0].completion_ids
+            assert sample.token_ids[start:start + len(ids)] == ids and sample.loss_mask[start:start + len(ids)] == [
+                1] * len(ids)
+
+    with Store.open(db, read_only=True) as store:
+        metrics = store.query("SELECT samples, drift_calls FROM merge_metrics WHERE run_id = 'run'").rows
+        assert metrics == [(len(episodes), 0)]
+        assert store.query("SELECT reason, n FROM merge_reasons").rows == [(FIRST_CALL, len(episodes))]
+        tidied = store.query(_documented_query("docs/proxy.md", "Tidied replies, by kind:")).rows
+        assert sorted(tidied) == [("tool_arguments", 3 * len(episodes), 2 * len(episodes)),
+                                  ("whitespace", 3 * len(episodes), 2 * len(episodes))]
+
+
+def _cut(which: int):
+    def keep(message: dict, turn: int) -> dict:
+        """An agent that keeps only the first two words of its reply of turn `which`."""
+        return {**message, "content": " ".join(message["content"].split()[:2])} if turn == which else message
+    return keep
+
+
+def _answers(url: str, episode: str, keep) -> list[dict]:
+    """Three forced text answers ("The answer is 123."), the agent keeping each as `keep` says."""
+    client = openai.OpenAI(base_url=f"{url}/e/{episode}/v1", api_key="sk-test", max_retries=0)
+    messages = [{"role": "system", "content": "You add numbers."}, {"role": "user", "content": "Add two numbers."}]
+    replies = []
+    for turn in range(3):
+        message, finish = _ask(client, messages, stream=False, tool_call=False, regex=ANSWER, max_tokens=24)
+        assert finish == "stop" and message["content"].startswith("The answer is "), message
+        replies.append(message)
+        messages += [keep(message, turn), {"role": "user", "content": "Go on."}]
+    return replies
+
+
+def test_an_agent_that_cuts_a_reply_short_starts_a_reply_edited_timeline(engine, tmp_path):
+    db = tmp_path / "rec.duckdb"
+    proxy = _proxy(engine, db)
+    try:
+        _answers(proxy.url, "cut-first", _cut(0))  # the first reply cut: nothing earlier to continue from
+        _answers(proxy.url, "cut-second", _cut(1))  # the second reply cut: the first still continues exactly
+    finally:
+        proxy.close()
+
+    first, second = _calls(db, "cut-first"), _calls(db, "cut-second")
+    records = [c.extra["continuity"] for c in first]
+    assert [(r["mode"], r.get("reason")) for r in records] == [
+        ("chat", "no_earlier_call"), ("chat", "reply_edited"), ("token_exact", None)]
+    assert records[1]["edited"] == {"message": 2, "char": len("The answer"), "parent_call": first[0].call_id}
+    assert "edited" not in records[2] and records[2]["parent_call"] == first[1].call_id  # the cut reply is kept
+    records = [c.extra["continuity"] for c in second]
+    assert [(r["mode"], r.get("reason")) for r in records] == [
+        ("chat", "no_earlier_call"), ("token_exact", None), ("token_exact", None)]
+    assert records[2]["parent_call"] == second[0].call_id and records[2]["reply_message"] == 2
+    assert records[2]["edited"] == {"message": 4, "char": len("The answer"), "parent_call": second[1].call_id}
+
+    merged = _merge_all(db, ["cut-first", "cut-second"])
+    expected = {"cut-first": (first, 1, 0), "cut-second": (second, 2, 1)}  # (calls, edited call, its reply's call)
+    for episode, (calls, at, reply) in expected.items():
+        breaks = merged[episode].breaks
+        assert [(b.call_id, b.reason) for b in breaks] == [(calls[0].call_id, FIRST_CALL),
+                                                           (calls[at].call_id, REPLY_EDITED)]
+        assert merged[episode].n_drift == 0 and len(merged[episode].samples) == 2
+        start = len(calls[reply].prompt_ids)  # the break lies inside the reply the agent cut
+        assert start <= breaks[1].position < start + len(calls[reply].choices[0].completion_ids)
+    assert sorted(s.call_ids for s in merged["cut-second"].samples) == sorted(
+        [[c.call_id for c in second[:2]], [second[0].call_id, second[2].call_id]])
+
+    with Store.open(db, read_only=True) as store:
+        rows = store.query(_documented_query("docs/schema.md", "Replies the agent edited")).rows
+        assert rows == [("cut-first", 1, merged["cut-first"].breaks[1].position, 2, len("The answer")),
+                        ("cut-second", 2, merged["cut-second"].breaks[1].position, 4, len("The answer"))]
+        assert store.query("SELECT drift_calls FROM merge_metrics WHERE run_id = 'run'").rows == [(0,)]
