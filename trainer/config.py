@@ -7,6 +7,9 @@ name the key, the value and what to write instead (an AgentJet key name is point
 
 Paths resolve relative to where they were written: the config file's directory for values in the file, the current
 directory for `--set` overrides and for defaults. The resolved config holds absolute paths and loads back equal.
+model.path may also be a Hugging Face id (`Qwen/Qwen2.5-1.5B-Instruct`): a value that is not there and is shaped
+like one is kept as the id (harness/running/hub.py says the rule), and `harness train` loads the config with
+`locate_model=True`, which makes it the snapshot directory in the local cache, downloading it if need be.
 
     runs/<experiment_name>/        run_dir(cfg)
         config.resolved.yaml       save_resolved(cfg)
@@ -28,6 +31,7 @@ from typing import Any, Literal
 
 import yaml
 
+from harness.running.hub import ModelNotFoundError, hub_id_of, model_reference, resolve_model
 from trainer.config_checks import ConfigError, Mode, check, role_rules, trains
 from trainer.config_keys import (
     ADV_ESTIMATORS,
@@ -77,11 +81,16 @@ _AGENTJET_NAMES = {
 # Loading
 
 
-def load_config(path: str | Path, overrides: Sequence[str] = (), mode: Mode = "rl") -> TrainConfig:
+def load_config(path: str | Path, overrides: Sequence[str] = (), mode: Mode = "rl", *,
+                locate_model: bool = False) -> TrainConfig:
     """The config in the YAML file at `path`, with `overrides` ("trainer.lr=1e-5") applied, checked for `mode`:
     rl (`harness train`: rollouts need data.train and an agent), from_run (`harness train --from-run`: needs
     offline.run) or sft (`harness sft`: needs offline.data); offline modes need an agent only to validate. A config
-    that names offline.run is checked as from_run whatever `mode` says: `harness train` then trains on that run."""
+    that names offline.run is checked as from_run whatever `mode` says: `harness train` then trains on that run.
+
+    With `locate_model`, model.path becomes the model directory it names (a Hub id: its snapshot in the local cache,
+    downloaded when missing and online) or a ConfigError says why it can't: what a command that uses the model does
+    first. Without it the model need not exist yet, so a config can be read, shown and checked on any machine."""
     path = Path(path)
     values = _walk(TrainConfig, _root(_read_yaml(path), path.name), "", path.resolve().parent, path.name)
     for item in overrides:
@@ -92,8 +101,23 @@ def load_config(path: str | Path, overrides: Sequence[str] = (), mode: Mode = "r
     if rollout.get("cwd") is None:
         rollout["cwd"] = str(path.resolve().parent)
     cfg = _build(TrainConfig, values)
+    if locate_model and cfg.model.path is not None:
+        given_at = Path.cwd() if any(_sets_model_path(o) for o in overrides) else path.resolve().parent
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=_model_dir(cfg.model.path, given_at)))
     check(cfg, path.name, "from_run" if mode == "rl" and cfg.offline.run else mode)
     return cfg
+
+
+def _model_dir(reference: str, given_at: Path) -> str:
+    """model.path's directory; `given_at` is the folder a relative value was read against (for the error)."""
+    try:
+        return str(resolve_model(reference, "model.path", given_at))
+    except ModelNotFoundError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def _sets_model_path(override: str) -> bool:
+    return override.partition("=")[0].strip().removeprefix(ROOT + ".") == "model.path"
 
 
 def run_dir(cfg: TrainConfig) -> Path:
@@ -115,7 +139,10 @@ def save_resolved(cfg: TrainConfig, directory: str | Path | None = None) -> Path
     target = Path(directory if directory is not None else run_dir(cfg)) / RESOLVED_NAME
     target.parent.mkdir(parents=True, exist_ok=True)
     text = yaml.safe_dump({ROOT: config_to_dict(cfg)}, sort_keys=False, allow_unicode=True)
-    target.write_text(f"# resolved by harness train: every key, paths absolute; docs/training.md\n{text}")
+    header = "# resolved by harness train: every key, paths absolute; docs/training.md\n"
+    if cfg.model.path and (repo_id := hub_id_of(cfg.model.path)):
+        header += f"# model.path is the Hugging Face model {repo_id} at commit {Path(cfg.model.path).name}\n"
+    target.write_text(header + text)
     return target
 
 
@@ -307,9 +334,11 @@ _FILE_SUFFIXES = {".jsonl", ".json", ".parquet", ".arrow", ".csv", ".py", ".yaml
 
 
 def _resolve(kind: str, value: str, base: Path) -> str:
-    """A path written relative to `base` made absolute; a source or judge that is not a path is left alone."""
+    """A path written relative to `base` made absolute; a source, judge or model that is not a path is left alone."""
     if kind == "resume" and value in ("auto", "disable"):
         return value
+    if kind == "model":  # a path, or a Hugging Face id kept as it is (never joined to `base`)
+        return model_reference(value, base)
     if kind == "source":
         if "://" in value:
             return value

@@ -43,7 +43,8 @@ GROUP_ESTIMATORS = ("grpo", "grpo_no_std", "drgrpo", "rloo", "reinforce_pp_basel
 
 def _key(default: Any, help: str, *, gt: float | None = None, ge: float | None = None, lt: float | None = None,
          le: float | None = None, path: str | None = None, required: bool = False) -> Any:
-    """A config key: its default, its help, its range, and how a path in it resolves ("file", "source", "resume")."""
+    """A config key: its default, its help, its range, and how a path in it resolves ("file", "source", "resume",
+    "model": trainer/config.py's _resolve)."""
     meta = {"help": help, "gt": gt, "ge": ge, "lt": lt, "le": le, "path": path, "required": required}
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: type(default)(default), metadata=meta)
@@ -62,8 +63,9 @@ def _section(cls: type) -> Any:
 class ModelConfig:
     """The policy: the checkpoint that is served, trained and saved."""
 
-    path: str | None = _key(None, "model directory (a Hugging Face checkpoint); build a tiny one with `harness "
-                            "tiny-model DIR`", path="file", required=True)
+    path: str | None = _key(None, "model directory (a Hugging Face checkpoint), or a Hub id such as "
+                            "Qwen/Qwen2.5-1.5B-Instruct (the local cache, else downloaded); build a tiny one with "
+                            "`harness tiny-model DIR`", path="model", required=True)
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = _key(
         "auto", "dtype of the trainer's parameters; auto: float32 master weights (bf16 compute is "
         "trainer.fsdp.mixed_precision)")

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from harness.core.merge import Merged, merge_episode, summarise_merges
 from harness.core.records import FINISHED, INFRA_ERROR, INTERRUPTED, Call, EpisodeOutcome, Judgement, Sample, Task
+from harness.running.hub import model_name
 from harness.running.proxied import agent_env, agents_config, proxy_config
 from harness.running.runner import RunConfig, Runner
 from harness.running.vllm_server import Engine, attach, start_vllm
@@ -276,7 +277,7 @@ def start_engines(cfg: TrainConfig, out: Path) -> list[Engine]:
     try:
         for k in range(cfg.rollout.engines):
             started.append(start_vllm(served, out / "logs" / (f"engine{k}" if k else ""),
-                                      served_model_name=Path(cfg.model.path).name,
+                                      served_model_name=model_name(cfg.model.path),
                                       max_model_len=e.max_model_len, extra_args=extra, env=env,
                                       share=(k, cfg.rollout.engines) if cfg.rollout.engines > 1 else None))
     except BaseException:

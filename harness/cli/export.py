@@ -5,7 +5,7 @@
     harness export --merge ADAPTER --out DIR
         a LoRA adapter merged into its base model: a plain model directory that transformers and vLLM load without
         peft (docs/training.md, LoRA)
-    harness retokenize --model DIR [--run RUN]
+    harness retokenize --model DIR|HUB_ID [--run RUN]
         token ids for calls recorded as text only, marked as a tokenizer's (harness/store/retokenize.py)
 """
 
@@ -46,8 +46,8 @@ def add_parser(verbs) -> None:
                    help="jsonl (default), parquet, or hf (a datasets directory; needs harness[data])")
     p.add_argument("--where", metavar="SQL", help="keep the episodes this SQL predicate holds for, e.g. "
                    "'reward >= 1'; columns: " + ", ".join(EPISODE_COLUMNS))
-    p.add_argument("--model", type=Path, help="with --merge: the base model directory (default: the one the "
-                   "adapter names); with --checkpoint: the run's model.path (default: the one its "
+    p.add_argument("--model", help="with --merge: the base model, a directory or a Hugging Face id (default: the "
+                   "one the adapter names); with --checkpoint: the run's model.path (default: the one its "
                    "config.resolved.yaml names)")
     p.set_defaults(func=main)
 
@@ -83,10 +83,15 @@ def _merge_main(args) -> int:
         print(f"error: {str(adapter)!r} is not a LoRA adapter directory (no adapter_config.json): give one of "
               "<run>/adapters/v...", file=sys.stderr)
         return 2
-    base = args.model or Path(json.loads(config_path.read_text()).get("base_model_name_or_path") or "")
-    if not (base / "config.json").is_file():
-        print(f"error: base model {str(base)!r} has no config.json: give the base model directory with --model",
+    named = json.loads(config_path.read_text()).get("base_model_name_or_path")
+    if args.model is None and not named:
+        print(f"error: {str(config_path)!r} names no base model (base_model_name_or_path): give it with --model",
               file=sys.stderr)
+        return 2
+    try:  # the adapter's own reference was written by peft as given: a path (from its cwd) or a Hub id
+        base = _model(args.model, "--model") if args.model else _model(named, f"{config_path}'s base model")
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
         return 2
     merge(adapter, base, out)
     print(f"merged {adapter} into {base}: {out}", file=sys.stderr)
@@ -98,14 +103,18 @@ def _checkpoint_main(args) -> int:
 
     from trainer.checkpoint import checkpoint_model
 
-    base = args.model
     resolved = args.checkpoint.resolve().parent.parent / "config.resolved.yaml"
-    if base is None and resolved.is_file():
-        base = Path(((yaml.safe_load(resolved.read_text()) or {}).get("harness") or {}).get("model", {}).get("path")
-                    or "")
-    if base is None or not (base / "config.json").is_file():
+    named = None
+    if args.model is None and resolved.is_file():
+        named = ((yaml.safe_load(resolved.read_text()) or {}).get("harness") or {}).get("model", {}).get("path")
+    if args.model is None and not named:
         print(f"error: no base model for {str(args.checkpoint)!r}: give the run's model.path with --model (looked "
               f"for {str(resolved)!r})", file=sys.stderr)
+        return 2
+    try:
+        base = _model(args.model, "--model") if args.model else _model(named, f"{resolved}'s model.path")
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
         return 2
     try:
         out = checkpoint_model(args.checkpoint, base, args.out)
@@ -114,6 +123,14 @@ def _checkpoint_main(args) -> int:
         return 2
     print(f"checkpoint {args.checkpoint} with {base}'s config: {out}", file=sys.stderr)
     return 0
+
+
+def _model(given: str, what: str) -> Path:
+    """The model directory `given` names (a path from the current directory, or a Hugging Face id); a
+    hub.ModelNotFoundError (ValueError) that names `what` when there is none."""
+    from harness.running.hub import model_reference, resolve_model
+
+    return resolve_model(model_reference(given, Path.cwd()), what, Path.cwd())
 
 
 def merge(adapter: Path, base: Path, out: Path) -> Path:
@@ -137,8 +154,8 @@ def add_retokenize_parser(verbs) -> None:
         "'retokenized', never taken for the engine's own: they stay out of RL samples. Stop the proxy first. "
         "docs/export.md.",
     )
-    p.add_argument("--model", type=Path, required=True, help="the model directory whose tokenizer and chat "
-                   "template to use (the model the calls are meant to train)")
+    p.add_argument("--model", required=True, help="the model whose tokenizer and chat template to use (the model "
+                   "the calls are meant to train): a directory or a Hugging Face id")
     p.add_argument("--db", type=Path, default=options.DEFAULT_RUN_DIR / "harness.duckdb",
                    help="the DuckDB file (default: %(default)s)")
     p.add_argument("--run", help="only this run's calls (default: every text-only call in the file)")
@@ -151,19 +168,24 @@ def _retokenize_main(args) -> int:
     from harness.store.database import SchemaVersionError
     from harness.store.retokenize import retokenize_database
 
-    if not (args.model / "tokenizer_config.json").is_file():
-        print(f"error: --model {str(args.model)!r} has no tokenizer_config.json: give a model directory",
-              file=sys.stderr)
+    try:
+        model = _model(args.model, "--model")
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if not (model / "tokenizer_config.json").is_file():
+        print(f"error: --model {args.model!r} has no tokenizer_config.json: give a model directory with its "
+              "tokenizer", file=sys.stderr)
         return 2
     if not args.db.is_file():
         print(f"error: no database at {str(args.db)!r}: give --db", file=sys.stderr)
         return 2
     try:
-        done = retokenize_database(args.db, args.model, args.run)
+        done = retokenize_database(args.db, model, args.run)
     except (ValueError, SchemaVersionError, duckdb.Error) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     skipped = ", ".join(f"{n} ({why})" for why, n in done.skipped.items()) or "none"
-    print(f"retokenized {done.calls} calls ({done.choices} choices) with {args.model}; left as text: {skipped}",
+    print(f"retokenized {done.calls} calls ({done.choices} choices) with {model}; left as text: {skipped}",
           file=sys.stderr)
     return 0

@@ -116,7 +116,9 @@ def interceptor(args, run_dir: Path):
 
 def add_engine_args(p) -> None:
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--model", type=Path, help="model directory to serve with vLLM (started as a subprocess)")
+    src.add_argument("--model", help="model to serve with vLLM (started as a subprocess): a model directory, or a "
+                     "Hugging Face id such as Qwen/Qwen2.5-1.5B-Instruct, taken from the local cache or downloaded "
+                     "into it")  # a str, not a Path: Path("./org/name") would drop the "./" that makes it a path
     src.add_argument("--upstream", action="append", metavar="URL",
                      help="URL of an engine already running, e.g. http://127.0.0.1:8000; repeat it for several "
                      "engines serving the same model (an episode stays on one; a failed engine's calls move on)")

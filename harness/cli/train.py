@@ -84,7 +84,8 @@ def _launch(args, overrides: list[str], verb: str) -> int:
               f"(harness {verb} --show-config lists the keys)", file=sys.stderr)
         return 2
     try:
-        cfg = load_config(args.config, overrides, "sft" if verb == "sft" else "rl")  # rl with offline.run: from_run
+        # rl with offline.run: from_run; model.path a local directory (a Hub id: the cache, else downloaded) first
+        cfg = load_config(args.config, overrides, "sft" if verb == "sft" else "rl", locate_model=True)
         mode = "sft" if verb == "sft" else "from_run" if cfg.offline.run else "rl"
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)

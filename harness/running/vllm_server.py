@@ -11,7 +11,7 @@ test run never leaves a server behind. It reports logprobs after temperature (`-
 processed_logprobs`: the distribution tokens were sampled from, which the trainer recomputes) and serves the
 dev routes that reload weights (VLLM_SERVER_DEV_MODE=1; see trainer/weight_sync.py).
 
-Pure stdlib: no torch, no vllm import (the server runs in a subprocess).
+Pure stdlib: no torch, no vllm import (the server runs in a subprocess); huggingface_hub only for a Hub id.
 """
 
 from __future__ import annotations
@@ -30,6 +30,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from harness.running.hub import model_name, model_reference, resolve_model
 
 __all__ = ["Engine", "EngineError", "attach", "placement", "start_or_attach", "start_vllm"]
 
@@ -86,6 +88,10 @@ def start_vllm(
 ) -> Engine:
     """Start vLLM's OpenAI server on `model_dir` and wait until it serves; the log goes to run_dir/engine.log.
 
+    `model_dir` is a local directory (hub.resolve_model makes one of a Hugging Face id): the server starts with
+    HF_HUB_OFFLINE=1, so it never reaches for the network. It serves the model as `served_model_name`, by default
+    the directory's name, or the Hub id of a snapshot in the Hugging Face cache.
+
     Without a CUDA GPU, the CPU recipe is applied (float32, eager, one process, 1 GiB KV cache). `env` is
     merged over os.environ and the recipe; `extra_args` are appended to the command line, so they can override
     any flag set here. `share=(k, n)` starts engine k of n that run side by side on this machine: it gets its
@@ -95,7 +101,7 @@ def start_vllm(
     run_dir = Path(run_dir).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     port = port or _free_port()
-    served = served_model_name or model_dir.name
+    served = served_model_name or model_name(model_dir)
     args = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(model_dir),
@@ -282,13 +288,14 @@ def _request(url: str, body: dict | None, timeout_s: float, api_key: str | None)
 
 def start_or_attach(*, model: str | Path | None, upstream: str | None, run_dir: str | Path,
                     max_model_len: int = 2048) -> Engine:
-    """The engine a command asked for: vLLM started on `model`, or the server already running at `upstream`."""
+    """The engine a command asked for: vLLM started on `model` (a directory, relative to the current one, or a
+    Hugging Face id), or the server already running at `upstream`. A model that can't be found raises
+    hub.ModelNotFoundError (a ValueError) before anything starts."""
     if (model is None) == (upstream is None):
         raise EngineError("give exactly one of a model directory (--model) or an engine URL (--upstream)")
     if upstream is not None:
         return attach(upstream)
-    model = Path(model)
-    if not model.is_dir():
-        raise EngineError(f"--model {str(model)!r} is not a directory (build one with: harness tiny-model DIR)")
-    print(f"starting vLLM on {model} (log: {Path(run_dir) / 'engine.log'}) ...", file=sys.stderr, flush=True)
-    return start_vllm(model, run_dir, max_model_len=max_model_len)
+    model_dir = resolve_model(model_reference(model, Path.cwd()), "--model", Path.cwd())
+    shown = model_dir if str(model_dir) == str(model) else f"{model} ({model_dir})"
+    print(f"starting vLLM on {shown} (log: {Path(run_dir) / 'engine.log'}) ...", file=sys.stderr, flush=True)
+    return start_vllm(model_dir, run_dir, max_model_len=max_model_len)

@@ -368,3 +368,86 @@ def test_a_tied_model_on_an_engine_the_user_started_is_refused_when_the_config_l
         load_config(write_config(tmp_path, attached))
     load_config(write_config(tmp_path))  # harness starts the engine
     load_config(write_config(tmp_path, {**attached, "trainer": {"lora": {"rank": 8}}}))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# model.path: a directory or a Hugging Face id (harness/running/hub.py; the cache written as huggingface_hub does)
+
+QWEN = "Qwen/Qwen2.5-1.5B-Instruct"
+
+
+@pytest.fixture
+def hf_cache(tmp_path, monkeypatch) -> Path:
+    """An empty hub cache (HF_HUB_CACHE), offline: nothing here may reach the network."""
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf-cache"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    return tmp_path / "hf-cache"
+
+
+def test_a_hub_id_in_model_path_is_kept_as_written_not_joined_to_the_config_folder(tmp_path, monkeypatch):
+    assert load_config(write_config(tmp_path, {"model": {"path": QWEN}})).model.path == QWEN
+    assert load_config(write_config(tmp_path, {"model": {"path": f"./{QWEN}"}})).model.path == str(tmp_path / QWEN)
+    monkeypatch.chdir(tmp_path)
+    assert load_config(write_config(tmp_path), [f"model.path={QWEN}"]).model.path == QWEN
+    (tmp_path / "Qwen" / "Qwen2.5-1.5B-Instruct").mkdir(parents=True)  # a folder of that name wins, as in transformers
+    assert load_config(write_config(tmp_path, {"model": {"path": QWEN}})).model.path == str(tmp_path / QWEN)
+
+
+def test_locate_model_makes_a_cached_hub_id_its_snapshot_and_the_resolved_config_names_both(tmp_path, hf_cache,
+                                                                                              monkeypatch):
+    from tests.running.hub_cache import COMMIT, cache_model
+
+    snapshot = cache_model(hf_cache, QWEN, {"config.json": b'{"model_type": "qwen2"}'})
+    config = write_config(tmp_path, {"model": {"path": QWEN}})
+    assert load_config(config).model.path == QWEN  # only reading the config: the model is not looked for
+    cfg = load_config(config, locate_model=True)
+    assert cfg.model.path == str(snapshot)
+    target = save_resolved(cfg, tmp_path / "run")
+    assert f"# model.path is the Hugging Face model {QWEN} at commit {COMMIT}\n" in target.read_text()
+    monkeypatch.delenv("HF_HUB_CACHE")  # the resolved config names the directory: no cache lookup to load it back
+    assert load_config(target, locate_model=True) == cfg
+
+
+def test_locate_model_refuses_what_names_no_model_in_one_line(tmp_path, hf_cache, monkeypatch):
+    for written in ("./models/tiny", "models/tiny/hf"):  # paths: they start with . or have two slashes
+        with pytest.raises(ConfigError) as exc:
+            load_config(write_config(tmp_path, {"model": {"path": written}}), locate_model=True)
+        assert str(exc.value).startswith(f"model.path {str(tmp_path / written)!r} is not a directory: give a model "
+                                         "directory")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match=r"model.path '.*/empty' has no config.json"):
+        load_config(write_config(tmp_path, {"model": {"path": "empty"}}), locate_model=True)
+    for written in (QWEN, "models/tiny"):  # shaped like ids: the folder they were looked for in is named too
+        with pytest.raises(ConfigError) as exc:
+            load_config(write_config(tmp_path, {"model": {"path": written}}), locate_model=True)
+        text = str(exc.value)
+        assert "\n" not in text and text.startswith(f"model.path {written!r} is no folder in {str(tmp_path)!r}, nor "
+                                                    f"in the Hugging Face cache {str(hf_cache)!r}")
+        assert f"`hf download {written}`" in text
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")  # --set: relative to the current directory, and said so
+    with pytest.raises(ConfigError, match=f"is no folder in {re.escape(repr(str(tmp_path / 'elsewhere')))}"):
+        load_config(write_config(tmp_path), [f"model.path={QWEN}"], locate_model=True)
+
+
+def test_a_tied_hub_model_on_an_engine_the_user_started_is_refused_once_located(tmp_path, hf_cache):
+    """The checks see the model's own config.json once the id is located: the tie check of the test above holds
+    for a model given by id."""
+    from tests.running.hub_cache import cache_model
+
+    cache_model(hf_cache, "org/tied", {"config.json": b'{"model_type": "llama"}'})
+    config = write_config(tmp_path, {"model": {"path": "org/tied"}, "rollout": {"engine": {"url": "http://x:1"}}})
+    load_config(config)  # not located: nothing to check against yet
+    with pytest.raises(ConfigError, match="ties its input and output embeddings"):
+        load_config(config, locate_model=True)
+
+
+def test_harness_train_with_an_uncached_hub_id_offline_exits_2_naming_the_fetch_command(tmp_path, hf_cache,
+                                                                                       capsys):
+    from harness.cli.main import main
+
+    rc = main(["train", str(EXAMPLE), f"--set=model.path={QWEN}", f"--set=logging.run_dir={tmp_path}"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1, err
+    assert err[0].startswith(f"error: model.path {QWEN!r} is no folder in ") and f"hf download {QWEN}" in err[0]
+    assert not (tmp_path / "math").exists()  # refused before the run began
