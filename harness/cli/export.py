@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 from harness.cli import options
+from harness.running.hub import local_model
 
 
 def add_parser(verbs) -> None:
@@ -89,7 +90,7 @@ def _merge_main(args) -> int:
               file=sys.stderr)
         return 2
     try:  # the adapter's own reference was written by peft as given: a path (from its cwd) or a Hub id
-        base = _model(args.model, "--model") if args.model else _model(named, f"{config_path}'s base model")
+        base = local_model(*(args.model, "--model") if args.model else (named, f"{config_path}'s base model"))
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -112,7 +113,7 @@ def _checkpoint_main(args) -> int:
               f"for {str(resolved)!r})", file=sys.stderr)
         return 2
     try:
-        base = _model(args.model, "--model") if args.model else _model(named, f"{resolved}'s model.path")
+        base = local_model(args.model, "--model") if args.model else local_model(named, f"{resolved}'s model.path")
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -125,12 +126,6 @@ def _checkpoint_main(args) -> int:
     return 0
 
 
-def _model(given: str, what: str) -> Path:
-    """The model directory `given` names (a path from the current directory, or a Hugging Face id); a
-    hub.ModelNotFoundError (ValueError) that names `what` when there is none."""
-    from harness.running.hub import model_reference, resolve_model
-
-    return resolve_model(model_reference(given, Path.cwd()), what, Path.cwd())
 
 
 def merge(adapter: Path, base: Path, out: Path) -> Path:
@@ -169,7 +164,7 @@ def _retokenize_main(args) -> int:
     from harness.store.retokenize import retokenize_database
 
     try:
-        model = _model(args.model, "--model")
+        model = local_model(args.model, "--model")
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -319,7 +319,8 @@ def _add_doctor(verbs) -> None:
         "tool-call parser reads back what the template renders, and that an assistant turn ends on a stop token. "
         "One line per check (ok, warn, FAIL); exit 0 when nothing FAILs, 1 otherwise, 2 on bad input.",
     )
-    p.add_argument("--model", type=Path, required=True, help="model directory (tokenizer and chat template)")
+    p.add_argument("--model", required=True, help="model directory (tokenizer and chat template), or a Hugging Face "
+                   "id in the local cache")
     p.add_argument("--tool-parser", default="hermes", help="tool-call parser, as vLLM's --tool-call-parser "
                    "(default: %(default)s)")
     p.add_argument("--chat-template", type=Path, help="a Jinja template file to check instead of the model's own")
@@ -331,10 +332,12 @@ def _doctor(args) -> int:
     import json
 
     from harness.cli.doctor import DoctorError, diagnose, format_report
+    from harness.running.hub import ModelNotFoundError, local_model
 
     try:
-        report = diagnose(args.model, tool_parser=args.tool_parser, chat_template=args.chat_template)
-    except DoctorError as exc:
+        model = args.model if Path(args.model).exists() else local_model(args.model)  # a tokenizer is enough here
+        report = diagnose(model, tool_parser=args.tool_parser, chat_template=args.chat_template)
+    except (DoctorError, ModelNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(json.dumps(report.to_json(), indent=2, ensure_ascii=False) if args.json else format_report(report))

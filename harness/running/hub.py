@@ -22,7 +22,7 @@ import re
 import sys
 from pathlib import Path
 
-__all__ = ["ModelNotFoundError", "hub_cache", "hub_id_of", "is_hub_id", "model_name", "model_reference",
+__all__ = ["ModelNotFoundError", "hub_cache", "hub_id_of", "is_hub_id", "local_model", "model_name", "model_reference",
            "resolve_model"]
 
 # The Hub's own rule (huggingface_hub.utils.validate_repo_id) for org/name: letters, digits, -, _ and .; neither
@@ -81,6 +81,12 @@ def hub_cache() -> Path:
         os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "huggingface")
     cache = os.environ.get("HF_HUB_CACHE") or os.environ.get("HUGGINGFACE_HUB_CACHE") or os.path.join(home, "hub")
     return Path(os.path.expandvars(os.path.expanduser(cache)))
+
+
+def local_model(given: str | Path, what: str = "--model") -> Path:
+    """The model directory a command-line value names (a path from the current directory, or a Hugging Face id);
+    a ModelNotFoundError that names `what` when there is none."""
+    return resolve_model(model_reference(given, Path.cwd()), what, Path.cwd())
 
 
 def hub_id_of(model_dir: str | Path) -> str | None:

@@ -182,3 +182,16 @@ def test_doctor_help_answers(capsys):
         main(["doctor", "--help"])
     assert exited.value.code == 0
     assert "usage: harness doctor" in capsys.readouterr().out
+
+
+def test_doctor_takes_a_cached_hub_id(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    from tests.running.hub_cache import cache_model
+
+    cache_model(tmp_path / "hf-cache", "org/tiny", tiny_model_dir)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf-cache"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert main(["doctor", "--model", "org/tiny", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["ok"] is True
+    assert main(["doctor", "--model", "org/not-cached"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "org/not-cached" in err and "hf download" in err and len(err.splitlines()) == 1
