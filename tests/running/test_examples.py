@@ -51,3 +51,38 @@ def test_math_agent_tool_loop_on_an_engine_that_always_calls_a_tool(upstream, tm
                                       [episode])[0][0])
     tool_results = [m for m in last_request["messages"] if m["role"] == "tool"]
     assert len(tool_results) == 3 and all(m["content"].startswith("error") for m in tool_results)
+
+
+# --- examples/arithmetic_agent: the real-model learning example (examples/train/arithmetic.yaml) -------------------
+
+
+def _arithmetic_judge():
+    from harness.running.judges import load_judge
+
+    return load_judge(f"{EXAMPLES / 'arithmetic_agent' / 'judge.py'}:bare_number")
+
+
+def test_the_arithmetic_judge_gives_full_reward_to_the_right_number_alone():
+    judge, task = _arithmetic_judge(), {"id": "7+5", "question": "What is 7 + 5?", "answer": "12"}
+    score = {text: judge.fn(task, text, [])["reward"] for text in
+             ("12", " 12.\n", "7 + 5 = 12", "The answer is 12.", "13", "The answer is 13.", "", "twelve")}
+    assert score["12"] == score[" 12.\n"] == 1.0
+    assert all(score[t] < 1.0 for t in score if t.strip().rstrip(".") != "12")
+    # right beats wrong at the same length; shorter beats longer when both are right; the equation stays below 1.0
+    assert score["The answer is 12."] > score["The answer is 13."] and score["12"] > score["7 + 5 = 12"] > \
+        score["The answer is 12."] > score["13"] > score[""] == 0.0
+    assert score["7 + 5 = 12"] <= 0.8 and min(score["The answer is 12."], score["7 + 5 = 12"]) >= 0.5 > 0.4 >= score["13"]
+
+
+def test_the_arithmetic_validation_sums_are_held_out():
+    """No pair of numbers in a validation sum appears, in either order, in a training sum."""
+    def pairs(name: str) -> set[frozenset]:
+        rows = [json.loads(line) for line in (EXAMPLES / "arithmetic_agent" / name).read_text().splitlines()]
+        for row in rows:
+            a, b = (int(x) for x in row["question"].removeprefix("What is ").rstrip("?").split(" + "))
+            assert int(row["answer"]) == a + b and row["id"] == f"{a}+{b}"
+        return {frozenset(row["id"].split("+")) for row in rows}
+
+    train, validation = pairs("train.jsonl"), pairs("validation.jsonl")
+    assert len(validation) >= 16 and len(train) >= 3 * len(validation)
+    assert not train & validation
