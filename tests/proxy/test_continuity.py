@@ -259,13 +259,18 @@ def test_reserialised_arguments_and_tidied_text_are_both_recorded():
     assert found.notes["normalised"] == [{"message": 2, "kind": "whitespace"}, {"message": 2, "kind": "tool_arguments"}]
 
 
+def _two_turns(second_text: str):
+    """The episode of _said() with a second call answered `second_text`: (timelines, first call, second call)."""
+    timelines, first = _said()
+    body = _body([*BASE, {"role": "assistant", "content": SAID}, {"role": "user", "content": "and 4?"}])
+    second = _call("ep", [1, 2, 3, 7, 8, 9, 4], [10, 11], text=second_text, finish="stop")
+    timelines.remember(second, body, prefix_hashes(body))
+    return timelines, first, second
+
+
 def test_every_remembered_reply_that_came_back_tidied_is_listed():
     """An agent that tidies its history late (the older replies only) still continues; each tidied reply is named."""
-    timelines, first = _said()
-    turn2 = [*BASE, {"role": "assistant", "content": SAID}, {"role": "user", "content": "and 4?"}]
-    body = _body(turn2)
-    second = _call("ep", [1, 2, 3, 7, 8, 9, 4], [10, 11], text="It is 7. ", finish="stop")
-    timelines.remember(second, body, prefix_hashes(body))
+    timelines, first, second = _two_turns("It is 7. ")
     found = _echo(timelines, {"role": "assistant", "content": SAID.strip()}, {"role": "user", "content": "and 4?"},
                   {"role": "assistant", "content": "It is 7."})
     assert found.fallback is None and found.parent.call_id == second.call_id and found.reply_index == 4
@@ -297,11 +302,7 @@ def test_an_edited_tool_call_names_the_call():
 
 def test_an_edited_later_reply_continues_the_earlier_one_and_says_where():
     """The agent truncated its second reply: the first still continues token-exactly, the edit is noted."""
-    timelines, first = _said()
-    turn2 = [*BASE, {"role": "assistant", "content": SAID}, {"role": "user", "content": "and 4?"}]
-    body = _body(turn2)
-    second = _call("ep", [1, 2, 3, 7, 8, 9, 4], [10, 11], text="It is 7, I think.", finish="stop")
-    timelines.remember(second, body, prefix_hashes(body))
+    timelines, first, second = _two_turns("It is 7, I think.")
     found = _echo(timelines, {"role": "assistant", "content": SAID}, {"role": "user", "content": "and 4?"},
                   {"role": "assistant", "content": "It is 7."})
     assert found.fallback is None and found.parent.call_id == first.call_id and found.reply_index == 2
