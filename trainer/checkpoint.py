@@ -244,11 +244,15 @@ def save_hf(
 ) -> Path:
     """Write a HF model directory: safetensors weights plus every config and tokenizer file of `config_dir`.
 
-    `model_state_dict` is a full state dict (`fsdp.full_state_dict` on rank 0). Weights over `max_shard_bytes`
-    are split into `model-0000i-of-0000n.safetensors` with an index, as transformers and vLLM expect. The
-    directory is built next to `out_dir` and renamed into place: a reader sees the old files or the new ones.
+    `model_state_dict` is a full state dict (`fsdp.full_state_dict` on rank 0). When `config_dir`'s config ties
+    the output layer to the embeddings, the output layer is left out, as the model ships (trainer/tied.py
+    `as_shipped`). Weights over `max_shard_bytes` are split into `model-0000i-of-0000n.safetensors` with an index,
+    as transformers and vLLM expect. The directory is built next to `out_dir` and renamed into place: a reader sees
+    the old files or the new ones.
     """
     from safetensors.torch import save_file
+
+    from trainer.tied import as_shipped
 
     config_dir, out = Path(config_dir), Path(out_dir)
     if not (config_dir / "config.json").is_file():
@@ -258,7 +262,7 @@ def save_hf(
     tmp.mkdir(parents=True)
     copy_model_files(config_dir, tmp)
 
-    tensors = unshared_contiguous(model_state_dict)
+    tensors = unshared_contiguous(as_shipped(dict(model_state_dict), config_dir))
     shards = _split(tensors, max_shard_bytes)
     if len(shards) == 1:
         save_file(shards[0], tmp / "model.safetensors", metadata={"format": "pt"})

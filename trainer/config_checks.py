@@ -96,18 +96,31 @@ def check(cfg: TrainConfig, where: str, mode: Mode = "rl") -> None:
             LoraSpec(t.lora.rank, t.lora.alpha, tuple(t.lora.target_modules), t.lora.dropout)
         except ValueError as exc:
             raise ConfigError(f"trainer.lora: {exc}") from None
-    from trainer.tied import ties_embeddings
-
-    if r.engine.url and t.lora.rank == 0 and cfg.backbone == "harness" and ties_embeddings(cfg.model.path):
-        raise ConfigError(f"model.path {cfg.model.path!r} ties its input and output embeddings, and the engine at "
-                          f"rollout.engine.url {r.engine.url} serves it as it is: vLLM's weight reload would keep its "
-                          "old output layer. Leave rollout.engine.url out (harness then starts the engine from an "
-                          "untied view of the model), or train with LoRA (trainer.lora.rank)")
+    _check_tied(cfg, serves=online or cfg.data.validation is not None)
     from proxy.tool_parsers import known_parsers
 
     if r.tool_parser not in known_parsers():
         raise ConfigError(f"rollout.tool_parser must be one of {', '.join(known_parsers())}, got {r.tool_parser!r}")
     _check_roles(cfg)
+
+
+def _check_tied(cfg: TrainConfig, serves: bool) -> None:
+    """A model that ties its embeddings, trained with full weights, is served from its untied view
+    (trainer/tied.py): an engine the user started can't be given it, and some models can't be written as one.
+    With LoRA the engine serves the model as shipped; verl syncs weights its own way."""
+    from trainer.tied import ties_embeddings, unservable
+
+    r, t = cfg.rollout, cfg.trainer
+    if t.lora.rank > 0 or cfg.backbone != "harness" or not ties_embeddings(cfg.model.path):
+        return
+    if r.engine.url:
+        raise ConfigError(f"model.path {cfg.model.path!r} ties its input and output embeddings, and the engine at "
+                          f"rollout.engine.url {r.engine.url} serves it as it is: vLLM's weight reload would keep its "
+                          "old output layer. Leave rollout.engine.url out (harness then starts the engine from an "
+                          "untied view of the model), or train with LoRA (trainer.lora.rank)")
+    why = unservable(cfg.model.path) if serves else None
+    if why is not None:
+        raise ConfigError(f"model.path {cfg.model.path!r} ties its input and output embeddings, and {why}")
 
 
 def _check_offline(cfg: TrainConfig, where: str, mode: Mode) -> None:

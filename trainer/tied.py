@@ -9,10 +9,14 @@ kept), so pushed weights would never reach the logits. So, by construction:
   as its own tensor (a copy of the embeddings) and `tie_word_embeddings: false`;
 - every push writes the trained embeddings into both (trainer/weight_sync.py `untied`), so after a push the
   engine's output layer is exactly the trained, tied one;
-- the trainer, its checkpoints and every model it writes keep the tie as the base had it.
+- the trainer, its checkpoints and every model it writes keep the tie as the base had it (a written model's
+  weights leave the output layer out, as transformers saves a tied model: `as_shipped`).
 
-An engine the user started (`rollout.engine.url`) cannot be given that view: config_checks.py refuses the pair
-when the config loads. With LoRA nothing changes: the embeddings stay frozen and the engine serves base + adapter.
+An engine the user started (`rollout.engine.url`) cannot be given that view, and a model whose weights are not in
+safetensors or name the embeddings otherwise cannot be written as one: config_checks.py refuses those when the
+config loads (`unservable`). With LoRA nothing changes: the embeddings stay frozen (peft adapts the projections
+only, and FSDP2 keeps the tied weight one parameter), the engine serves the model as shipped + the adapter, and
+`harness export --merge` writes base + adapter tied as the base.
 """
 
 from __future__ import annotations
@@ -24,21 +28,67 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["EMBEDDINGS", "OUTPUT", "engine_view", "ties_embeddings", "untied"]
+__all__ = ["EMBEDDINGS", "OUTPUT", "as_shipped", "engine_view", "ties_embeddings", "unservable", "untied"]
 
 EMBEDDINGS = "model.embed_tokens.weight"  # the input embeddings' name in transformers' causal LMs
 OUTPUT = "lm_head.weight"  # the output layer's
 
 
 def ties_embeddings(model_dir: str | Path) -> bool:
-    """Whether the model at `model_dir` ties its output layer to its input embeddings (transformers' default for
-    a config that does not say is to tie them)."""
+    """Whether the model at `model_dir` ties its output layer to its input embeddings, as transformers reads its
+    config.json: `tie_word_embeddings` where it says, else its config class's default (`_ties_by_default`)."""
     path = Path(model_dir) / "config.json"
     if not path.is_file():
         return False  # not a model directory: loading it says what is wrong
     config = json.loads(path.read_text(encoding="utf-8"))
     text = config.get("text_config") or {}
-    return bool(config.get("tie_word_embeddings", text.get("tie_word_embeddings", True)))
+    said = config.get("tie_word_embeddings", text.get("tie_word_embeddings"))
+    return bool(said) if said is not None else _ties_by_default(config.get("model_type"))
+
+
+def _ties_by_default(model_type: str | None) -> bool:
+    """The tie transformers gives a config.json that does not say, per architecture (Llama, Qwen2: untied; Gemma,
+    GPT-2: tied). A model type it does not know (remote code) counts as tied: an untied model served from its
+    "untied view" is served as it is."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.for_model(model_type)
+    except ValueError:
+        return True
+    return bool(getattr(config.get_text_config(), "tie_word_embeddings", True))
+
+
+def unservable(model_dir: str | Path) -> str | None:
+    """Why `engine_view` cannot write the untied view of the tied model at `model_dir`, and what to do (its weights
+    are not in safetensors, or hold no EMBEDDINGS tensor); None when it can. Reads the weight files' headers only."""
+    from safetensors import safe_open
+
+    model_dir = Path(model_dir)
+    shards = sorted(model_dir.glob("*.safetensors"))
+    if not shards:
+        return ("has no .safetensors weights, which its untied view for the engine is written from: convert them "
+                "(transformers' save_pretrained writes safetensors), or train with LoRA (trainer.lora.rank)")
+    for shard in shards:
+        with safe_open(shard, "pt") as f:
+            if EMBEDDINGS in f.keys():
+                return None
+    return (f"its weights have no {EMBEDDINGS!r} to write out as the engine's output layer (an architecture not "
+            "supported with tied embeddings yet): train it with LoRA (trainer.lora.rank)")
+
+
+def as_shipped(tensors: dict[str, torch.Tensor], config_dir: str | Path) -> dict[str, torch.Tensor]:
+    """A state dict as the weights file of the model at `config_dir` holds it: when its config ties the embeddings,
+    without the output layer (transformers' save_pretrained leaves it out, and transformers and vLLM tie it back
+    on load), provided it is exactly the embeddings; otherwise as it is."""
+    import torch
+
+    out, emb = tensors.get(OUTPUT), tensors.get(EMBEDDINGS)
+    if out is None or emb is None or not ties_embeddings(config_dir):
+        return tensors
+    if out.shape != emb.shape or not torch.equal(out, emb):
+        return tensors
+    return {k: v for k, v in tensors.items() if k != OUTPUT}
 
 
 def untied(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -1,4 +1,4 @@
-"""The trainer's tests' fixtures: the tiny model with tied embeddings."""
+"""The trainer's tests' fixtures: the tiny model with tied embeddings, a one-rank process group."""
 
 from __future__ import annotations
 
@@ -20,3 +20,15 @@ def tied_model(tiny_model_dir, tmp_path) -> Path:
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (out / name).write_bytes((tiny_model_dir / name).read_bytes())
     return out
+
+
+@pytest.fixture
+def one_rank(monkeypatch):
+    """The one-rank process group a process without torchrun trains in (trainer/fsdp.py init_distributed)."""
+    from trainer.fsdp import init_distributed, shutdown
+
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
+    dist = init_distributed(device="cpu")
+    yield dist
+    shutdown()

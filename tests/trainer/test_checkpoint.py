@@ -19,7 +19,6 @@ from pathlib import Path
 import pytest
 
 from trainer.checkpoint import find_resume, load, save, save_hf
-from trainer.fsdp import init_distributed, shutdown
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS, KILL_AFTER = 4, 2
@@ -200,15 +199,6 @@ def test_killed_run_resumes_with_the_loss_of_an_uninterrupted_run(world, lora, t
 # ---------------------------------------------------------------------------------------------------- in process
 
 
-@pytest.fixture
-def one_rank(monkeypatch):
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(key, raising=False)
-    dist = init_distributed(device="cpu")
-    yield dist
-    shutdown()
-
-
 def _tiny_trainer(dist):
     import torch
 
@@ -361,6 +351,7 @@ def test_a_checkpoint_becomes_a_plain_model_directory_tied_as_its_base(one_rank,
 
     import torch
     import yaml
+    from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
     from trainer.fsdp import full_state_dict, shard
@@ -379,9 +370,48 @@ def test_a_checkpoint_becomes_a_plain_model_directory_tied_as_its_base(one_rank,
     assert done.returncode == 0, done.stderr
     out = AutoModelForCausalLM.from_pretrained(tmp_path / "model", dtype=torch.float32)
     assert out.config.tie_word_embeddings and out.lm_head.weight.data_ptr() == out.model.embed_tokens.weight.data_ptr()
+    written, shipped = (load_file(d / "model.safetensors") for d in (tmp_path / "model", tied_model))
+    assert written.keys() == shipped.keys() and "lm_head.weight" not in written  # as shipped: no output layer
     assert all(torch.equal(out.state_dict()[k], v) for k, v in trained.items())
     assert not torch.equal(trained["model.embed_tokens.weight"],
                            load_policy(tied_model).state_dict()["model.embed_tokens.weight"])  # it did train
     bad = subprocess.run([*harness, str(tmp_path), "--out", str(tmp_path / "x"), "--model", str(tied_model)],
                          capture_output=True, text=True)
     assert bad.returncode == 2 and "is not a complete checkpoint" in bad.stderr and not (tmp_path / "x").exists()
+
+
+def test_a_tied_model_resumes_with_its_embeddings_one_parameter_holding_the_saved_weights(one_rank, tmp_path,
+                                                                                          tied_model):
+    """Resume loads the checkpoint's embeddings into the one tied parameter (not into two, or into one of the two),
+    and the resumed model then trains exactly as the model that wrote the checkpoint goes on training."""
+    import torch
+
+    from trainer.fsdp import full_state_dict, shard
+    from trainer.policy import load_policy
+
+    def trainer():
+        model = shard(load_policy(tied_model), one_rank)
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    def step(model, optimizer) -> None:
+        model(input_ids=torch.tensor([[1, 2, 3, 4, 5]])).logits.square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    model, optimizer = trainer()
+    step(model, optimizer)
+    saved = full_state_dict(model, one_rank)
+    path = save(tmp_path, 1, model, optimizer, None, {}, one_rank)
+    resumed, resumed_optimizer = trainer()
+    load(path, resumed, resumed_optimizer, None, one_rank)
+    assert resumed.lm_head.weight is resumed.model.embed_tokens.weight
+    state = full_state_dict(resumed, one_rank)
+    assert torch.equal(state["model.embed_tokens.weight"], saved["model.embed_tokens.weight"])
+    assert torch.equal(state["lm_head.weight"], saved["model.embed_tokens.weight"])
+    assert not torch.equal(saved["model.embed_tokens.weight"],
+                           load_policy(tied_model).state_dict()["model.embed_tokens.weight"])  # it did train
+    step(model, optimizer)
+    step(resumed, resumed_optimizer)  # the optimizer state of the tied weight came back with it
+    assert resumed.lm_head.weight is resumed.model.embed_tokens.weight
+    after, resumed_after = full_state_dict(model, one_rank), full_state_dict(resumed, one_rank)
+    assert all(torch.equal(resumed_after[k], v) for k, v in after.items())

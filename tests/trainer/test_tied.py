@@ -10,14 +10,16 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from trainer.tied import engine_view, ties_embeddings
+from trainer.tied import as_shipped, engine_view, ties_embeddings
 
 
 def test_ties_embeddings_reads_the_config_as_transformers_does(tmp_path, tiny_model_dir, tied_model):
     assert ties_embeddings(tied_model) and not ties_embeddings(tiny_model_dir)
-    (tmp_path / "unsaid").mkdir()
-    (tmp_path / "unsaid" / "config.json").write_text(json.dumps({"model_type": "llama"}))
-    assert ties_embeddings(tmp_path / "unsaid")  # transformers' default
+    for model_type, ties in (("llama", False), ("qwen2", False), ("gemma", True), ("gpt2", True), ("custom", True)):
+        unsaid = tmp_path / model_type  # a config.json that does not say: its architecture's default in transformers
+        unsaid.mkdir()
+        (unsaid / "config.json").write_text(json.dumps({"model_type": model_type}))
+        assert ties_embeddings(unsaid) is ties, model_type  # custom: a type transformers does not know
     assert not ties_embeddings(tmp_path / "no-such-model")
 
 
@@ -45,3 +47,14 @@ def test_a_model_without_safetensors_is_named(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"'.*m' has no \.safetensors weights"):
         engine_view(tmp_path / "m", tmp_path / "view")
     assert not (tmp_path / "view").exists()
+
+
+def test_a_tied_models_weights_are_written_as_shipped_without_the_output_layer(tied_model, tiny_model_dir):
+    """save_hf leaves the output layer out where the config ties it and it is the embeddings (transformers and vLLM
+    tie it back on load); an untied config, or an output layer that differs, keeps it."""
+    emb = torch.randn(4, 3)
+    state = {"model.embed_tokens.weight": emb, "lm_head.weight": emb.clone(), "model.norm.weight": torch.ones(3)}
+    assert sorted(as_shipped(state, tied_model)) == ["model.embed_tokens.weight", "model.norm.weight"]
+    assert as_shipped(state, tiny_model_dir) is state
+    differs = {**state, "lm_head.weight": emb + 1}
+    assert as_shipped(differs, tied_model) is differs

@@ -356,10 +356,9 @@ def test_docs_hold_the_generated_key_reference():
 def test_a_tied_model_on_an_engine_the_user_started_is_refused_when_the_config_loads(tmp_path, tie):
     """vLLM's reload would keep such an engine's output layer; harness's own engines serve an untied view
     (trainer/tied.py), and LoRA leaves the embeddings frozen, so only this pair is refused (a config that does not
-    say ties, as transformers reads it)."""
-    (tmp_path / "model").mkdir()
-    config = {"model_type": "llama"} if tie is None else {"model_type": "llama", "tie_word_embeddings": tie}
-    (tmp_path / "model" / "config.json").write_text(json.dumps(config))
+    say: its architecture's default, as transformers reads it; Gemma's ties)."""
+    config = {"model_type": "gemma"} if tie is None else {"model_type": "llama", "tie_word_embeddings": tie}
+    _model_dir(tmp_path / "model", config, {"model.embed_tokens.weight"})
     attached = {"rollout": {"engine": {"url": "http://127.0.0.1:8000"}}}
     if tie is False:
         load_config(write_config(tmp_path, attached))
@@ -368,6 +367,35 @@ def test_a_tied_model_on_an_engine_the_user_started_is_refused_when_the_config_l
         load_config(write_config(tmp_path, attached))
     load_config(write_config(tmp_path))  # harness starts the engine
     load_config(write_config(tmp_path, {**attached, "trainer": {"lora": {"rank": 8}}}))
+
+
+def _model_dir(path: Path, config: dict, tensors: set[str], weights: str = "model.safetensors") -> Path:
+    """A model directory as far as a config check reads it: its config and the tensor names of its weights."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(config))
+    save_file({name: np.zeros((2, 2), np.float32) for name in tensors}, str(path / weights))
+    return path
+
+
+@pytest.mark.parametrize("weights, tensors, message", [
+    ("pytorch_model.bin", {"model.embed_tokens.weight"}, r"has no \.safetensors weights.*convert them"),
+    ("model.safetensors", {"transformer.wte.weight"}, r"no 'model\.embed_tokens\.weight' to write out.*LoRA"),
+])  # fmt: skip
+def test_a_tied_model_harness_cannot_serve_untied_is_refused_when_the_config_loads(tmp_path, weights, tensors,
+                                                                                   message):
+    """Its engine serves the untied view (trainer/tied.py engine_view), written from safetensors that name the
+    embeddings: a model that has neither is refused in one line before anything starts; with LoRA the engine serves
+    it as shipped, and without an engine (harness sft) nothing is served."""
+    model = _model_dir(tmp_path / "model", {"model_type": "llama", "tie_word_embeddings": True}, tensors, weights)
+    with pytest.raises(ConfigError, match=message) as refused:
+        load_config(write_config(tmp_path))
+    assert str(refused.value).startswith(f"model.path {str(model)!r} ties its input and output embeddings")
+    assert "\n" not in str(refused.value)
+    load_config(write_config(tmp_path, {"trainer": {"lora": {"rank": 8}}}))
+    load_config(write_config(tmp_path, {"offline": {"data": "chat.jsonl"}}, drop=("data.train",)), mode="sft")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -435,7 +463,7 @@ def test_a_tied_hub_model_on_an_engine_the_user_started_is_refused_once_located(
     for a model given by id."""
     from tests.running.hub_cache import cache_model
 
-    cache_model(hf_cache, "org/tied", {"config.json": b'{"model_type": "llama"}'})
+    cache_model(hf_cache, "org/tied", {"config.json": b'{"model_type": "llama", "tie_word_embeddings": true}'})
     config = write_config(tmp_path, {"model": {"path": "org/tied"}, "rollout": {"engine": {"url": "http://x:1"}}})
     load_config(config)  # not located: nothing to check against yet
     with pytest.raises(ConfigError, match="ties its input and output embeddings"):
