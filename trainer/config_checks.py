@@ -106,11 +106,14 @@ def check(cfg: TrainConfig, where: str, mode: Mode = "rl") -> None:
 
 def _check_tied(cfg: TrainConfig, serves: bool) -> None:
     """A model that ties its embeddings, trained with full weights, is served from its untied view
-    (trainer/tied.py): an engine the user started can't be given it, and some models can't be written as one.
+    (trainer/tied.py): an engine the user started can't be given it, and some models can't be written as one. Any
+    model whose config.json and weights disagree about the tie is refused whatever trains it (tie_disagreement).
     With LoRA the engine serves the model as shipped; verl syncs weights its own way."""
-    from trainer.tied import ties_embeddings, unservable
+    from trainer.tied import tie_disagreement, ties_embeddings, unservable
 
     r, t = cfg.rollout, cfg.trainer
+    if cfg.model.path and (disagreement := tie_disagreement(cfg.model.path)) is not None:
+        raise ConfigError(f"model.path {cfg.model.path!r}: {disagreement}")
     if t.lora.rank > 0 or cfg.backbone != "harness" or not ties_embeddings(cfg.model.path):
         return
     if r.engine.url:

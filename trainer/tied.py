@@ -28,7 +28,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["EMBEDDINGS", "OUTPUT", "as_shipped", "engine_view", "ties_embeddings", "unservable", "untied"]
+__all__ = ["EMBEDDINGS", "OUTPUT", "as_shipped", "engine_view", "tie_disagreement", "ties_embeddings", "unservable",
+           "untied"]
 
 EMBEDDINGS = "model.embed_tokens.weight"  # the input embeddings' name in transformers' causal LMs
 OUTPUT = "lm_head.weight"  # the output layer's
@@ -75,6 +76,41 @@ def unservable(model_dir: str | Path) -> str | None:
                 return None
     return (f"its weights have no {EMBEDDINGS!r} to write out as the engine's output layer (an architecture not "
             "supported with tied embeddings yet): train it with LoRA (trainer.lora.rank)")
+
+
+def tie_disagreement(model_dir: str | Path) -> str | None:
+    """Where the model at `model_dir`'s config.json and its safetensors weights disagree about the tie, and what to
+    do; None when they agree (or there are no safetensors to read). transformers follows the config silently: an
+    untied config with no OUTPUT tensor gets a randomly initialised output layer, and a tied config drops an OUTPUT
+    tensor that is not the embeddings."""
+    import torch
+    from safetensors import safe_open
+
+    model_dir = Path(model_dir)
+    where: dict[str, Path] = {}
+    for shard in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(shard, "pt") as f:
+            where.update((key, shard) for key in f.keys() if key in (EMBEDDINGS, OUTPUT))
+    if EMBEDDINGS not in where:
+        return None
+    config = model_dir / "config.json"
+    if not ties_embeddings(model_dir):
+        if OUTPUT not in where:
+            return (f"{str(config)!r} unties the output layer (tie_word_embeddings: false) but the weights hold no "
+                    f"{OUTPUT!r}: loaded so, the output layer would be random. If the model was saved tied, set "
+                    "tie_word_embeddings: true in its config.json")
+        return None
+    if OUTPUT in where:
+        with safe_open(where[EMBEDDINGS], "pt") as f:
+            emb = f.get_tensor(EMBEDDINGS)
+        with safe_open(where[OUTPUT], "pt") as f:
+            out = f.get_tensor(OUTPUT)
+        if out.shape != emb.shape or not torch.equal(out, emb):
+            return (f"{str(config)!r} ties the output layer to the embeddings (tie_word_embeddings true or its "
+                    f"architecture's default) but the weights hold an {OUTPUT!r} that differs from them: loaded so, "
+                    "it would be dropped. If the model was trained untied, set tie_word_embeddings: false in its "
+                    "config.json")
+    return None
 
 
 def as_shipped(tensors: dict[str, torch.Tensor], config_dir: str | Path) -> dict[str, torch.Tensor]:

@@ -58,3 +58,39 @@ def test_a_tied_models_weights_are_written_as_shipped_without_the_output_layer(t
     assert as_shipped(state, tiny_model_dir) is state
     differs = {**state, "lm_head.weight": emb + 1}
     assert as_shipped(differs, tied_model) is differs
+
+
+def _with_config(model_dir, out, **changes):
+    """A copy of the model at `model_dir` in `out` whose config.json has `changes`."""
+    import shutil
+
+    shutil.copytree(model_dir, out)
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, **changes}))
+    return out
+
+
+def test_a_config_whose_tie_flag_disagrees_with_the_weights_is_named(tied_model, tiny_model_dir, tmp_path):
+    from trainer.tied import tie_disagreement
+
+    assert tie_disagreement(tied_model) is None and tie_disagreement(tiny_model_dir) is None
+    # Saved tied (no output layer in the weights), config untied: transformers would make a random output layer.
+    untied_flag = _with_config(tied_model, tmp_path / "untied-flag", tie_word_embeddings=False)
+    assert "hold no 'lm_head.weight'" in tie_disagreement(untied_flag)
+    assert "tie_word_embeddings: true" in tie_disagreement(untied_flag)
+    # Trained untied (an output layer of its own), config tied: transformers would drop that output layer.
+    tied_flag = _with_config(tiny_model_dir, tmp_path / "tied-flag", tie_word_embeddings=True)
+    assert "differs from them" in tie_disagreement(tied_flag)
+    assert "tie_word_embeddings: false" in tie_disagreement(tied_flag)
+
+
+def test_harness_train_refuses_a_tie_flag_that_disagrees_when_the_config_loads(tied_model, tmp_path):
+    from pathlib import Path
+
+    from trainer.config import ConfigError, load_config
+
+    bad = _with_config(tied_model, tmp_path / "untied-flag", tie_word_embeddings=False)
+    config = Path(__file__).resolve().parents[2] / "examples" / "train" / "terse.yaml"
+    with pytest.raises(ConfigError, match=r"^model\.path .*untied-flag.*: .*hold no 'lm_head\.weight'") as refused:
+        load_config(config, [f"model.path={bad}", "trainer.lora.rank=8"])  # with LoRA too: the base itself is wrong
+    assert "\n" not in str(refused.value)

@@ -358,7 +358,8 @@ def test_a_tied_model_on_an_engine_the_user_started_is_refused_when_the_config_l
     (trainer/tied.py), and LoRA leaves the embeddings frozen, so only this pair is refused (a config that does not
     say: its architecture's default, as transformers reads it; Gemma's ties)."""
     config = {"model_type": "gemma"} if tie is None else {"model_type": "llama", "tie_word_embeddings": tie}
-    _model_dir(tmp_path / "model", config, {"model.embed_tokens.weight"})
+    untied = {"lm_head.weight"} if tie is False else set()  # an untied model has an output layer of its own
+    _model_dir(tmp_path / "model", config, {"model.embed_tokens.weight", *untied})
     attached = {"rollout": {"engine": {"url": "http://127.0.0.1:8000"}}}
     if tie is False:
         load_config(write_config(tmp_path, attached))
