@@ -71,7 +71,8 @@ def test_the_arithmetic_judge_gives_full_reward_to_the_right_number_alone():
     # right beats wrong at the same length; shorter beats longer when both are right; the equation stays below 1.0
     assert score["The answer is 12."] > score["The answer is 13."] and score["12"] > score["7 + 5 = 12"] > \
         score["The answer is 12."] > score["13"] > score[""] == 0.0
-    assert score["7 + 5 = 12"] <= 0.8 and min(score["The answer is 12."], score["7 + 5 = 12"]) >= 0.5 > 0.4 >= score["13"]
+    assert score["7 + 5 = 12"] <= 0.8  # right scores >= 0.5, wrong <= 0.4: success_threshold 0.5 counts right answers
+    assert min(score["The answer is 12."], score["7 + 5 = 12"]) >= 0.5 > 0.4 >= score["13"]
 
 
 def test_the_arithmetic_validation_sums_are_held_out():
