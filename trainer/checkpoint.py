@@ -41,8 +41,6 @@ log = logging.getLogger(__name__)
 CHECKPOINTS = "checkpoints"
 _STEP_DIR = re.compile(r"step_(\d+)")
 _META = "meta.json"
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".msgpack", ".h5", ".safetensors.index.json",
-                    ".bin.index.json")
 
 
 # ---------------------------------------------------------------------------------------------------- save / load
@@ -228,13 +226,6 @@ def checkpoint_model(path: str | Path, base: str | Path, out: str | Path) -> Pat
     return save_hf(model.state_dict(), base, out)
 
 
-def copy_model_files(model_dir: Path, out: Path) -> None:
-    """Every file of a model directory that is not weights (config, tokenizer, chat template) into `out`."""
-    for item in sorted(model_dir.iterdir()):
-        if item.is_file() and not item.name.endswith(_WEIGHT_SUFFIXES):
-            shutil.copy2(item, out / item.name)
-
-
 def save_hf(
     model_state_dict: dict[str, torch.Tensor],
     config_dir: str | Path,
@@ -252,6 +243,7 @@ def save_hf(
     """
     from safetensors.torch import save_file
 
+    from trainer.model_files import copy_model_files, unshared_contiguous
     from trainer.tied import as_shipped
 
     config_dir, out = Path(config_dir), Path(out_dir)
@@ -285,18 +277,6 @@ def save_hf(
     else:
         tmp.rename(out)
     return out
-
-
-def unshared_contiguous(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """safetensors refuses tensors that share memory (tied embeddings in a plain state dict): copy those."""
-    seen: set[int] = set()
-    result = {}
-    for name, tensor in state.items():
-        tensor = tensor.detach().cpu().contiguous()
-        ptr = tensor.untyped_storage().data_ptr()
-        result[name] = tensor.clone() if ptr in seen else tensor
-        seen.add(ptr)
-    return result
 
 
 def _split(tensors: dict[str, torch.Tensor], max_bytes: int) -> list[dict[str, torch.Tensor]]:

@@ -130,7 +130,7 @@ def as_shipped(tensors: dict[str, torch.Tensor], config_dir: str | Path) -> dict
 def untied(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A state dict as an untied engine loads it, on the CPU: the output layer as its own tensor (a copy of the
     embeddings when the dict ties, or leaves out, the output layer), and no two tensors sharing memory."""
-    from trainer.checkpoint import unshared_contiguous
+    from trainer.model_files import unshared_contiguous
 
     out = unshared_contiguous(tensors)
     if OUTPUT not in out and EMBEDDINGS in out:
@@ -145,7 +145,7 @@ def engine_view(model_dir: str | Path, out_dir: str | Path) -> Path:
     from safetensors.torch import load_file, save_file
 
     from harness.running.model_dir import write_model_dir
-    from trainer.checkpoint import copy_model_files
+    from trainer.model_files import copy_model_files
 
     model_dir, out = Path(model_dir), Path(out_dir)
     shards = sorted(model_dir.glob("*.safetensors"))

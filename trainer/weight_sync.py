@@ -48,8 +48,9 @@ from typing import Any
 
 import torch
 
-from trainer.checkpoint import copy_model_files, fsync_path
+from trainer.checkpoint import fsync_path
 from trainer.lora import save_adapter
+from trainer.model_files import copy_model_files
 from trainer.tied import untied
 
 __all__ = ["WeightSync", "WeightSyncError"]
