@@ -26,7 +26,7 @@ from aiohttp import web
 
 from proxy.chat_answer import ChatAnswer
 from proxy.http_json import ApiError, error_body, json_response, parse_json_object
-from proxy.tool_parsers import get_parser
+from proxy.parsing import reply_parsing
 from proxy.upstreams import EPISODE_HEADER
 
 
@@ -56,12 +56,14 @@ class TokenEngine:
     """Serve `generate` as an OpenAI-compatible engine on 127.0.0.1 (a random port unless one is given)."""
 
     def __init__(self, generate: Generate, tokenizer, *, model: str, max_model_len: int,
-                 tool_parser: str = "hermes", stop_ids: tuple[int, ...] = ()):
+                 tool_parser: str = "hermes", reasoning_parser: str | None = None, stop_ids: tuple[int, ...] = ()):
         self.generate = generate
         self.tokenizer = tokenizer
         self.model = model
         self.max_model_len = max_model_len
-        self.parser = get_parser(tool_parser)
+        # vLLM's own parsers on the tokenizer's model (its directory or Hub id), as the engine's chat endpoint has
+        self.parsing_model = getattr(tokenizer, "name_or_path", None) or None
+        self.parsing = reply_parsing(tool_parser, reasoning_parser, self.parsing_model)
         eos = tokenizer.eos_token_id
         self.stop_ids = frozenset((*stop_ids, *([eos] if isinstance(eos, int) else eos or ())))
         self._runner: web.AppRunner | None = None
@@ -124,8 +126,7 @@ class TokenEngine:
             answer = await self._answer(request, prompt, body, bool(body.get("logprobs")))
         except RequestError as exc:
             return _error(400, str(exc))
-        parse = body.get("tools") and body.get("tool_choice") != "none"
-        chat = ChatAnswer(self.parser if parse else None, int(body.get("top_logprobs") or 0),
+        chat = ChatAnswer(self.parsing.request(body), int(body.get("top_logprobs") or 0),
                           parallel_tool_calls=body.get("parallel_tool_calls") is not False)
         return await self._send(request, body, answer, chat)
 

@@ -63,6 +63,8 @@ class LoopSettings:
     concurrency: int = 64  # episodes a worker runs at once
     token_exact: bool = True
     tool_parser: str = "hermes"
+    reasoning_parser: str | None = None
+    reasoning_history: str = "as_rendered"
     max_tokens: int | None = None  # cap on the agent's max_tokens per call
     memory_mb: int = AGENT_MEMORY_MB  # address-space cap of each agent process (harness/running/limits.py); 0: none
     max_procs: int = AGENT_MAX_PROCS  # processes and threads of each agent with its children (limits.py); 0: none
@@ -184,7 +186,8 @@ class _Bridge:
         self.settings = settings
         self.server_manager = server_manager
         self.engine = TokenEngine(self._generate, tokenizer, model=settings.served_model,
-                                  max_model_len=settings.max_model_len, tool_parser=settings.tool_parser)
+                                  max_model_len=settings.max_model_len, tool_parser=settings.tool_parser,
+                                  reasoning_parser=settings.reasoning_parser)
         self.rollouts: Rollouts | None = None
         self.judges: JudgePool | None = None  # used on the proxy's loop only, where every collect runs its episodes
         self.pool = ThreadPoolExecutor(settings.concurrency, thread_name_prefix="harness-episode")
@@ -204,11 +207,12 @@ class _Bridge:
                         max_procs=s.max_procs or None)
         run_dir = Path(s.run_dir) / "verl" / f"worker-{os.getpid()}"
         run_dir.mkdir(parents=True, exist_ok=True)
-        engine = Engine(base_url=url, served_model=s.served_model, returns_token_ids=True)
+        engine = Engine(base_url=url, served_model=s.served_model, returns_token_ids=True, tool_parser=s.tool_parser,
+                        reasoning_parser=s.reasoning_parser, model_dir=self.engine.parsing_model)
         # In a thread: the proxy asks the TokenEngine (on this loop) for its model while it starts.
         self.rollouts = await loop.run_in_executor(
             self.pool, lambda: Rollouts(engine, run_dir, run, sampling=SamplingOverrides(),
-                                        token_exact=s.token_exact, tool_parser=s.tool_parser,
+                                        token_exact=s.token_exact, reasoning_history=s.reasoning_history,
                                         guard=guard_of(s.guard),
                                         max_turns=s.max_turns, max_samples=s.max_samples_per_episode,
                                         penalty=s.guard.get("penalty")))

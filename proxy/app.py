@@ -37,11 +37,11 @@ from proxy.forward import Capture, forward, refused_call
 from proxy.guard import GuardConfig, degenerate, ended_flag, ended_why, flags_of
 from proxy.http_json import ApiError, error_middleware, json_response, parse_json_object, read_body
 from proxy.openapi import openapi
+from proxy.parsing import harmony, reply_parsing
 from proxy.record_only import Forwarded, forwarded, redact
 from proxy.request import CHAT, COMPLETIONS, Prepared, as_sent, for_engine, read_request
 from proxy.roles import RoleRule, find_role
 from proxy.state import CONFIG, ENGINES, EPISODES, RECORDER, RESPONSES, SESSION, STATE, STORE, RunState, request_key
-from proxy.tool_parsers import get_parser
 from proxy.upstreams import EPISODE_HEADER, Engines, healthy
 from proxy.wire.common import ConversationStore, Wire
 from proxy.wire.messages import MessagesWire
@@ -55,9 +55,14 @@ def create_app(config: ProxyConfig) -> web.Application:
     app[CONFIG] = config
     state = app[STATE] = RunState(run_id=uuid.uuid4().hex[:16], served_model=config.served_model,
                                   sampling=config.sampling)
-    if config.token_exact and config.returns_token_ids and not config.record_only:
-        state.timelines = Timelines(config.continuity_episodes, config.continuity_tokens)
-        state.tool_parser = get_parser(config.tool_parser)
+    if config.token_exact and harmony(config.tokenizer):
+        log.warning("token-exact continuity is off for %s: gpt-oss renders and parses the harmony format with "
+                    "openai_harmony, not the chat template that /tokenize renders; every call is served by the "
+                    "engine's chat endpoint (docs/proxy.md)", config.tokenizer)
+    elif config.token_exact and config.returns_token_ids and not config.record_only:
+        state.timelines = Timelines(config.continuity_episodes, config.continuity_tokens,
+                                    reasoning_history=config.reasoning_history)
+        state.parsing = reply_parsing(config.tool_parser, config.reasoning_parser, config.tokenizer)
     app[RESPONSES] = ConversationStore()
     app[ENGINES] = Engines(config.engine_bases)
     app.cleanup_ctx.append(_resources)
@@ -284,9 +289,9 @@ async def _plan_call(app: web.Application, prepared: Prepared, episode_id: str, 
         how = await plan(state.timelines, episode_id, body, hashes, app[SESSION], base)
         cap.continuity = how.record()
         if how.prompt_ids is not None:
-            send, url = completions_body(body, how), f"{base}/v1/completions"
-            parse = body.get("tools") and body.get("tool_choice") != "none"
-            answer = ChatAnswer(state.tool_parser if parse else None, int(body.get("top_logprobs") or 0),
+            parsing = state.parsing.request(body)
+            send, url = completions_body(body, how, parsing), f"{base}/v1/completions"
+            answer = ChatAnswer(parsing, int(body.get("top_logprobs") or 0),
                                 parallel_tool_calls=body.get("parallel_tool_calls") is not False)
     cap.upstream_body = orjson.dumps(send)
     return cap, url, answer, hashes
@@ -324,6 +329,8 @@ def _record(app: web.Application, cap: Capture, prepared: Prepared, hashes, base
     guard = config.guard if base is not None else _NO_GUARD  # a frozen role's fixed model is not the policy
     try:
         flags = flags_of(call, max_tokens_of(prepared.body), guard)
+        if state.parsing is not None and base is not None and prepared.endpoint == CHAT:
+            flags += state.parsing.flags(prepared.body, call)
     except Exception:  # a bug of ours costs the call its flags, never the call
         log.exception("could not flag call %s of episode %s", call.call_index, call.episode_id)
         flags = []

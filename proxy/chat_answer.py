@@ -2,61 +2,59 @@
 asked for, in exactly the shape vLLM's chat endpoint sends with token ids and logprobs on; proxy/forward.py then
 records it and strips what the agent did not ask for, as for any chat call.
 
-The generated text becomes a message with the model's tool-call parser (proxy/tool_parsers.py). Streamed, text is
-sent as content as soon as it cannot be the start of a tool call; tool calls are sent whole when the choice ends.
+The generated text becomes a message with the model's reply parsing (proxy/tool_parsers.py: reasoning, content,
+tool calls), whole or piece by piece as the stream comes, as vLLM's chat endpoint sends it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from proxy.tool_parsers import ToolParser
+from proxy.tool_parsers import ChoiceStream, RequestParsing
 
 
 def _chat_id(completion_id: str | None) -> str:
     return "chatcmpl-" + (completion_id or "").removeprefix("cmpl-")
 
 
-@dataclass
-class _StreamedChoice:
-    text: str = ""
-    sent: int = 0  # characters of `text` sent as content
-
-
 class ChatAnswer:
     """Translate one completions answer (whole, or chunk by chunk) into chat form."""
 
-    def __init__(self, parser: ToolParser | None, top_logprobs: int = 0, parallel_tool_calls: bool = True):
-        self.parser = parser  # None: no tools offered (or tool_choice "none"): the text is the content
+    def __init__(self, parsing: RequestParsing, top_logprobs: int = 0, parallel_tool_calls: bool = True):
+        self.parsing = parsing
         self.top_logprobs = top_logprobs
         self.parallel_tool_calls = parallel_tool_calls  # False: only the first tool call, as vLLM does
-        self._choices: dict[int, _StreamedChoice] = {}
+        self._streams: dict[int, ChoiceStream] = {}
+        self._streamed_calls: set[int] = set()  # choices that have sent tool calls
+        self._prompt_ids: list[int] | None = None
+        self._ids: dict[int, list[int]] = {}  # each streamed choice's ids so far, for the reasoning count
 
     # ---- a whole answer -------------------------------------------------------------------------------------
     def response(self, obj: dict) -> dict:
         choices, prompt_ids = [], None
         for ch in obj.get("choices") or ():
             prompt_ids = prompt_ids or ch.get("prompt_token_ids")
-            content, tool_calls, reasoning = self._parse(ch.get("text") or "")
+            parsed = self.parsing.whole(ch.get("text") or "", ch.get("token_ids") or [], prompt_ids)
+            tool_calls = list(parsed.tool_calls) if self.parallel_tool_calls else list(parsed.tool_calls[:1])
             choices.append({
                 "index": ch.get("index", 0),
-                "message": {"role": "assistant", "content": content, "refusal": None, "annotations": None,
-                            "audio": None, "function_call": None, "tool_calls": tool_calls, "reasoning": reasoning},
+                "message": {"role": "assistant", "content": parsed.content, "refusal": None, "annotations": None,
+                            "audio": None, "function_call": None, "tool_calls": tool_calls,
+                            "reasoning": parsed.reasoning},
                 "logprobs": self._logprobs(ch.get("logprobs")),
-                "finish_reason": "tool_calls" if tool_calls else ch.get("finish_reason"),
+                "finish_reason": "tool_calls" if tool_calls else ch.get("finish_reason") or "stop",
                 "stop_reason": ch.get("stop_reason"),
                 "token_ids": ch.get("token_ids"),
             })
+        usage = self._usage(obj.get("usage"), [ch.get("token_ids") or [] for ch in obj.get("choices") or ()])
         return {"id": _chat_id(obj.get("id")), "object": "chat.completion", "created": obj.get("created"),
-                "model": obj.get("model"), "choices": choices, "usage": obj.get("usage"),
-                "prompt_token_ids": prompt_ids}
+                "model": obj.get("model"), "choices": choices, "usage": usage, "prompt_token_ids": prompt_ids}
 
-    def _parse(self, text: str) -> tuple[str | None, list[dict], str | None]:
-        if self.parser is None:
-            return text, [], None
-        parsed = self.parser.parse(text)
-        calls = list(parsed.tool_calls) if self.parallel_tool_calls else list(parsed.tool_calls[:1])
-        return parsed.content, calls, parsed.reasoning
+    def _usage(self, usage: dict | None, replies: list[list[int]]) -> dict | None:
+        """The completions usage, with the reasoning tokens counted as the chat endpoint counts them."""
+        counts = [self.parsing.reasoning_tokens(ids) for ids in replies]
+        if usage is None or not counts or counts[0] is None:
+            return usage
+        details = {**(usage.get("completion_tokens_details") or {}), "reasoning_tokens": sum(counts)}
+        return {**usage, "completion_tokens_details": details}
 
     # ---- a stream -------------------------------------------------------------------------------------------
     def chunk(self, chunk: dict) -> list[dict]:
@@ -67,44 +65,29 @@ class ChatAnswer:
         choices = []
         for ch in chunk.get("choices") or ():
             index = ch.get("index", 0)
-            state = self._choices.get(index)
-            if state is None:
-                state = self._choices[index] = _StreamedChoice()
+            stream = self._streams.get(index)
+            if stream is None:
+                self._prompt_ids = self._prompt_ids or ch.get("prompt_token_ids")
+                stream = self._streams[index] = self.parsing.stream(self._prompt_ids)
                 out.append({**head, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
                                                  "logprobs": None, "finish_reason": None}],
                             "prompt_token_ids": ch.get("prompt_token_ids")})
-            state.text += ch.get("text") or ""
             finish = ch.get("finish_reason")
-            delta = self._final_delta(state) if finish is not None else self._content_delta(state)
+            self._ids.setdefault(index, []).extend(ch.get("token_ids") or ())
+            delta = stream.delta(ch.get("text") or "", ch.get("token_ids") or [], finish is not None) or {}
             if delta.get("tool_calls"):
+                if not self.parallel_tool_calls:
+                    delta["tool_calls"] = [c for c in delta["tool_calls"] if c.get("index") == 0]
+                self._streamed_calls.add(index)
+            if finish == "stop" and index in self._streamed_calls:
                 finish = "tool_calls"
             choices.append({"index": index, "delta": delta, "logprobs": self._logprobs(ch.get("logprobs")),
                             "finish_reason": finish, "token_ids": ch.get("token_ids")})
         if choices:
             out.append({**head, "choices": choices})
         if chunk.get("usage"):
-            out.append({**head, "choices": [], "usage": chunk["usage"]})
+            out.append({**head, "choices": [], "usage": self._usage(chunk["usage"], list(self._ids.values()))})
         return out
-
-    def _content_delta(self, state: _StreamedChoice) -> dict:
-        safe = self.parser.safe_prefix_len(state.text) if self.parser is not None else len(state.text)
-        if safe <= state.sent:
-            return {}
-        delta = {"content": state.text[state.sent:safe]}
-        state.sent = safe
-        return delta
-
-    def _final_delta(self, state: _StreamedChoice) -> dict:
-        """The choice ended: parse everything it said; send what is left of the content, and the tool calls."""
-        content, tool_calls, _ = self._parse(state.text)
-        delta: dict = {}
-        rest = (content or "")[state.sent:] if tool_calls else state.text[state.sent:]
-        if rest:
-            delta["content"] = rest
-        if tool_calls:
-            delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(tool_calls)]
-        state.sent = len(state.text)
-        return delta
 
     # ---- logprobs -------------------------------------------------------------------------------------------
     def _logprobs(self, lp: dict | None) -> dict | None:

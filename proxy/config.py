@@ -9,6 +9,7 @@ from pathlib import Path
 
 from proxy.guard import GuardConfig
 from proxy.roles import RoleRule
+from proxy.tool_parsers import check_reasoning_parser, check_tool_parser
 
 
 @dataclass(frozen=True)
@@ -53,7 +54,15 @@ class ProxyConfig:
     record_batch: int = 256  # the recorder flushes after this many calls...
     record_delay_s: float = 0.2  # ...or this long after the oldest unflushed call
     token_exact: bool = True  # build continued conversations' prompts from recorded ids (proxy/continuity.py)
-    tool_parser: str = "hermes"  # how generated text becomes tool calls on the token-exact path (proxy/tool_parsers.py)
+    # How generated text becomes reasoning, content and tool calls on the token-exact path (proxy/tool_parsers.py):
+    # the names the engine was started with (vLLM's --tool-call-parser / --reasoning-parser), and the model's
+    # directory, whose tokenizer vLLM's own parsers need (None: the proxy's own parsers, Hermes only).
+    tool_parser: str = "hermes"
+    reasoning_parser: str | None = None
+    tokenizer: str | None = None
+    # A reply's reasoning that the template leaves out of the history it renders (proxy/continuity.py):
+    # "as_rendered" starts a new timeline on the rendered history, "keep" continues with the sampled reasoning.
+    reasoning_history: str = "as_rendered"
     max_episodes: int = 65536  # episodes whose call numbering is kept in memory; older ones are looked up again
     continuity_episodes: int = 4096  # episodes whose replies are kept in memory for token-exact continuation...
     continuity_tokens: int = 32_000_000  # ...and the ids they may hold together (4 bytes each)
@@ -93,6 +102,11 @@ class ProxyConfig:
         if self.record_only and (self.more_upstreams or self.roles):
             raise ValueError("record-only mode forwards every call to one upstream as sent: drop the other "
                              "upstreams and the role rules")
+        check_tool_parser(self.tool_parser)
+        if self.reasoning_history not in ("as_rendered", "keep"):
+            raise ValueError(f"reasoning_history {self.reasoning_history!r}: use as_rendered (train on the history "
+                             "as the template renders it) or keep (keep the sampled reasoning in context)")
+        check_reasoning_parser(self.reasoning_parser)
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes {self.max_body_bytes!r} is too small: use at least 1024")
 

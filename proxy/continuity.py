@@ -38,7 +38,9 @@ from dataclasses import dataclass, field
 import aiohttp
 import orjson
 
+from harness.core.merge import DROPS_REASONING
 from harness.core.records import Call
+from proxy.tool_parsers import RequestParsing
 
 # Fallback reasons (Call.extra["continuity"]["reason"]).
 NO_EARLIER_CALL = "no_earlier_call"  # nothing of this episode to continue (its first call, or forgotten)
@@ -51,6 +53,13 @@ RENDER_FAILED = "render_failed"  # the engine could not render the conversation 
 NOT_APPEND_ONLY = "template_not_append_only"  # rendering the new messages changed the rendering before them
 CLOSE_TOKEN_NOT_RENDERED = "close_token_not_rendered"  # the template's turn end was not found after the reply
 PROMPT_TOO_LONG = "prompt_too_long"  # the spliced prompt leaves no room to generate
+# DROPS_REASONING (harness/core/merge.py): the reply's reasoning is not in the history the template renders
+
+# How a reply's sampled reasoning is treated when the template leaves it out of the history it renders (Qwen3
+# drops reasoning of turns before the last user message): docs/proxy.md, "Reasoning in the history".
+AS_RENDERED = "as_rendered"  # a new timeline on the rendered history: trained on what the model is served
+KEEP = "keep"  # continue token-exactly with the sampled reasoning kept in context: one sample per episode
+REASONING_HISTORY = (AS_RENDERED, KEEP)
 
 # What an agent may change in a reply it re-sends and still continue it (Call.extra["continuity"]["normalised"]).
 WHITESPACE = "whitespace"  # the same words, other whitespace between, before or after them
@@ -169,6 +178,7 @@ class Parent:
     prefix: bytes  # the prefix hash of the request it answered
     text: str  # the reply's text as the agent received it ("" for none)
     tool_calls: list | None  # its tool calls as the agent received them
+    reasoned: bool = False  # the engine split reasoning out of the reply (it is in completion_ids, not in text)
 
     @property
     def size(self) -> int:
@@ -232,8 +242,12 @@ class Timelines:
     reason). The default budget, 32M ids, is 128 MB of int32 (a reply's text, kept to tell a tidied echo from an
     edited one, is small next to the prompt ids)."""
 
-    def __init__(self, max_episodes: int = 4096, max_tokens: int = 32_000_000, max_parents: int = 64):
+    def __init__(self, max_episodes: int = 4096, max_tokens: int = 32_000_000, max_parents: int = 64,
+                 reasoning_history: str = AS_RENDERED):
+        if reasoning_history not in REASONING_HISTORY:
+            raise ValueError(f"reasoning_history {reasoning_history!r}: use one of {', '.join(REASONING_HISTORY)}")
         self.max_episodes, self.max_tokens, self.max_parents = max_episodes, max_tokens, max_parents
+        self.reasoning_history = reasoning_history
         self.tokens = 0
         self._episodes: OrderedDict[str, _EpisodeTimelines] = OrderedDict()
         self.turn_ends: dict[tuple, list[int]] = {}  # (model, template kwargs) -> [close token, *glue]
@@ -267,7 +281,7 @@ class Timelines:
             unusable = None if choice.completion_ids else PARENT_EMPTY
             key = _extension_key(prefix, canonical_reply(choice.text, choice.tool_calls))
             parent = Parent(call.call_id, choice.index, prompt, array("i", choice.completion_ids), unusable, prefix,
-                            _text(choice.text), choice.tool_calls)
+                            _text(choice.text), choice.tool_calls, bool(choice.reasoning))
             self._drop(ep, ep.parents.pop(key, None))
             ep.parents[key] = parent
             ep.answered.setdefault(prefix, []).append(parent)
@@ -367,29 +381,51 @@ async def splice(timelines: Timelines, session: aiohttp.ClientSession, base_url:
                  reply_index: int, timeout_s: float = 30.0) -> Plan:
     """Build the prompt ids: the parent's recorded ids, then the engine's render of everything after the parent's
     reply (from /tokenize, which renders exactly as the engine's chat endpoint does)."""
-    messages = body["messages"]
+    messages = _as_chat_renders(body["messages"])
     common = {"model": body.get("model"), "tools": body.get("tools"),
               "chat_template_kwargs": body.get("chat_template_kwargs")}
     full_req = {**common, "messages": messages, "add_generation_prompt": True}
     head_req = {**common, "messages": messages[:reply_index + 1], "add_generation_prompt": False}
+    # A reply that reasoned: the head without any reasoning tells whether the template renders it at all.
+    bare = [_without_reasoning(m) for m in messages[:reply_index + 1]] if parent.reasoned else None
     try:
-        full, head, turn_end = await asyncio.gather(
+        full, head, turn_end, *bare_head = await asyncio.gather(
             _tokenize(session, base_url, full_req, timeout_s), _tokenize(session, base_url, head_req, timeout_s),
-            _turn_end(timelines, session, base_url, common, timeout_s))
+            _turn_end(timelines, session, base_url, common, timeout_s),
+            *([_tokenize(session, base_url, {**head_req, "messages": bare}, timeout_s)] if bare else []))
     except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
         if isinstance(exc, _NoRoute):
             timelines.no_render = str(exc)
         return Plan("chat", RENDER_FAILED, {"error": str(exc)[:300]})
     full_ids, head_ids = full["tokens"], head["tokens"]
+    if bare_head:
+        bare_ids = bare_head[0]["tokens"]
+        # Dropped: now (the head renders the same without reasoning), or once later turns come (the whole
+        # conversation follows the head without reasoning, not the head with it: Qwen3 at a new user message).
+        dropped = bare_ids == head_ids or (full_ids[:len(head_ids)] != head_ids
+                                           and full_ids[:len(bare_ids)] == bare_ids)
+        if dropped and timelines.reasoning_history == AS_RENDERED:
+            echoed = any(messages[reply_index].get(k) for k in ("reasoning", "reasoning_content"))
+            return Plan("chat", DROPS_REASONING, {"parent_call": parent.call_id, "reply_message": reply_index,
+                                                  "reasoning_sent": echoed})
+        if dropped:  # keep: the sampled reasoning stays in context; what follows is cut after the bare head
+            head_ids = bare_ids
     if full_ids[:len(head_ids)] != head_ids:
         at = next((k for k, (a, b) in enumerate(zip(full_ids, head_ids, strict=False)) if a != b), len(full_ids))
         return Plan("chat", NOT_APPEND_ONLY, {"position": at})
-    if not turn_end or head_ids[-len(turn_end):] != turn_end:
+    sampled, rest = parent.completion_ids, full_ids[len(head_ids):]
+    if turn_end:
+        if head_ids[-len(turn_end):] != turn_end:
+            return Plan("chat", CLOSE_TOKEN_NOT_RENDERED, {"turn_end": turn_end})
+        close, glue = turn_end[0], turn_end[1:]
+        synthetic = sampled[-1] != close  # cut off, or stopped on another stop token: close the turn as context
+        prompt = [*parent.prompt_ids, *sampled, *([close] if synthetic else ()), *glue, *rest]
+    elif rest and sampled[-1] == rest[0]:
+        # The template closes no turn (GLM): a reply ends on the stop token that opens the next message, which is
+        # where the render of what follows starts.
+        synthetic, prompt = False, [*parent.prompt_ids, *sampled, *rest[1:]]
+    else:
         return Plan("chat", CLOSE_TOKEN_NOT_RENDERED, {"turn_end": turn_end})
-    close, glue = turn_end[0], turn_end[1:]
-    sampled = parent.completion_ids
-    synthetic = sampled[-1] != close  # cut off, or stopped on another stop token: close the turn as context
-    prompt = [*parent.prompt_ids, *sampled, *([close] if synthetic else ()), *glue, *full_ids[len(head_ids):]]
     max_len = full.get("max_model_len")
     if not isinstance(max_len, int):
         return Plan("chat", RENDER_FAILED, {"error": "/tokenize did not say the engine's max_model_len"})
@@ -402,6 +438,27 @@ async def splice(timelines: Timelines, session: aiohttp.ClientSession, base_url:
     return Plan("token_exact", None, detail, prompt, max_len)
 
 
+def _as_chat_renders(messages: list) -> list:
+    """The messages as vLLM's chat endpoint hands them to the template: it reads a reply's reasoning from
+    `reasoning`, taking the older `reasoning_content` as that; its /tokenize route does not rename it itself."""
+    if not any(isinstance(m, dict) and "reasoning_content" in m for m in messages):
+        return messages
+    out = []
+    for m in messages:
+        if isinstance(m, dict) and "reasoning_content" in m:
+            m = {k: v for k, v in m.items() if k != "reasoning_content"}
+            if m.get("reasoning") is None and messages[len(out)].get("reasoning_content") is not None:
+                m["reasoning"] = messages[len(out)]["reasoning_content"]
+        out.append(m)
+    return out
+
+
+def _without_reasoning(message) -> dict:
+    if not isinstance(message, dict) or message.get("role") != "assistant":
+        return message
+    return {k: v for k, v in message.items() if k not in ("reasoning", "reasoning_content")}
+
+
 async def _turn_end(timelines: Timelines, session: aiohttp.ClientSession, base_url: str, common: dict,
                     timeout_s: float) -> list[int]:
     """What the template puts after an assistant turn's content: [close token, *glue] (e.g. `<|im_end|>`, "\n").
@@ -411,11 +468,14 @@ async def _turn_end(timelines: Timelines, session: aiohttp.ClientSession, base_u
     if found is not None:
         return found
     user = {"role": "user", "content": "x"}
-    asked, empty, short = await asyncio.gather(*(
-        _tokenize(session, base_url, {**common, "tools": None, "messages": m, "add_generation_prompt": gen}, timeout_s)
-        for m, gen in (([user], True), ([user, {"role": "assistant", "content": ""}], False),
-                       ([user, {"role": "assistant", "content": "x"}], False))))
-    start = len(asked["tokens"])
+    empty, short = await asyncio.gather(*(
+        _tokenize(session, base_url, {**common, "tools": None, "messages": [user, {"role": "assistant", "content": c}],
+                                      "add_generation_prompt": False}, timeout_s) for c in ("", "x")))
+    # From where the two renders part (not from the generation prompt's end: it may hold more, e.g. Qwen3's empty
+    # think block with enable_thinking off), their common tail is the turn end.
+    start = 0
+    while start < min(len(empty["tokens"]), len(short["tokens"])) and empty["tokens"][start] == short["tokens"][start]:
+        start += 1
     a, b = empty["tokens"][start:], short["tokens"][start:]
     n = 0
     while n < min(len(a), len(b)) and a[-1 - n] == b[-1 - n]:
@@ -445,15 +505,17 @@ class _NoRoute(ValueError):
     pass
 
 
-def completions_body(body: dict, plan: Plan) -> dict:
+def completions_body(body: dict, plan: Plan, parsing: RequestParsing) -> dict:
     """The chat request (already prepared for the engine) as a /v1/completions request on the spliced ids."""
     out = {k: v for k, v in body.items() if k not in _CHAT_ONLY}
     out["prompt"] = plan.prompt_ids
     out["add_special_tokens"] = False
     out["return_token_ids"] = True
     out["logprobs"] = int(body.get("top_logprobs") or 0)
-    if body.get("tools") and body.get("tool_choice") != "none":
-        out["skip_special_tokens"] = False  # as vLLM's chat endpoint does for tool parsing: markers may be special
+    if not parsing.skip_special_tokens:  # as vLLM's chat endpoint decodes for its parsers: markers may be special
+        out["skip_special_tokens"] = False
+    if parsing.structured_outputs is not None:  # a constraint the chat endpoint's tool parser puts on generation
+        out["structured_outputs"] = parsing.structured_outputs
     max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
     # Always explicit (the completions default is 16); unasked, the chat endpoint's default: all the room left.
     out["max_tokens"] = max_tokens if max_tokens is not None else plan.max_model_len - len(plan.prompt_ids)

@@ -152,6 +152,7 @@ class Capture:
                 reasoning = message.get("reasoning_content") or message.get("reasoning")
                 if reasoning:
                     acc.reasoning.append(reasoning)
+                    _both_names(message, reasoning)
                 for i, call in enumerate(message.get("tool_calls") or ()):
                     acc.tool_calls[i] = call
             acc.add_logprobs(p.endpoint, choice.get("logprobs"))
@@ -192,6 +193,7 @@ class Capture:
                 reasoning = delta.get("reasoning_content") or delta.get("reasoning")
                 if reasoning:
                     acc.reasoning.append(reasoning)
+                    _both_names(delta, reasoning)
                 for tc in delta.get("tool_calls") or ():
                     acc.add_tool_call_delta(tc)
             if "logprobs" in choice:
@@ -280,6 +282,12 @@ class Capture:
             completion_tokens=completion_tokens,
             extra=extra,
         )
+
+
+def _both_names(message: dict, reasoning: str) -> None:
+    """Reasoning under both names agents read: `reasoning` (vLLM's) and `reasoning_content` (DeepSeek's API, older
+    vLLM; what LangChain's and LiteLLM's DeepSeek clients look for)."""
+    message["reasoning"] = message["reasoning_content"] = reasoning
 
 
 def refused_call(endpoint: str, exc: ApiError, wire: Wire | None, *, run_id: str, episode_id: str,

@@ -7,6 +7,7 @@ measure the proxy rather than the model. Everything else tests against the real 
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from dataclasses import dataclass
 
@@ -32,6 +33,7 @@ class Script:
     token_ids: bool = True  # False: answer like a server that knows nothing of token ids (no such fields)
     tool_arguments: str | None = None  # chat answers a call of tool "lookup" with these arguments instead of text
     content: str | None = None  # fixed reply text (chat and completions) instead of the generated "w1000 w1001 ..."
+    reasoning: str | None = None  # chat answers carry this as `reasoning` (streamed word by word, before the text)
 
 
 class ScriptedEngine:
@@ -120,7 +122,10 @@ class ScriptedEngine:
                     text = None
                     calls = [{"id": f"call_{len(self.requests)}_{i}", "type": "function",
                               "function": {"name": "lookup", "arguments": self.script.tool_arguments}}]
-                choice = {"index": i, "message": {"role": "assistant", "content": text, "tool_calls": calls},
+                message = {"role": "assistant", "content": text, "tool_calls": calls}
+                if self.script.reasoning is not None:
+                    message["reasoning"] = self.script.reasoning
+                choice = {"index": i, "message": message,
                           "logprobs": lp if body.get("logprobs") else None,
                           "finish_reason": "tool_calls" if calls else "length", "stop_reason": None, "token_ids": ids}
             else:
@@ -157,6 +162,12 @@ class ScriptedEngine:
                 elif not s.token_ids:
                     first["choices"][0].pop("token_ids")
                 await resp.write(b"data: " + orjson.dumps(first) + b"\n\n")
+        for piece in re.findall(r"\S+\s*", s.reasoning or "") if chat else ():
+            for i in range(n):
+                choice = {"index": i, "delta": {"reasoning": piece}, "logprobs": None, "finish_reason": None}
+                if s.token_ids:
+                    choice["token_ids"] = []
+                await resp.write(b"data: " + orjson.dumps(dict(base, choices=[choice])) + b"\n\n")
         for pos, t in enumerate(ids):
             for i in range(n):
                 last = pos == len(ids) - 1

@@ -12,7 +12,7 @@ from harness.store.recorder import Recorder
 from proxy.config import ProxyConfig, SamplingOverrides
 from proxy.continuity import Timelines
 from proxy.episodes import Episodes
-from proxy.tool_parsers import ToolParser
+from proxy.tool_parsers import ReplyParsing
 from proxy.upstreams import Engines
 from proxy.wire.common import ConversationStore
 
@@ -25,7 +25,7 @@ class RunState:
     warned_no_ids: bool = False  # said once that the engine returns no token ids
     timelines: Timelines | None = None  # token-exact continuity (None: off, or the engine returns no ids)
     sampling: SamplingOverrides | None = None  # the overrides in force; starts as the config's, a trainer may swap it
-    tool_parser: ToolParser | None = None
+    parsing: ReplyParsing | None = None
 
 
 CONFIG = web.AppKey("config", ProxyConfig)

@@ -97,10 +97,13 @@ def check(cfg: TrainConfig, where: str, mode: Mode = "rl") -> None:
         except ValueError as exc:
             raise ConfigError(f"trainer.lora: {exc}") from None
     _check_tied(cfg, serves=online or cfg.data.validation is not None)
-    from proxy.tool_parsers import known_parsers
+    from proxy.tool_parsers import check_reasoning_parser, check_tool_parser
 
-    if r.tool_parser not in known_parsers():
-        raise ConfigError(f"rollout.tool_parser must be one of {', '.join(known_parsers())}, got {r.tool_parser!r}")
+    try:
+        check_tool_parser(r.tool_parser)
+        check_reasoning_parser(r.reasoning_parser)
+    except ValueError as exc:
+        raise ConfigError(f"rollout: {exc}") from None
     _check_roles(cfg)
 
 

@@ -187,7 +187,15 @@ class RolloutConfig:
                             "debug.seed in a debug run", ge=0)
     token_exact: bool = _key(True, "continue conversations from the recorded token ids (docs/proxy.md); false: "
                              "re-render every call with the chat template")
-    tool_parser: str = _key("hermes", "how generated text becomes tool calls, as vLLM's --tool-call-parser")
+    tool_parser: str = _key("hermes", "how the model writes tool calls: a name vLLM's --tool-call-parser takes "
+                            "(hermes: Qwen2.5, Qwen3; qwen3_xml: Qwen3-Coder; llama3_json; mistral; pythonic; "
+                            "deepseek_v3; glm45; kimi_k2; ...): the engine starts with it, the proxy parses with it")
+    reasoning_parser: str | None = _key(None, "how the model writes its reasoning: a name vLLM's --reasoning-parser "
+                                        "takes (qwen3, deepseek_r1, glm45, ...); null: none")
+    reasoning_history: Literal["as_rendered", "keep"] = _key(
+        "as_rendered", "when the chat template leaves a reply's reasoning out of the history it renders (Qwen3, at a "
+        "new user message): as_rendered trains a new sample on the history as rendered (what the model is served); "
+        "keep continues token-exactly with the sampled reasoning kept in context (one sample per episode)")
     transparent: bool = _key(False, "put an embedded mitmproxy in front of the agents, so agents that hard-code an "
                              "LLM host (api.openai.com, DashScope, DeepSeek...) are recorded too (docs/proxy.md)")
     llm_hosts: list[str] = _key([], "with rollout.transparent: more LLM hosts to intercept, each host[/api-prefix]")

@@ -83,6 +83,8 @@ def experience_of(rollout: StepRollout, cfg: TrainConfig) -> Experience:
         "time/rollout_s": rollout.timings["rollout_s"], "time/judge_s": rollout.timings["judge_s"],
         "time/merge_s": rollout.timings["merge_s"],
     }
+    for reason in sorted({r for e in rollout.episodes for r in e.unparsed}):  # tool_call_unparsed, ...
+        metrics[f"parse/{reason}"] = sum(e.unparsed.get(reason, 0) for e in rollout.episodes)
     if cfg.rollout.guard.enabled:
         metrics.update({"guard/degenerate": sum(e.degenerate for e in rollout.episodes),
                         "guard/episodes": sum(e.degenerate > 0 for e in rollout.episodes),

@@ -14,10 +14,12 @@ import dataclasses
 import functools
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from harness.core.flags import PARSE
 from harness.core.merge import Merged, merge_episode, summarise_merges
 from harness.core.records import FINISHED, INFRA_ERROR, INTERRUPTED, Call, EpisodeOutcome, Judgement, Sample, Task
 from harness.running.hub import model_name
@@ -56,6 +58,7 @@ class EpisodeResult:
     penalized: bool = False  # the reward is rollout.guard.penalty, not the judge's
     ended: str | None = None  # "max_turns" or "guard" when the proxy ended the episode early
     over_max_samples: int = 0  # samples past rollout.max_samples_per_episode: stored, not trained
+    unparsed: dict[str, int] = field(default_factory=dict)  # replies whose tool call or reasoning did not parse
 
 
 @dataclass
@@ -70,7 +73,7 @@ class Rollouts:
     """The engine behind a recording proxy, for the whole training run."""
 
     def __init__(self, engine: Engine, run_dir: Path, run: RunConfig, *, sampling: SamplingOverrides,
-                 token_exact: bool = True, tool_parser: str = "hermes", roles: tuple[RoleRule, ...] = (),
+                 token_exact: bool = True, reasoning_history: str = "as_rendered", roles: tuple[RoleRule, ...] = (),
                  interceptor=None, more_engines: tuple[Engine, ...] = (), guard: GuardConfig = GuardConfig(),
                  max_turns: int | None = None, max_samples: int | None = None, penalty: float | None = None,
                  learns: Callable[[str | None], bool] = lambda role: True):
@@ -81,8 +84,9 @@ class Rollouts:
         self.more_engines = more_engines  # more engines of the same policy (proxy/upstreams.py)
         self.run_dir = run_dir
         self.sampling = sampling
-        config = proxy_config(engine, run_dir, sampling=sampling, token_exact=token_exact, tool_parser=tool_parser,
-                              roles=roles, more_upstreams=tuple(e.base_url for e in more_engines), guard=guard,
+        config = proxy_config(engine, run_dir, sampling=sampling, token_exact=token_exact, roles=roles,
+                              reasoning_history=reasoning_history,
+                              more_upstreams=tuple(e.base_url for e in more_engines), guard=guard,
                               max_turns=max_turns)
         self.run = agents_config(run, config)
         if not engine.returns_token_ids:
@@ -180,7 +184,7 @@ class Rollouts:
             results.append(EpisodeResult(o.episode_id, o.task_id, o.status, reward, [merged.samples[k] for k in kept],
                                          merged, truncated, [spans[k] for k in kept], [roles[k] for k in kept],
                                          role_rewards, [versions[k] for k in kept], degenerate, penalized, ended,
-                                         over))
+                                         over, dict(Counter(f["reason"] for _, f in flags if f["kind"] == PARSE))))
             items.append((o.episode_id, merged, reward))
         self.store.add_merged_episodes(self.run_id, items)
         self.store.add_judgements(penalties)  # the rewards view, export and --from-run see what was trained
@@ -223,7 +227,7 @@ def start_rollouts(cfg: TrainConfig, out: Path) -> Rollouts:
     try:
         return Rollouts(engine, out, run_config(cfg), sampling=SamplingOverrides(
             temperature=r.temperature, top_p=r.top_p, max_tokens_cap=r.max_tokens, seed=sampling_seed(cfg)),
-            token_exact=r.token_exact, tool_parser=r.tool_parser, roles=role_rules(cfg),
+            token_exact=r.token_exact, reasoning_history=r.reasoning_history, roles=role_rules(cfg),
             interceptor=interceptor_for(r, out), more_engines=tuple(more), guard=guard_of(dataclasses.asdict(r.guard)),
             max_turns=r.max_turns, max_samples=r.max_samples_per_episode, penalty=r.guard.penalty,
             learns=functools.partial(trains, cfg))
@@ -264,9 +268,10 @@ def run_config(cfg: TrainConfig) -> RunConfig:
 def start_engines(cfg: TrainConfig, out: Path) -> list[Engine]:
     """The engines serving the policy: attached (engine.url, engine.more_urls; with LoRA, started with
     trainer/lora.py's engine_args and ENGINE_ENV) or started (rollout.engines)."""
-    e = cfg.rollout.engine
+    e, parsers = cfg.rollout.engine, {"tool_parser": cfg.rollout.tool_parser,
+                                      "reasoning_parser": cfg.rollout.reasoning_parser}
     if e.url:
-        return [attach(url) for url in (e.url, *e.more_urls)]
+        return [attach(url, **parsers) for url in (e.url, *e.more_urls)]
     served = engine_model_dir(cfg, out)
     if served != Path(cfg.model.path):  # tied embeddings: the engines serve the untied view
         engine_view(cfg.model.path, served)
@@ -279,7 +284,8 @@ def start_engines(cfg: TrainConfig, out: Path) -> list[Engine]:
             started.append(start_vllm(served, out / "logs" / (f"engine{k}" if k else ""),
                                       served_model_name=model_name(cfg.model.path),
                                       max_model_len=e.max_model_len, extra_args=extra, env=env,
-                                      share=(k, cfg.rollout.engines) if cfg.rollout.engines > 1 else None))
+                                      share=(k, cfg.rollout.engines) if cfg.rollout.engines > 1 else None,
+                                      **parsers))
     except BaseException:
         for engine in started:
             engine.stop()

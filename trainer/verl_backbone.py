@@ -92,6 +92,7 @@ def loop_settings(cfg: TrainConfig, run_dir: Path) -> dict:
             "served_model": "policy", "max_model_len": r.engine.max_model_len, "cwd": r.cwd, "env": dict(r.env),
             "timeout_s": r.timeout_s, "retries": r.retries, "judge_timeout_s": cfg.task_judge.timeout_s,
             "judge_workers": cfg.task_judge.workers, "token_exact": r.token_exact, "tool_parser": r.tool_parser,
+            "reasoning_parser": r.reasoning_parser, "reasoning_history": r.reasoning_history,
             "max_tokens": r.max_tokens, "concurrency": r.concurrency, "memory_mb": r.memory_mb,
             "max_procs": r.max_procs, "max_turns": r.max_turns, "max_samples_per_episode": r.max_samples_per_episode,
             "guard": dataclasses.asdict(r.guard)}

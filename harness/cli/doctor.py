@@ -2,19 +2,21 @@
 
 Merging (harness/core/merge.py) joins call k+1 to call k when call k+1's prompt ids start with call k's prompt ids +
 its completion ids. That holds only if the chat template renders each longer conversation by appending to the
-shorter one, and renders an earlier assistant turn exactly as the model wrote it. Four checks, run offline on
+shorter one, and renders an earlier assistant turn exactly as the model wrote it. Five checks, run offline on
 the tokenizer and template alone (no engine, no weights):
 
 1. append-only: the template against itself. Over representative conversations (text replies, one and two
-   tool calls, tool results, a second user turn, reasoning replies; with and without tools offered), the prompt
+   tool calls, tool results, a second user turn; with and without tools offered), the prompt
    of the call before each assistant turn + that turn as the template renders it (up to its close token) must be
    a prefix of the next call's prompt, as text and as token ids.
 2. history: what the model wrote against how the template re-renders it once the agent sends it back (through
    vLLM, which parses tool-call arguments into objects): text before a tool call, compact arguments,
    surrounding newlines, a <think> block.
-3. tool-parser: what the template renders for assistant tool calls parses back (proxy/tool_parsers.py) to the
-   same names, arguments and content.
-4. close-token: the token that ends an assistant turn is a stop token of the model (tokenizer eos or
+3. tool-parser: what the template renders for assistant tool calls parses back, with the parser the engine and
+   the proxy use (vLLM's own where vLLM is installed: proxy/parsing.py), to the same names, arguments and content.
+4. reasoning: where the template renders a reply's reasoning (`reasoning_content`): for the latest turn, inside
+   its tool loop, after a new user message; and so which `reasoning_history` choice fits (docs/proxy.md).
+5. close-token: the token that ends an assistant turn is a stop token of the model (tokenizer eos or
    generation_config.json), so a sampled reply ends exactly where the template's turn ends; the text the
    template writes after it is glue: context, never trained.
 
@@ -30,7 +32,8 @@ import textwrap
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from proxy.tool_parsers import ToolParser, get_parser
+from proxy.parsing import reply_parsing
+from proxy.tool_parsers import Parsed, ReplyParsing, check_reasoning_parser
 
 __all__ = ["Check", "DoctorError", "Finding", "Report", "diagnose", "format_report", "load_tokenizer"]
 
@@ -63,7 +66,7 @@ class Finding:
 
 @dataclass(frozen=True)
 class Check:
-    name: str  # append-only, history, tool-parser, close-token
+    name: str  # append-only, history, tool-parser, reasoning, close-token
     status: str  # ok, warn or FAIL
     summary: str  # one line, plain words
     findings: tuple[Finding, ...] = ()
@@ -76,6 +79,7 @@ class Report:
     template: str  # "the model's own", or the file passed with --chat-template
     tool_parser: str
     checks: tuple[Check, ...]
+    reasoning_parser: str | None = None
     notes: tuple[str, ...] = field(default=())  # conversations the template could not render, and the like
 
     @property
@@ -83,7 +87,8 @@ class Report:
         return any(c.status == FAIL for c in self.checks)
 
     def to_json(self) -> dict:
-        return {"model": self.model, "template": self.template, "tool_parser": self.tool_parser, "ok": not self.failed,
+        return {"model": self.model, "template": self.template, "tool_parser": self.tool_parser,
+                "reasoning_parser": self.reasoning_parser, "ok": not self.failed,
                 "checks": [asdict(c) for c in self.checks], "notes": list(self.notes)}
 
 
@@ -130,14 +135,11 @@ _TOOL_USE = [
     _user("Thanks! And Zürich?"), _assistant(None, ("get_weather", {"city": "Zürich"})),
     _tool("call_0", '{"temp_c": 12}'), _assistant("Zürich: 12 °C."),
 ]
-_REASONING = [SYSTEM, _user("What is 2 + 2?"), _assistant("<think>\nTwo plus two is four.\n</think>\n\n4."),
-              _user("And 3 + 3?"), _assistant("<think>\nThree plus three is six.\n</think>\n\n6.")]
 CONVERSATIONS: list[tuple[str, list[dict], list[dict] | None]] = [
     ("text replies", _TEXT, None),
     ("text replies, tools offered", _TEXT, TOOLS),
     ("no system prompt", _TEXT[1:], None),
     ("tool calls and results", _TOOL_USE, TOOLS),
-    ("reasoning replies", _REASONING, None),
 ]
 
 
@@ -150,15 +152,17 @@ class _RenderError(Exception):
 class _Template:
     """The tokenizer's chat template and stop tokens, with the comparisons the checks share."""
 
-    def __init__(self, tokenizer, stop_ids: dict[int, str]):
+    def __init__(self, tokenizer, stop_ids: dict[int, str], named_ids: bool = False):
         self.tokenizer = tokenizer
+        self.named_ids = named_ids  # tool-call ids as Kimi K2 writes them: functions.<name>:<index>
         self.stop_ids = stop_ids  # id -> where it comes from ("tokenizer eos", "generation_config.json")
         self.stop_texts = {tokenizer.decode([i]): i for i in stop_ids}
         self.close = ""  # the text of the token that ends an assistant turn, once check_close_token found it
 
     def render(self, messages: list[dict], tools: list[dict] | None, generation_prompt: bool) -> str:
+        messages = _named_ids(messages) if self.named_ids else copy.deepcopy(messages)
         try:
-            return self.tokenizer.apply_chat_template(copy.deepcopy(messages), tools=tools, tokenize=False,
+            return self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
                                                       add_generation_prompt=generation_prompt)
         except Exception as exc:  # a template may raise anything (raise_exception, TypeError, jinja errors)
             raise _RenderError(f"the template raised {type(exc).__name__}: {exc}") from exc
@@ -203,6 +207,22 @@ class _Template:
 
     def _pieces(self, ids: list[int]) -> str:
         return " ".join(_show(self.tokenizer.decode([i])) for i in ids)
+
+
+# Kimi K2's template writes a call's id where its name goes, and the model writes ids as functions.<name>:<index>
+# (vLLM's kimi_k2 parser reads the name from there): its agents send those ids back, so doctor's conversations do.
+NAMED_ID_PARSERS = ("kimi_k2", "kimi_k3", "k2_horizon")
+
+
+def _named_ids(messages: list[dict]) -> list[dict]:
+    out, names = [], {}
+    for message in copy.deepcopy(messages):
+        for k, call in enumerate(message.get("tool_calls") or ()):
+            names[call["id"]] = call["id"] = f"functions.{call['function']['name']}:{k}"
+        if message.get("role") == "tool" and message.get("tool_call_id") in names:
+            message["tool_call_id"] = names[message["tool_call_id"]]
+        out.append(message)
+    return out
 
 
 class _Divergence(Exception):
@@ -263,7 +283,21 @@ def check_append_only(template: _Template) -> tuple[Check, list[str]]:
                  f"as token ids ({compared} turns over {len(CONVERSATIONS)} conversations)"), notes
 
 
-def _echo(parser: ToolParser, reply: str) -> dict:
+class _Reader:
+    """Reads a reply as the engine's chat endpoint and the proxy would: the model's tool (and reasoning) parser
+    on a request that offers TOOLS."""
+
+    def __init__(self, parsing: ReplyParsing, tokenizer):
+        self.parsing, self.tokenizer = parsing, tokenizer
+        self.name = parsing.tool_parser or "none"
+        self._request = parsing.request({"model": "doctor", "messages": [SYSTEM], "tools": TOOLS})
+
+    def parse(self, text: str) -> Parsed:
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        return self._request.whole(text, ids, None)
+
+
+def _echo(parser: _Reader, reply: str) -> dict:
     """The assistant message an agent sends back after receiving `reply` parsed, as vLLM hands it on."""
     parsed = parser.parse(reply)
     calls = [(c["function"]["name"], _loads(c["function"]["arguments"])) for c in parsed.tool_calls]
@@ -289,12 +323,16 @@ def _history_probes() -> list[tuple[str, dict, str | None]]:
     ]
 
 
-def check_history(template: _Template, parser: ToolParser) -> tuple[Check, list[str]]:
+def check_history(template: _Template, parser: _Reader, reasoned: bool = False) -> tuple[Check, list[str]]:
+    """`reasoned`: a reasoning parser splits the model's thinking out of the content, so a reply never comes back
+    with a <think> block in its content (the reasoning check covers where the template puts it)."""
     base = [SYSTEM, _user("What's the weather in Paris?")]
     findings: list[Finding] = []
     notes: list[str] = []
     probes = 0
     for probe, message, raw in _history_probes():
+        if reasoned and "<think>" in (raw or ""):
+            continue
         try:
             prompt, reply, close = template.latest_turn(base + [message], TOOLS)
             if raw == "compact":  # the model wrote {"city":"Paris"} where the template writes {"city": "Paris"}
@@ -329,7 +367,7 @@ def check_history(template: _Template, parser: ToolParser) -> tuple[Check, list[
     return Check("history", OK, f"all {probes} kinds of reply come back exactly as the model wrote them"), notes
 
 
-def check_tool_parser(template: _Template, parser: ToolParser) -> Check:
+def check_tool_parser(template: _Template, parser: _Reader) -> Check:
     findings: list[Finding] = []
     replies = 0
     for i, message in enumerate(_TOOL_USE):
@@ -359,6 +397,46 @@ def check_tool_parser(template: _Template, parser: ToolParser) -> Check:
                      "for this model family with --tool-parser (vLLM's --tool-call-parser).")
     return Check("tool-parser", OK, f"the {parser.name} parser reads back the names, arguments and content of all "
                  f"{replies} assistant turns the template renders (one and two tool calls, text before calls)")
+
+
+_THOUGHT, _LATER_THOUGHT = "I should look up Paris first.", "The tool says 21 degrees."
+
+
+def check_reasoning(template: _Template, reasoning_parser: str | None) -> Check:
+    """Where the template renders a reply's reasoning, and which `reasoning_history` choice that makes fit."""
+    call = _assistant(None, ("get_weather", {"city": "Paris"}))
+    loop = [SYSTEM, _user("What's the weather in Paris?"), {**call, "reasoning_content": _THOUGHT},
+            _tool("call_0", '{"temp_c": 21}')]
+    later = [*loop, {**_assistant("It is 21 °C."), "reasoning_content": _LATER_THOUGHT}, NEXT_USER]
+    try:
+        latest = _THOUGHT in template.render(loop[:3], TOOLS, False)
+        in_loop = _THOUGHT in template.render(loop, TOOLS, True)
+        after_user = _THOUGHT in template.render(later, TOOLS, True) or _LATER_THOUGHT in template.render(
+            later, TOOLS, True)
+    except _RenderError as exc:
+        return Check("reasoning", WARN, f"could not render a reply with reasoning_content: {exc}")
+    named = f"the {reasoning_parser} reasoning parser" if reasoning_parser else "a reasoning parser (none given)"
+    if not latest and not in_loop:
+        return Check("reasoning", OK if reasoning_parser is None else WARN,
+                     "the template does not render a reply's reasoning (reasoning_content) at all", (),
+                     "" if reasoning_parser is None else
+                     f"With {named}, every call after a reply that reasoned sees no reasoning: with reasoning_history "
+                     "as_rendered (the default) each such call starts a new sample, trained on what the model is "
+                     "served; keep merges the episode into one sample, with the sampled reasoning in a context the "
+                     "model is never served.")
+    if in_loop and not after_user:
+        return Check("reasoning", OK, "the template renders a reply's reasoning while its tool loop lasts and drops it "
+                     "at the next user message (as Qwen3 does): reasoning_history as_rendered (the default) fits, "
+                     "one sample per user turn with the calls of each tool loop merged; keep gives one sample per "
+                     "episode, trained with earlier reasoning the model is not served with")
+    if in_loop and after_user:
+        return Check("reasoning", OK, "the template keeps every reply's reasoning in the history: both "
+                     "reasoning_history choices merge the whole episode into one sample")
+    return Check("reasoning", WARN, "the template renders reasoning for the latest reply only and drops it as soon as "
+                 "another message follows", (),
+                 "With reasoning_history as_rendered (the default) each call after a reply that reasoned starts a new "
+                 "sample, trained on what the model is served; keep merges them, with the sampled reasoning in a "
+                 "context the model is never served.")
 
 
 def check_close_token(template: _Template) -> Check:
@@ -435,25 +513,31 @@ def _stop_ids(tokenizer, model_dir: Path) -> dict[int, str]:
     return stops
 
 
-def diagnose(model_dir: str | Path, tool_parser: str = "hermes", chat_template: str | Path | None = None) -> Report:
-    """Run the four checks on the model in `model_dir`; raises DoctorError on bad input."""
-    try:
-        parser = get_parser(tool_parser)
-    except ValueError as exc:
-        raise DoctorError(str(exc)) from exc
+def diagnose(model_dir: str | Path, tool_parser: str = "hermes", chat_template: str | Path | None = None,
+             reasoning_parser: str | None = None) -> Report:
+    """Run the five checks on the model in `model_dir`; raises DoctorError on bad input."""
     tokenizer = load_tokenizer(model_dir, chat_template)
-    template = _Template(tokenizer, _stop_ids(tokenizer, Path(model_dir)))
+    try:  # tool calls are read by the tool parser alone: the reasoning check places the reasoning
+        check_reasoning_parser(reasoning_parser)
+        parser = _Reader(reply_parsing(tool_parser, None, str(model_dir)), tokenizer)
+    except (ValueError, TypeError) as exc:  # a bad name; a parser that cannot work with this tokenizer (vLLM's)
+        raise DoctorError(str(exc)) from exc
+    template = _Template(tokenizer, _stop_ids(tokenizer, Path(model_dir)), tool_parser in NAMED_ID_PARSERS)
     close_check = check_close_token(template)
     append_only, notes = check_append_only(template)
-    history, history_notes = check_history(template, parser)
-    checks = (append_only, history, check_tool_parser(template, parser), close_check)
+    history, history_notes = check_history(template, parser, reasoned=reasoning_parser is not None)
+    checks = (append_only, history, check_tool_parser(template, parser), check_reasoning(template, reasoning_parser),
+              close_check)
     source = str(chat_template) if chat_template is not None else "the model's own"
-    return Report(str(model_dir), source, parser.name, checks, tuple(notes + history_notes))
+    return Report(str(model_dir), source, parser.name, checks, reasoning_parser=reasoning_parser,
+                  notes=tuple(notes + history_notes))
 
 
 def format_report(report: Report) -> str:
     """One line per check, then the findings and advice of those that are not ok."""
-    lines = [f"harness doctor: {report.model} (template: {report.template}; tool parser: {report.tool_parser})"]
+    reasoning = f"; reasoning parser: {report.reasoning_parser}" if report.reasoning_parser else ""
+    lines = [f"harness doctor: {report.model} (template: {report.template}; tool parser: {report.tool_parser}"
+             f"{reasoning})"]
     for check in report.checks:
         lines.append(f"{check.status:<5} {check.name:<12} {check.summary}")
         for f in check.findings:

@@ -133,7 +133,8 @@ def _run(args) -> int:
             engine = Engine(args.upstream[0].rstrip("/").removesuffix("/v1"), "", returns_token_ids=False)
         else:
             engine = start_or_attach(model=args.model, upstream=(args.upstream or [None])[0],
-                                     run_dir=args.run_dir, max_model_len=args.max_model_len)
+                                     run_dir=args.run_dir, max_model_len=args.max_model_len,
+                                     **options.parsers(args))
     except (TaskError, JudgeError, EngineError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -141,7 +142,8 @@ def _run(args) -> int:
         print(f"running {len(tasks)} tasks x {args.repeat} against {engine.base_url}", file=sys.stderr)
         run_id, report = asyncio.run(run_dataset(tasks, config, engine, args.run_dir,
                                                  success_threshold=args.success_threshold, sampling=sampling,
-                                                 token_exact=not args.no_token_exact, tool_parser=args.tool_parser,
+                                                 token_exact=not args.no_token_exact,
+                                                 reasoning_history=args.reasoning_history,
                                                  progress=not args.debug, interceptor=interceptor, roles=roles,
                                                  more_upstreams=tuple((args.upstream or [])[1:]),
                                                  record_only=args.record_only,
@@ -316,13 +318,17 @@ def _add_doctor(verbs) -> None:
         "doctor", help="check a model's chat template and tool parser for what breaks merging (docs/doctor.md)",
         description="Check, offline, that the model's chat template only appends over multi-turn conversations with "
         "tool calls and tool results, that earlier assistant turns come back as the model wrote them, that the "
-        "tool-call parser reads back what the template renders, and that an assistant turn ends on a stop token. "
+        "tool-call parser reads back what the template renders, where the template puts a reply's reasoning (and "
+        "so which --reasoning-history fits), and that an assistant turn ends on a stop token. "
         "One line per check (ok, warn, FAIL); exit 0 when nothing FAILs, 1 otherwise, 2 on bad input.",
     )
     p.add_argument("--model", required=True, help="model directory (tokenizer and chat template), or a Hugging Face "
                    "id in the local cache")
-    p.add_argument("--tool-parser", default="hermes", help="tool-call parser, as vLLM's --tool-call-parser "
-                   "(default: %(default)s)")
+    p.add_argument("--tool-parser", default="hermes", help="tool-call parser, a name vLLM's --tool-call-parser "
+                   "takes (hermes, qwen3_xml, llama3_json, mistral, pythonic, deepseek_v3, glm45, kimi_k2, ...; "
+                   "default: %(default)s)")
+    p.add_argument("--reasoning-parser", help="reasoning parser of a reasoning model, a name vLLM's "
+                   "--reasoning-parser takes (qwen3, deepseek_r1, glm45, ...)")
     p.add_argument("--chat-template", type=Path, help="a Jinja template file to check instead of the model's own")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=_doctor)
@@ -336,7 +342,8 @@ def _doctor(args) -> int:
 
     try:
         model = args.model if Path(args.model).exists() else local_model(args.model)  # a tokenizer is enough here
-        report = diagnose(model, tool_parser=args.tool_parser, chat_template=args.chat_template)
+        report = diagnose(model, tool_parser=args.tool_parser, chat_template=args.chat_template,
+                          reasoning_parser=args.reasoning_parser)
     except (DoctorError, ModelNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

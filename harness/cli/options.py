@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from proxy.tool_parsers import known_parsers
+from proxy.tool_parsers import check_reasoning_parser, check_tool_parser
 
 DEFAULT_RUN_DIR = Path("runs")
 
@@ -126,6 +126,23 @@ def add_engine_args(p) -> None:
     p.add_argument("--no-token-exact", action="store_true",
                    help="render every chat call with the engine's chat template instead of continuing conversations "
                    "from the recorded token ids (docs/proxy.md: token-exact continuity)")
-    p.add_argument("--tool-parser", default="hermes", choices=known_parsers(),
-                   help="how generated text becomes tool calls on the token-exact path, as vLLM's --tool-call-parser "
-                   "(default: %(default)s)")
+    p.add_argument("--tool-parser", default="hermes", metavar="NAME",
+                   help="how the model writes tool calls: a name vLLM's --tool-call-parser takes (hermes: Qwen2.5, "
+                   "Qwen3, Hermes; qwen3_xml: Qwen3-Coder; llama3_json; mistral; pythonic; deepseek_v3; glm45; "
+                   "kimi_k2; ...). The engine is started with it and the proxy parses token-exact answers with it "
+                   "(default: %(default)s; docs/proxy.md lists them)")
+    p.add_argument("--reasoning-parser", default=None, metavar="NAME",
+                   help="how the model writes its reasoning: a name vLLM's --reasoning-parser takes (qwen3, "
+                   "deepseek_r1, glm45, ...); answers then carry it as `reasoning`, apart from the content "
+                   "(default: none)")
+    p.add_argument("--reasoning-history", default="as_rendered", choices=("as_rendered", "keep"),
+                   help="when the chat template leaves a reply's reasoning out of the history it renders (Qwen3, at "
+                   "a new user message): as_rendered starts a new sample on the history as rendered, so the model "
+                   "is trained on what it is served; keep continues token-exactly with the sampled reasoning kept "
+                   "(one sample per episode; docs/proxy.md) (default: %(default)s)")
+
+
+def parsers(args) -> dict:
+    """The engine's reply parsers from --tool-parser and --reasoning-parser (a ValueError names a bad one)."""
+    return {"tool_parser": check_tool_parser(args.tool_parser),
+            "reasoning_parser": check_reasoning_parser(args.reasoning_parser)}

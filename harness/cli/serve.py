@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from harness.cli import options
+from harness.running.proxied import engine_parsing
 from proxy.config import ProxyConfig
 
 
@@ -51,7 +52,7 @@ def _serve(args) -> int:
         sampling = SamplingOverrides(args.temperature, args.top_p, args.max_tokens_cap)
         limits = options.limits(args)  # before an engine starts
         engine = start_or_attach(model=args.model, upstream=(args.upstream or [None])[0], run_dir=args.run_dir,
-                                 max_model_len=args.max_model_len)
+                                 max_model_len=args.max_model_len, **options.parsers(args))
     except (EngineError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2 if isinstance(exc, ModelNotFoundError) else 1  # bad input; else the engine failed
@@ -62,7 +63,8 @@ def _serve(args) -> int:
             upstream_url=engine.base_url, db_path=db, served_model=engine.served_model,
             returns_token_ids=engine.returns_token_ids, host=args.host, port=args.port,
             auth_token=args.auth_token, auto_episodes=not args.strict_episodes, sampling=sampling,
-            token_exact=not args.no_token_exact, tool_parser=args.tool_parser, roles=options.role_rules(args),
+            token_exact=not args.no_token_exact, **engine_parsing(engine), roles=options.role_rules(args),
+            reasoning_history=args.reasoning_history,
             more_upstreams=tuple((args.upstream or [])[1:]), db_memory_mb=args.db_memory_mb, **limits,
         )
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from harness.core.records import Call
 
-TRUNCATED, DEGENERATE = "truncated", "degenerate"
+TRUNCATED, DEGENERATE, PARSE = "truncated", "degenerate", "parse"
 _CONTEXT_FULL = "maximum context length"  # vLLM's 400 for a prompt (plus max_tokens) past max_model_len
 
 

@@ -28,13 +28,15 @@ from dataclasses import dataclass, field, replace
 from harness.core.flags import cuts
 from harness.core.records import ENGINE, OK, Break, Call, Sample
 
-__all__ = ["DRIFT", "FIRST_CALL", "HISTORY_CHANGED", "MERGE_VERSION", "N_BRANCH", "NEW_ROLE", "REASONS",
-           "REPLY_EDITED", "SYSTEM_CHANGED", "TOOLS_CHANGED", "Merged", "format_merge_summary", "merge_episode",
-           "mergeable", "reply_edited", "summarise_merges"]  # fmt: skip
+__all__ = ["DROPS_REASONING", "DRIFT", "FIRST_CALL", "HISTORY_CHANGED", "MERGE_VERSION", "N_BRANCH", "NEW_ROLE",
+           "REASONS", "REPLY_EDITED", "SYSTEM_CHANGED", "TOOLS_CHANGED", "Merged", "format_merge_summary",
+           "merge_episode", "mergeable", "reply_edited", "summarise_merges"]  # fmt: skip
 
 # Stored with every sample: bump it when merge_episode would build other samples from the same calls.
 # 2: a drift break of a call whose history holds an edited reply is reply_edited.
-MERGE_VERSION = 2
+# 3: a drift break of a call the proxy served on a history whose template dropped a reply's reasoning is
+#    template_drops_reasoning.
+MERGE_VERSION = 3
 
 # Break.reason values.
 FIRST_CALL = "first_call"  # the episode's first call
@@ -44,8 +46,10 @@ TOOLS_CHANGED = "tools_changed"  # same model name and system prompt, another to
 HISTORY_CHANGED = "history_changed"  # the shared history differs before the last assistant turn (cut, summarised)
 DRIFT = "retokenization_drift"  # the history matches up to an assistant turn, whose tokens came back different
 REPLY_EDITED = "reply_edited"  # as DRIFT, but the agent changed that turn's text (the call's record says where)
+DROPS_REASONING = "template_drops_reasoning"  # as DRIFT, but the template left that turn's reasoning out
 N_BRANCH = "n_branch"  # a sibling on the same prompt: choice 1.. of an n>1 call, or a call repeating a prompt
-REASONS = (FIRST_CALL, NEW_ROLE, SYSTEM_CHANGED, TOOLS_CHANGED, HISTORY_CHANGED, DRIFT, REPLY_EDITED, N_BRANCH)
+REASONS = (FIRST_CALL, NEW_ROLE, SYSTEM_CHANGED, TOOLS_CHANGED, HISTORY_CHANGED, DRIFT, REPLY_EDITED, DROPS_REASONING,
+           N_BRANCH)
 
 _SHOWN = 8  # tokens of each side a Break keeps
 
@@ -112,6 +116,12 @@ def reply_edited(call: Call) -> bool:
     return isinstance(continuity, dict) and continuity.get("edited") is not None
 
 
+def _served(call: Call) -> str | None:
+    """Why the proxy served this call by chat rendering (`calls.extra.continuity.reason`), if it says."""
+    continuity = call.extra.get("continuity")
+    return continuity.get("reason") if isinstance(continuity, dict) else None
+
+
 def mergeable(call: Call, sources: tuple[str, ...] = (ENGINE,)) -> bool:
     """Calls that can be trained on: answered, with ids from one of `sources` (by default the engine's own)."""
     return call.status == OK and call.token_source in sources and call.prompt_ids is not None
@@ -136,6 +146,8 @@ def merge_episode(calls: list[Call], sources: tuple[str, ...] = (ENGINE,)) -> Me
         parent, why = _best_parent(call, role.nodes, previous)
         if why is not None and why.reason == DRIFT and reply_edited(call):
             why = replace(why, reason=REPLY_EDITED)  # the tokens differ because the text does
+        elif why is not None and why.reason == DRIFT and _served(call) == DROPS_REASONING:
+            why = replace(why, reason=DROPS_REASONING)  # the tokens differ because the reasoning is gone
         first = True
         for choice in call.choices:
             if choice.completion_ids is None:

@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 
 async def run_dataset(tasks: list[Task], config: RunConfig, engine: Engine, run_dir: Path, *,
                       success_threshold: float = 1.0, sampling: SamplingOverrides | None = None,
-                      token_exact: bool = True, tool_parser: str = "hermes",
+                      token_exact: bool = True, reasoning_history: str = "as_rendered",
                       progress: bool = True, interceptor=None, roles: tuple = (),
                       more_upstreams: tuple[str, ...] = (), record_only: bool = False,
                       upstream_key_env: str | None = None, limits: dict | None = None) -> tuple[str, dict]:
@@ -46,8 +46,8 @@ async def run_dataset(tasks: list[Task], config: RunConfig, engine: Engine, run_
     judge_name = load_judge(config.judge).name if config.judge else "none"
     run_dir.mkdir(parents=True, exist_ok=True)
     proxy = proxy_config(engine, run_dir, sampling=sampling or SamplingOverrides(), token_exact=token_exact,
-                         tool_parser=tool_parser, roles=roles, more_upstreams=more_upstreams, record_only=record_only,
-                         upstream_key_env=upstream_key_env, **(limits or {}))
+                         reasoning_history=reasoning_history, roles=roles, more_upstreams=more_upstreams,
+                         record_only=record_only, upstream_key_env=upstream_key_env, **(limits or {}))
     server = ProxyServer(proxy)
     url = await server.start()
     try:

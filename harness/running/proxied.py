@@ -18,11 +18,17 @@ from proxy.roles import key_env_names
 
 
 def proxy_config(engine: Engine, run_dir: Path, **options) -> ProxyConfig:
-    """The proxy in front of `engine`, recording into `run_dir/harness.duckdb`, on a free port; `options` are
-    ProxyConfig's other keys (sampling, roles, limits...)."""
+    """The proxy in front of `engine`, recording into `run_dir/harness.duckdb`, on a free port, parsing replies as
+    the engine does; `options` are ProxyConfig's other keys (sampling, roles, limits...)."""
     return ProxyConfig(upstream_url=engine.base_url, served_model=engine.served_model or None,
                        returns_token_ids=engine.returns_token_ids, db_path=run_dir / "harness.duckdb", port=0,
-                       **options)
+                       **engine_parsing(engine), **options)
+
+
+def engine_parsing(engine: Engine) -> dict:
+    """ProxyConfig's reply-parsing keys for `engine`: its parsers, and its model's tokenizer."""
+    return {"tool_parser": engine.tool_parser, "reasoning_parser": engine.reasoning_parser,
+            "tokenizer": engine.model_dir}
 
 
 def agents_config(run: RunConfig, proxy: ProxyConfig) -> RunConfig:

@@ -212,34 +212,42 @@ def _train_tokenizer():
     return tokenizer
 
 
-def _save_tokenizer(tokenizer, out: Path) -> int:
+def _save_tokenizer(tokenizer, out: Path, template: str, special: tuple[str, ...], added: tuple[str, ...],
+                    eos: str) -> int:
     """Save as a transformers tokenizer with the Qwen-style tokens and template; return len(tokenizer)."""
     from tokenizers import AddedToken
     from transformers import PreTrainedTokenizerFast
 
-    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
-    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in TOOL_TOKENS])
+    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in (*SPECIAL_TOKENS, *special)])
+    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False)
+                          for t in dict.fromkeys((*TOOL_TOKENS, *added)) if t not in special])
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tokenizer,
-        eos_token="<|im_end|>",
+        eos_token=eos,
         pad_token="<|endoftext|>",
         unk_token=None,
         bos_token=None,
         model_max_length=4096,
         clean_up_tokenization_spaces=False,
     )
-    fast.chat_template = CHAT_TEMPLATE
+    fast.chat_template = template
     fast.save_pretrained(out)
     # transformers 5 writes the template to chat_template.jinja only; older loaders read it from the config.
     config_path = out / "tokenizer_config.json"
     config = json.loads(config_path.read_text(encoding="utf-8"))
-    config.update(tokenizer_class="Qwen2Tokenizer", chat_template=CHAT_TEMPLATE)
+    config.update(tokenizer_class="Qwen2Tokenizer", chat_template=template)
     config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
     return len(fast)
 
 
-def build_tiny_model(out_dir: str | Path, seed: int = 0, output_scale: float = 1.0) -> Path:
+def build_tiny_model(out_dir: str | Path, seed: int = 0, output_scale: float = 1.0, *, chat_template: str | None = None,
+                     special_tokens: tuple[str, ...] = (), added_tokens: tuple[str, ...] = (),
+                     eos_token: str = "<|im_end|>", stop_tokens: tuple[str, ...] = ()) -> Path:
     """Build the tiny chat model into `out_dir` (created if needed) and return its path.
+
+    `chat_template`, `special_tokens` (skipped in decoded text), `added_tokens` (kept in it), `eos_token` and more
+    `stop_tokens` (generation_config.json) make it speak another model family's format (tests/families): the ids
+    of the BPE and of Qwen's tokens stay as they are, the family's tokens come after them.
 
     Same seed, same bytes: weights, tokenizer and configs are identical across builds. `output_scale` multiplies
     the output layer's random weights: at 1 the logits are nearly flat (every token ~1/vocab), and only training
@@ -253,7 +261,8 @@ def build_tiny_model(out_dir: str | Path, seed: int = 0, output_scale: float = 1
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    vocab_size = _save_tokenizer(_train_tokenizer(), out)
+    vocab_size = _save_tokenizer(_train_tokenizer(), out, chat_template or CHAT_TEMPLATE, special_tokens,
+                                 added_tokens, eos_token)
     with open(out / "tokenizer.json", encoding="utf-8") as f:
         vocab = json.load(f)
     ids = {t["content"]: t["id"] for t in vocab["added_tokens"]}
@@ -269,7 +278,7 @@ def build_tiny_model(out_dir: str | Path, seed: int = 0, output_scale: float = 1
         max_position_embeddings=4096,
         tie_word_embeddings=False,  # tied embeddings break vLLM's reload_weights
         bos_token_id=ids["<|endoftext|>"],
-        eos_token_id=ids["<|im_end|>"],
+        eos_token_id=ids[eos_token],
         pad_token_id=ids["<|endoftext|>"],
         dtype="float32",
     )
@@ -280,7 +289,8 @@ def build_tiny_model(out_dir: str | Path, seed: int = 0, output_scale: float = 1
             model.lm_head.weight.mul_(output_scale)
     model.save_pretrained(out, safe_serialization=True)
     GenerationConfig(
-        eos_token_id=[ids["<|im_end|>"], ids["<|endoftext|>"]],
+        eos_token_id=list(dict.fromkeys([ids[eos_token], *(ids[t] for t in stop_tokens), ids["<|im_end|>"],
+                                         ids["<|endoftext|>"]])),
         pad_token_id=ids["<|endoftext|>"],
         bos_token_id=ids["<|endoftext|>"],
     ).save_pretrained(out)

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.running.hub import model_name, model_reference, resolve_model
+from proxy.tool_parsers import check_reasoning_parser, check_tool_parser
 
 __all__ = ["Engine", "EngineError", "attach", "placement", "start_or_attach", "start_vllm"]
 
@@ -53,6 +54,11 @@ class Engine:
     served_model: str  # the model name requests must carry
     returns_token_ids: bool  # whether responses carry prompt_token_ids / token_ids (vLLM return_token_ids)
     log_path: Path | None = None  # the server's stdout + stderr, for engines we started
+    # How its chat endpoint parses replies (vLLM's --tool-call-parser / --reasoning-parser; for an attached engine,
+    # what the user says it runs) and the model directory whose tokenizer the proxy's parsers use (None: unknown).
+    tool_parser: str = "hermes"
+    reasoning_parser: str | None = None
+    model_dir: str | None = None
     _process: subprocess.Popen | None = field(default=None, repr=False, compare=False)
 
     def stop(self, grace_s: float = _STOP_GRACE_S) -> None:
@@ -85,6 +91,8 @@ def start_vllm(
     ready_timeout_s: float = 300,
     env: dict[str, str] | None = None,
     share: tuple[int, int] | None = None,
+    tool_parser: str = "hermes",
+    reasoning_parser: str | None = None,
 ) -> Engine:
     """Start vLLM's OpenAI server on `model_dir` and wait until it serves; the log goes to run_dir/engine.log.
 
@@ -109,7 +117,8 @@ def start_vllm(
         "--port", str(port),
         "--served-model-name", served,
         "--max-model-len", str(max_model_len),
-        "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+        "--enable-auto-tool-choice", "--tool-call-parser", check_tool_parser(tool_parser),
+        *(["--reasoning-parser", check_reasoning_parser(reasoning_parser)] if reasoning_parser else []),
         "--logprobs-mode", "processed_logprobs",  # logprobs after temperature: what the trainer recomputes
     ]  # fmt: skip
     full_env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_SERVER_DEV_MODE": "1"}
@@ -130,7 +139,8 @@ def start_vllm(
             start_new_session=True,  # its own process group: stop() reaches vLLM's workers too
             preexec_fn=_die_with_parent,
         )  # fmt: skip
-    engine = Engine(f"http://127.0.0.1:{port}", served, True, log_path=log_path, _process=process)
+    engine = Engine(f"http://127.0.0.1:{port}", served, True, log_path=log_path, tool_parser=tool_parser,
+                    reasoning_parser=reasoning_parser, model_dir=str(model_dir), _process=process)
     atexit.register(engine.stop)
     try:
         _wait_until_serving(engine, process, ready_timeout_s)
@@ -140,12 +150,17 @@ def start_vllm(
     return engine
 
 
-def attach(url: str, *, timeout_s: float = 10, api_key: str | None = None) -> Engine:
-    """Describe an engine that is already running at `url` (with or without a trailing /v1).
+def attach(url: str, *, timeout_s: float = 10, api_key: str | None = None, tool_parser: str = "hermes",
+           reasoning_parser: str | None = None) -> Engine:
+    """Describe an engine that is already running at `url` (with or without a trailing /v1), whose chat endpoint
+    parses with `tool_parser` and `reasoning_parser` (vLLM's names: what it was started with).
 
-    Serves the first model `/v1/models` lists. One chat call with max_tokens=1 probes whether the engine
+    Serves the first model `/v1/models` lists; its `root`, where that is a directory on this machine, is the
+    model whose tokenizer the proxy's parsers use. One chat call with max_tokens=1 probes whether the engine
     returns token ids; a server that rejects the extra field counts as not returning them.
     """
+    check_tool_parser(tool_parser)
+    check_reasoning_parser(reasoning_parser)
     base_url = url.rstrip("/").removesuffix("/v1")
     models = _request(f"{base_url}/v1/models", None, timeout_s, api_key)
     try:
@@ -163,7 +178,10 @@ def attach(url: str, *, timeout_s: float = 10, api_key: str | None = None) -> En
         answer = _request(f"{base_url}/v1/chat/completions", probe, timeout_s, api_key)
     except EngineError:
         answer = {}
-    return Engine(base_url, served, isinstance(answer, dict) and answer.get("prompt_token_ids") is not None)
+    root = models["data"][0].get("root") if isinstance(models["data"][0], dict) else None
+    model_dir = root if isinstance(root, str) and Path(root, "config.json").is_file() else None
+    return Engine(base_url, served, isinstance(answer, dict) and answer.get("prompt_token_ids") is not None,
+                  tool_parser=tool_parser, reasoning_parser=reasoning_parser, model_dir=model_dir)
 
 
 # ---------------------------------------------------------------------------------------------- helpers
@@ -287,15 +305,17 @@ def _request(url: str, body: dict | None, timeout_s: float, api_key: str | None)
 
 
 def start_or_attach(*, model: str | Path | None, upstream: str | None, run_dir: str | Path,
-                    max_model_len: int = 2048) -> Engine:
+                    max_model_len: int = 2048, tool_parser: str = "hermes",
+                    reasoning_parser: str | None = None) -> Engine:
     """The engine a command asked for: vLLM started on `model` (a directory, relative to the current one, or a
     Hugging Face id), or the server already running at `upstream`. A model that can't be found raises
     hub.ModelNotFoundError (a ValueError) before anything starts."""
     if (model is None) == (upstream is None):
         raise EngineError("give exactly one of a model directory (--model) or an engine URL (--upstream)")
     if upstream is not None:
-        return attach(upstream)
+        return attach(upstream, tool_parser=tool_parser, reasoning_parser=reasoning_parser)
     model_dir = resolve_model(model_reference(model, Path.cwd()), "--model", Path.cwd())
     shown = model_dir if str(model_dir) == str(model) else f"{model} ({model_dir})"
     print(f"starting vLLM on {shown} (log: {Path(run_dir) / 'engine.log'}) ...", file=sys.stderr, flush=True)
-    return start_vllm(model_dir, run_dir, max_model_len=max_model_len)
+    return start_vllm(model_dir, run_dir, max_model_len=max_model_len, tool_parser=tool_parser,
+                      reasoning_parser=reasoning_parser)

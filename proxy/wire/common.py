@@ -87,6 +87,11 @@ def parse_arguments(arguments: str | None) -> dict:
     return value if isinstance(value, dict) else {}
 
 
+def reasoning_of(message: dict) -> str | None:
+    """A chat message's or delta's reasoning: vLLM's `reasoning`, or the older `reasoning_content`."""
+    return message.get("reasoning") or message.get("reasoning_content")
+
+
 class Wire:
     """The base: OpenAI-shaped errors; subclasses translate requests and answers."""
 

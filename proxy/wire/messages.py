@@ -1,24 +1,36 @@
 """Anthropic Messages (`POST /v1/messages`), served as a chat-completions call (see proxy/wire/common.py).
 
 Offered: `system` (a string or text blocks), `messages` with string or block content (text, image, tool_use,
-tool_result with string or text-block content; thinking blocks are skipped), `tools` (name, description,
-input_schema), `tool_choice` (auto, any, tool, none; disable_parallel_tool_use), `max_tokens` (required),
-`stop_sequences`, `temperature`, `top_p`, `top_k`, `output_config.format` (json_schema), `stream`. `metadata`,
-`thinking`, `cache_control`, `service_tier` and the like are accepted and ignored. Server tools (web search,
-code execution, computer use...), MCP servers and containers are 501. The answer: text and tool_use blocks (input
-parsed from the JSON arguments), stop_reason end_turn / max_tokens / tool_use / stop_sequence, usage; streamed as
-Anthropic streams it, with `event:` lines. Errors have Anthropic's shape: {"type": "error", "error": {"type",
-"message"}}.
+tool_result with string or text-block content; an assistant's thinking blocks become its `reasoning`,
+redacted_thinking blocks are skipped), `tools` (name, description, input_schema), `tool_choice` (auto, any, tool,
+none; disable_parallel_tool_use), `max_tokens` (required), `stop_sequences`, `temperature`, `top_p`, `top_k`,
+`output_config.format` (json_schema), `stream`. `metadata`, `thinking`, `cache_control`, `service_tier` and the
+like are accepted and ignored. Server tools (web search, code execution, computer use...), MCP servers and
+containers are 501. The answer: a thinking block (signature "") when the engine's answer has reasoning (a
+reasoning parser split it out), then text and tool_use blocks (input parsed from the JSON arguments),
+stop_reason end_turn / max_tokens / tool_use / stop_sequence, usage; streamed as Anthropic streams it, with
+`event:` lines. Errors have Anthropic's shape: {"type": "error", "error": {"type", "message"}}.
 """
 
 from __future__ import annotations
 
 import orjson
 
-from proxy.wire.common import ENGINE_EXTRAS, Wire, bad, check, new_id, not_offered, parse_arguments, short, sse
+from proxy.wire.common import (
+    ENGINE_EXTRAS,
+    Wire,
+    bad,
+    check,
+    new_id,
+    not_offered,
+    parse_arguments,
+    reasoning_of,
+    short,
+    sse,
+)
 
 MESSAGES = "messages"
-_SKIPPED_BLOCKS = ("thinking", "redacted_thinking")
+_SKIPPED_BLOCKS = ("thinking", "redacted_thinking")  # thinking: an assistant's becomes its reasoning
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                 404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 529: "overloaded_error"}
 
@@ -72,7 +84,7 @@ def _message(message, i: int) -> list[dict]:
         return [{"role": role, "content": content}]
     if not isinstance(content, list):
         raise bad(f"{where}.content", f"must be a string or a list of content blocks, got {short(content)}")
-    out, parts, calls = [], [], []
+    out, parts, calls, thinking = [], [], [], []
     for j, block in enumerate(content):
         at = f"{where}.content[{j}]"
         kind = block.get("type") if isinstance(block, dict) else None
@@ -94,6 +106,8 @@ def _message(message, i: int) -> list[dict]:
                         "tool_call_id": check(block.get("tool_use_id"), (str,), f"{at}.tool_use_id", "a string",
                                               required=True),
                         "content": "" if result is None else _text_blocks(result, f"{at}.content")})
+        elif kind == "thinking" and role == "assistant":
+            thinking.append(check(block.get("thinking"), (str,), f"{at}.thinking", "a string", required=True))
         elif kind in _SKIPPED_BLOCKS:
             continue
         elif kind in ("tool_use", "tool_result"):
@@ -109,6 +123,8 @@ def _message(message, i: int) -> list[dict]:
         if any(p["type"] != "text" for p in parts):
             raise bad(f"{where}.content", "of an assistant message must be text and tool_use blocks")
         reply = {"role": "assistant", "content": text or (None if calls else "")}
+        if any(thinking):  # rendered where the chat template renders earlier reasoning; continuity ignores it
+            reply["reasoning"] = "\n\n".join(t for t in thinking if t)
         if calls:
             reply["tool_calls"] = calls
         return [reply]
@@ -234,7 +250,7 @@ class MessagesWire(Wire):
         self.stops: list = []
         self._started = self._failed = False
         self._blocks = 0  # content blocks started
-        self._open: str | None = None  # type of the block taking deltas ("text", "tool_use")
+        self._open: str | None = None  # type of the block taking deltas ("thinking", "text", "tool_use")
         self._calls: dict[int, int] = {}  # chat tool-call index -> content block index
         self._finish: str | None = None
         self._stop_reason = None
@@ -260,6 +276,8 @@ class MessagesWire(Wire):
         choice = (obj.get("choices") or [{}])[0]
         message = choice.get("message") or {}
         content = []
+        if reasoning_of(message):
+            content.append({"type": "thinking", "thinking": reasoning_of(message), "signature": ""})
         if message.get("content"):
             content.append({"type": "text", "text": message["content"]})
         for call in message.get("tool_calls") or ():
@@ -310,6 +328,10 @@ class MessagesWire(Wire):
             if choice.get("index", 0) != 0:
                 continue
             delta = choice.get("delta") or {}
+            if reasoning_of(delta):
+                if self._open != "thinking":
+                    out += self._open_block({"type": "thinking", "thinking": "", "signature": ""})
+                out.append(self._delta({"type": "thinking_delta", "thinking": reasoning_of(delta)}))
             if delta.get("content"):
                 if self._open != "text":
                     out += self._open_block({"type": "text", "text": ""})

@@ -1,15 +1,17 @@
 """The OpenAI Responses API (`POST /v1/responses`), served as a chat-completions call (see proxy/wire/common.py).
 
 Offered: `input` as a string or a list of items (messages of role user / system / developer / assistant, with
-string or text-part content; `function_call` and `function_call_output` items; `reasoning` items are skipped),
-`instructions`, function `tools` (flat shape), `tool_choice`, `parallel_tool_calls`, `max_output_tokens`,
-`temperature`, `top_p`, `text.format` (json_object, json_schema), `stream`, and `previous_response_id` over the
-proxy's memory of its latest responses. `store`, `metadata`, `user`, `include`, `reasoning`, `truncation` are
-accepted and ignored. Built-in tools, `background`, `conversation` and prompt templates are 501. Output: a
-`message` item (output_text) and `function_call` items; status `incomplete` (reason `max_output_tokens`) when the
-engine stopped at the token limit. Streams end as OpenAI's do: `response.completed`, or `response.incomplete` for
-an answer cut off at the token limit (the openai SDK's `responses.stream(...).get_final_response()` then raises,
-as it does against OpenAI itself).
+string or text-part content; `function_call` and `function_call_output` items; a `reasoning` item becomes the
+`reasoning` of the assistant message or function_call it precedes), `instructions`, function `tools` (flat
+shape), `tool_choice`, `parallel_tool_calls`, `max_output_tokens`, `temperature`, `top_p`, `text.format`
+(json_object, json_schema), `stream`, and `previous_response_id` over the proxy's memory of its latest
+responses. `store`, `metadata`, `user`, `include`, `reasoning`, `truncation` are accepted and ignored. Built-in
+tools, `background`, `conversation` and prompt templates are 501. Output: a `reasoning` item (reasoning_text) when
+the engine's answer has reasoning (a reasoning parser split it out), then a `message` item (output_text) and
+`function_call` items; status `incomplete` (reason `max_output_tokens`) when the engine stopped at the token
+limit. Streams end as OpenAI's do: `response.completed`, or `response.incomplete` for an answer cut off at the
+token limit (the openai SDK's `responses.stream(...).get_final_response()` then raises, as it does against OpenAI
+itself).
 """
 
 from __future__ import annotations
@@ -17,7 +19,18 @@ from __future__ import annotations
 import time
 
 from proxy.http_json import ApiError
-from proxy.wire.common import ENGINE_EXTRAS, ConversationStore, Wire, bad, check, new_id, not_offered, short, sse
+from proxy.wire.common import (
+    ENGINE_EXTRAS,
+    ConversationStore,
+    Wire,
+    bad,
+    check,
+    new_id,
+    not_offered,
+    reasoning_of,
+    short,
+    sse,
+)
 
 RESPONSES = "responses"
 _TEXT_PARTS = ("input_text", "output_text", "text", "refusal")
@@ -60,19 +73,43 @@ def _content(content, where: str):
     raise bad(where, f"must be a string or a list of content parts, got {short(content)}")
 
 
+def _reasoning_text(item: dict, where: str) -> str:
+    """A reasoning item's text: its reasoning_text content, else its summary text ("" when it has neither, as an
+    item with only encrypted_content has)."""
+    for key, kind, joint in (("content", "reasoning_text", ""), ("summary", "summary_text", "\n\n")):
+        texts = []
+        for j, part in enumerate(check(item.get(key), (list,), f"{where}.{key}", "a list of parts") or ()):
+            if not isinstance(part, dict) or part.get("type") != kind:
+                raise bad(f"{where}.{key}[{j}]", f"must be a {kind} part, got {short(part)}")
+            texts.append(check(part.get("text"), (str,), f"{where}.{key}[{j}].text", "a string", required=True))
+        if any(texts):
+            return joint.join(texts)
+    return ""
+
+
+def _add_reasoning(message: dict, reasoning: str | None) -> None:
+    if reasoning:
+        message["reasoning"] = f"{message['reasoning']}\n\n{reasoning}" if message.get("reasoning") else reasoning
+
+
 def input_messages(items, field: str = "input") -> list[dict]:
     """Responses input (a string or a list of items) -> chat messages. An assistant message and the function
-    calls that follow it become one assistant message with tool_calls, as a chat agent would send it."""
+    calls that follow it become one assistant message with tool_calls, as a chat agent would send it; the
+    reasoning items before them become its `reasoning` (rendered where the chat template renders earlier
+    reasoning; token-exact continuity ignores it when matching). Reasoning followed by anything else is dropped."""
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
     if not isinstance(items, list):
         raise bad(field, f"must be a string or a list of input items, got {short(items)}")
     out: list[dict] = []
+    pending: str | None = None  # the text of the reasoning items since the last other item
     for i, item in enumerate(items):
         where = f"{field}[{i}]"
         if not isinstance(item, dict):
             raise bad(where, f"must be an input item object, got {short(item)}")
         kind = item.get("type", "message" if "role" in item else None)
+        if kind != "reasoning":
+            reasoning, pending = pending, None
         if kind == "message":
             role = item.get("role")
             if role not in ("user", "system", "developer", "assistant"):
@@ -81,16 +118,18 @@ def input_messages(items, field: str = "input") -> list[dict]:
             if role == "assistant" and isinstance(text, list):
                 raise bad(f"{where}.content", "of an assistant message must be output_text parts")
             out.append({"role": "system" if role == "developer" else role, "content": text})
+            if role == "assistant":
+                _add_reasoning(out[-1], reasoning)
         elif kind == "function_call":
             call = {"id": check(item.get("call_id"), (str,), f"{where}.call_id", "a string", required=True),
                     "type": "function",
                     "function": {"name": check(item.get("name"), (str,), f"{where}.name", "a string", required=True),
                                  "arguments": check(item.get("arguments"), (str,), f"{where}.arguments",
                                                     "a string", required=True)}}
-            if out and out[-1]["role"] == "assistant":
-                out[-1].setdefault("tool_calls", []).append(call)
-            else:
-                out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+            if not (out and out[-1]["role"] == "assistant"):
+                out.append({"role": "assistant", "content": None})
+            _add_reasoning(out[-1], reasoning)
+            out[-1].setdefault("tool_calls", []).append(call)
         elif kind == "function_call_output":
             call_id = check(item.get("call_id"), (str,), f"{where}.call_id", "a string", required=True)
             output = _content(item.get("output"), f"{where}.output")
@@ -98,12 +137,15 @@ def input_messages(items, field: str = "input") -> list[dict]:
                 raise bad(f"{where}.output", "must be a string or text parts")
             out.append({"role": "tool", "tool_call_id": call_id, "content": output})
         elif kind == "reasoning":
-            continue  # the engine's reasoning is not rendered back into the prompt
+            text = _reasoning_text(item, where)
+            if text:
+                pending = f"{pending}\n\n{text}" if pending else text
         elif isinstance(kind, str) and (kind.endswith(("_call", "_call_output")) or kind.startswith("mcp_")
                                         or kind in ("item_reference", "compaction")):
             raise not_offered(where, f"'{kind}' items belong to built-in tools, which this proxy does not offer")
         else:
-            raise bad(f"{where}.type", f"must be message, function_call or function_call_output, got {short(kind)}")
+            raise bad(f"{where}.type", f"must be message, function_call, function_call_output or reasoning, "
+                      f"got {short(kind)}")
     return out
 
 
@@ -218,8 +260,16 @@ def _usage(usage: dict | None) -> dict | None:
     if not usage:
         return None
     prompt, completion = usage.get("prompt_tokens") or 0, usage.get("completion_tokens") or 0
+    details = usage.get("completion_tokens_details")
+    reasoning = details.get("reasoning_tokens") if isinstance(details, dict) else None  # the engine's own count
     return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": completion,
-            "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": prompt + completion}
+            "output_tokens_details": {"reasoning_tokens": reasoning if isinstance(reasoning, int) else 0},
+            "total_tokens": prompt + completion}
+
+
+def _reasoning_item(item_id: str, text: str, status: str) -> dict:
+    return {"type": "reasoning", "id": item_id, "summary": [], "status": status,
+            "content": [{"type": "reasoning_text", "text": text}] if text else []}
 
 
 def _message_item(item_id: str, text: str, status: str) -> dict:
@@ -246,7 +296,7 @@ class ResponsesWire(Wire):
         self._items: list[dict] = []  # output items as streamed so far (open or closed)
         self._open: int | None = None  # index of the item still taking deltas
         self._calls: dict[int, int] = {}  # chat tool-call index -> output item index
-        self._texts: dict[int, str] = {}  # output item index -> the text of a message item so far
+        self._texts: dict[int, str] = {}  # output item index -> the text of a message or reasoning item so far
         self._finish: str | None = None
         self._usage: dict | None = None
 
@@ -279,10 +329,13 @@ class ResponsesWire(Wire):
         """The closing Response; remembers the conversation for previous_response_id."""
         incomplete = finish == "length"
         text = "".join(c["text"] for item in output if item["type"] == "message" for c in item["content"])
+        reasoning = "".join(c["text"] for item in output if item["type"] == "reasoning" for c in item["content"])
         calls = [{"id": item["call_id"], "type": "function",
                   "function": {"name": item["name"], "arguments": item["arguments"]}}
                  for item in output if item["type"] == "function_call"]
         reply = {"role": "assistant", "content": text or None}
+        if reasoning:  # as an agent echoing the reasoning item would send it
+            reply["reasoning"] = reasoning
         if calls:
             reply["tool_calls"] = calls
         self.store.put(self.id, [*self.conversation, reply])
@@ -296,6 +349,9 @@ class ResponsesWire(Wire):
         finish = choice.get("finish_reason")
         status = "incomplete" if finish == "length" else "completed"
         output = []
+        if reasoning_of(message):  # finished when more follows it, else cut off with the rest
+            done = "completed" if message.get("content") or message.get("tool_calls") else status
+            output.append(_reasoning_item(new_id("rs"), reasoning_of(message), done))
         if message.get("content"):
             output.append(_message_item(new_id("msg"), message["content"], status))
         for call in message.get("tool_calls") or ():
@@ -322,8 +378,10 @@ class ResponsesWire(Wire):
         self._open = len(self._items)
         self._items.append(item)
         out.append(self._event("response.output_item.added", output_index=self._open, item=dict(item)))
-        if item["type"] == "message":
-            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        if item["type"] in ("message", "reasoning"):
+            self._texts[self._open] = ""
+            part = ({"type": "output_text", "text": "", "annotations": [], "logprobs": []} if item["type"] == "message"
+                    else {"type": "reasoning_text", "text": ""})
             out.append(self._event("response.content_part.added", item_id=item["id"], output_index=self._open,
                                    content_index=0, part=part))
         return out
@@ -343,6 +401,14 @@ class ResponsesWire(Wire):
             out.append(self._event("response.content_part.done", item_id=item["id"], output_index=index,
                                    content_index=0, part=part))
             item["content"] = [part]
+        elif item["type"] == "reasoning":
+            text = self._texts[index]
+            part = {"type": "reasoning_text", "text": text}
+            out.append(self._event("response.reasoning_text.done", item_id=item["id"], output_index=index,
+                                   content_index=0, text=text))
+            out.append(self._event("response.content_part.done", item_id=item["id"], output_index=index,
+                                   content_index=0, part=part))
+            item["content"] = [part]
         else:
             out.append(self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
                                    arguments=item["arguments"]))
@@ -357,6 +423,8 @@ class ResponsesWire(Wire):
             if choice.get("index", 0) != 0:
                 continue
             delta = choice.get("delta") or {}
+            if reasoning_of(delta):
+                out += self._reasoning(reasoning_of(delta))
             if delta.get("content"):
                 out += self._text(delta["content"])
             for call in delta.get("tool_calls") or ():
@@ -365,11 +433,20 @@ class ResponsesWire(Wire):
                 self._finish = choice["finish_reason"]
         return b"".join(out)
 
+    def _reasoning(self, text: str) -> list[bytes]:
+        out = []
+        if self._open is None or self._items[self._open]["type"] != "reasoning":
+            out += self._add(_reasoning_item(new_id("rs"), "", "in_progress"))
+        item = self._items[self._open]
+        self._texts[self._open] += text
+        out.append(self._event("response.reasoning_text.delta", item_id=item["id"], output_index=self._open,
+                               content_index=0, delta=text))
+        return out
+
     def _text(self, text: str) -> list[bytes]:
         out = []
         if self._open is None or self._items[self._open]["type"] != "message":
             out += self._add(_message_item(new_id("msg"), "", "in_progress"))
-            self._texts[self._open] = ""
         item = self._items[self._open]
         self._texts[self._open] += text
         out.append(self._event("response.output_text.delta", item_id=item["id"], output_index=self._open,

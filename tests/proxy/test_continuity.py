@@ -13,7 +13,7 @@ import pytest
 from harness.core.records import OK, Call, Choice
 from proxy.chat_answer import ChatAnswer
 from proxy.continuity import Plan, Timelines, completions_body, first_edit, prefix_hashes, unsupported
-from proxy.tool_parsers import get_parser
+from proxy.tool_parsers import NativeParsing
 from tests.support import RunningProxy, db_rows
 
 TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
@@ -108,7 +108,7 @@ def test_the_completions_request_keeps_sampling_and_always_caps_tokens():
     body = _body(BASE, temperature=0.5, top_p=0.9, seed=4, stop=["x"], n=2, logprobs=True, top_logprobs=3,
                  max_completion_tokens=7, stream=True, stream_options={"include_usage": True},
                  parallel_tool_calls=False, return_token_ids=True)
-    out = completions_body(body, plan)
+    out = completions_body(body, plan, _hermes())
     assert out["prompt"] == [1, 2, 3] and out["max_tokens"] == 7 and out["logprobs"] == 3
     assert {k: out[k] for k in ("temperature", "top_p", "seed", "stop", "n", "stream")} == {
         "temperature": 0.5, "top_p": 0.9, "seed": 4, "stop": ["x"], "n": 2, "stream": True}
@@ -116,7 +116,12 @@ def test_the_completions_request_keeps_sampling_and_always_caps_tokens():
     assert out["skip_special_tokens"] is False  # tools offered: markers may be special tokens, as in vLLM
     for chat_only in ("messages", "tools", "max_completion_tokens", "top_logprobs", "parallel_tool_calls"):
         assert chat_only not in out
-    assert completions_body(_body(BASE), plan)["max_tokens"] == 97  # unasked: all the room left, never 16
+    assert completions_body(_body(BASE), plan, _hermes())["max_tokens"] == 97  # unasked: all the room left, never 16
+
+
+def _hermes(tools: bool = True):
+    """The proxy's own Hermes parsing for a request that offers a tool (or none)."""
+    return NativeParsing("hermes", None).request({"tools": [{"type": "function"}]} if tools else {})
 
 
 def _stream(texts: list[str], finish: str = "stop") -> list[dict]:
@@ -131,7 +136,7 @@ def _stream(texts: list[str], finish: str = "stop") -> list[dict]:
 
 
 def test_a_streamed_tool_call_is_held_back_and_sent_whole():
-    answer = ChatAnswer(get_parser("hermes"))
+    answer = ChatAnswer(_hermes())
     pieces = ["Sure", ". <tool", '_call>\n{"name": "add", ', '"arguments": {"a":1}}\n</tool_call>']
     out = [c for chunk in _stream(pieces) for c in answer.chunk(chunk)]
     assert out[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
@@ -147,7 +152,7 @@ def test_a_streamed_tool_call_is_held_back_and_sent_whole():
 
 
 def test_held_back_text_that_is_no_tool_call_is_sent_at_the_end():
-    answer = ChatAnswer(get_parser("hermes"))
+    answer = ChatAnswer(_hermes())
     out = [c for chunk in _stream(["a <tool", "box"], finish="length") for c in answer.chunk(chunk)]
     assert "".join(c["choices"][0]["delta"].get("content", "") for c in out[1:]) == "a <toolbox"
     assert out[-1]["choices"][0]["finish_reason"] == "length"
@@ -159,13 +164,13 @@ def test_a_whole_answer_has_the_chat_shape_with_only_the_first_call_when_not_par
         "index": 0, "text": text, "finish_reason": "stop", "token_ids": [5, 6], "prompt_token_ids": [1, 2],
         "logprobs": {"tokens": ["a", "b"], "token_logprobs": [-1.0, -2.0], "top_logprobs": [{"a": -1.0, "c": -3.0},
                                                                                             {"b": -2.0}]}}]}
-    out = ChatAnswer(get_parser("hermes"), top_logprobs=1, parallel_tool_calls=False).response(obj)
+    out = ChatAnswer(_hermes(), top_logprobs=1, parallel_tool_calls=False).response(obj)
     choice = out["choices"][0]
     assert out["object"] == "chat.completion" and out["prompt_token_ids"] == [1, 2]
     assert choice["finish_reason"] == "tool_calls" and len(choice["message"]["tool_calls"]) == 1
     assert choice["message"]["content"] is None
     assert choice["logprobs"]["content"][0]["top_logprobs"] == [{"token": "a", "logprob": -1.0, "bytes": [97]}]
-    plain = ChatAnswer(None).response(obj)["choices"][0]
+    plain = ChatAnswer(_hermes(tools=False)).response(obj)["choices"][0]
     assert plain["message"]["content"] == text and plain["finish_reason"] == "stop"
 
 

@@ -7,7 +7,15 @@ import re
 
 import pytest
 
-from proxy.tool_parsers import Parsed, get_parser, known_parsers
+from proxy.parsing import reply_parsing
+from proxy.tool_parsers import (
+    REASONING_PARSERS,
+    TOOL_PARSERS,
+    Parsed,
+    check_reasoning_parser,
+    get_parser,
+    known_parsers,
+)
 
 
 def _call(name: str, arguments) -> str:
@@ -98,12 +106,30 @@ def test_streamed_content_never_shrinks_and_stops_at_the_first_call(text):
     assert (parser.parse(text).content or "").strip() == text[:sent].strip()
 
 
-def test_registry_names_and_aliases():
-    assert {"hermes", "qwen", "qwen3"} <= set(known_parsers())
-    assert type(get_parser("Qwen")) is type(get_parser("hermes"))
-    assert get_parser("hermes").name == "hermes"
-    with pytest.raises(ValueError, match=r"unknown tool parser 'llama3_json'.*hermes"):
-        get_parser("llama3_json")
+def test_the_names_are_vllms_and_a_wrong_one_lists_them():
+    assert {"hermes", "qwen3_xml", "llama3_json", "mistral", "pythonic", "deepseek_v3", "glm45", "kimi_k2"} <= set(
+        known_parsers())
+    assert get_parser("hermes").name == "hermes" and type(get_parser("qwen3_json")) is type(get_parser("hermes"))
+    for wrong in ("qwen2.5", "Hermes", "nope"):
+        with pytest.raises(ValueError, match=rf"unknown tool parser '{re.escape(wrong)}'.*hermes.*llama3_json"):
+            get_parser(wrong)
+    with pytest.raises(ValueError, match=r"unknown reasoning parser 'qwen'.*qwen3.*deepseek_r1"):
+        check_reasoning_parser("qwen")
+    with pytest.raises(ValueError, match=r"tool parser 'llama3_json' needs vLLM's own parser"):
+        get_parser("llama3_json")  # a real name the proxy's core has no parser of its own for
+    with pytest.raises(ValueError, match=r"reasoning parser 'qwen3' needs vLLM's own parser"):
+        reply_parsing("hermes", "qwen3", tokenizer=None)
+
+
+def test_the_names_are_the_installed_vllms():
+    """The lists the core keeps without importing vLLM are exactly the installed vLLM's registries."""
+    pytest.importorskip("vllm")
+    from vllm.reasoning import ReasoningParserManager
+    from vllm.tool_parsers import ToolParserManager
+
+    assert set(TOOL_PARSERS) == set(ToolParserManager.lazy_parsers) | set(ToolParserManager.tool_parsers)
+    assert set(REASONING_PARSERS) == (set(ReasoningParserManager.lazy_parsers)
+                                      | set(ReasoningParserManager.reasoning_parsers))
 
 
 def test_parsed_is_frozen():
@@ -139,7 +165,7 @@ def test_what_the_tiny_template_renders_parses_back(tiny_model_dir, content, cal
     reply = full[len(prompt):].split("<|im_end|>")[0]
     # what the engine hands back: the reply's ids decoded, special tokens skipped, tool tags kept
     reply = tokenizer.decode(tokenizer.encode(reply, add_special_tokens=False), skip_special_tokens=True)
-    parsed = get_parser("qwen").parse(reply)
+    parsed = get_parser("hermes").parse(reply)
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in parsed.tool_calls] == calls
     assert (parsed.content or "").strip() == (content or "")
 

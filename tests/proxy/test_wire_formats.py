@@ -276,7 +276,7 @@ async def test_messages_request_becomes_the_chat_request(proxy, upstream):
     assert sent["messages"] == [
         {"role": "system", "content": "Be terse.\nUse tools."},
         {"role": "user", "content": "look up cat"},
-        {"role": "assistant", "content": "Sure.", "tool_calls": [
+        {"role": "assistant", "content": "Sure.", "reasoning": "hm", "tool_calls": [
             {"id": "t1", "type": "function", "function": {"name": "lookup", "arguments": '{"word":"cat"}'}}]},
         {"role": "tool", "tool_call_id": "t1", "content": "a small animal"},
         {"role": "user", "content": "and?"},

@@ -243,7 +243,9 @@ def test_config_to_dict_is_plain_json(tmp_path):
     ({"trainer": {"resume": "ckpt/step-3"}}, "trainer.resume '{dir}/ckpt/step-3' does not exist: use auto, disable, "
                                              "or a checkpoint directory"),
     ({"experiment_name": "a/b"}, "experiment_name 'a/b' must be a directory name"),
-    ({"rollout": {"tool_parser": "nope"}}, "rollout.tool_parser must be one of"),
+    ({"rollout": {"tool_parser": "nope"}}, "unknown tool parser 'nope': use one of vLLM's --tool-call-parser names"),
+    ({"rollout": {"reasoning_parser": "qwen"}}, "unknown reasoning parser 'qwen': use one of"),
+    ({"rollout": {"reasoning_history": "drop"}}, "reasoning_history"),
     ({"rollout": {"engine": {"url": "localhost:8000"}}}, "rollout.engine.url 'localhost:8000' must start with http://"),
     ({"rollout": {"agent": "missing.py"}}, "rollout.agent '{dir}/missing.py' is not a file"),
     ({"rollout": {"command": "python agent.py"}}, "give rollout.agent or rollout.command, not both"),

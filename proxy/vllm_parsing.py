@@ -1,0 +1,128 @@
+"""vLLM's own reply parsers, run in the proxy: a token-exact answer is split into reasoning, content and tool calls
+by the very code the engine's chat endpoint runs (`vllm.parser`: `--tool-call-parser` and `--reasoning-parser`,
+every family vLLM knows), on the same text and token ids, the same way, whole or streamed.
+
+Imported only when a proxy parses replies and vLLM is installed beside it (proxy/tool_parsers.py decides); the
+proxy core never imports vLLM otherwise. The steps mirror vLLM's chat endpoint (`OpenAIServingChat`): one parser
+per choice, `adjust_request` before generating, `parse` for a whole answer, `parse_delta` for each streamed piece,
+`finish_reason` "tool_calls" when calls were made, `parallel_tool_calls: false` keeping the first call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+from vllm.parser.parser_manager import ParserManager
+from vllm.tokenizers import get_tokenizer
+
+from proxy.tool_parsers import ChoiceStream, Parsed, ReplyParsing, RequestParsing, new_tool_call_id
+
+__all__ = ["VllmParsing"]
+
+
+class VllmParsing(ReplyParsing):
+    """The parsers vLLM's chat endpoint would use for `tool_parser` and `reasoning_parser` on this tokenizer."""
+
+    def __init__(self, tool_parser: str | None, reasoning_parser: str | None, tokenizer: str | Path):
+        super().__init__(tool_parser, reasoning_parser)
+        self.tokenizer = get_tokenizer(str(tokenizer))
+        self.parser_cls = ParserManager.get_parser(
+            tool_parser_name=self.tool_parser, reasoning_parser_name=self.reasoning_parser,
+            enable_auto_tools=self.tool_parser is not None, tokenizer=self.tokenizer)
+        self.tool_marker, self.reasoning_markers = _markers(self.new_parser(None, {}), self.tokenizer)
+
+    def new_parser(self, tools, template_kwargs: dict):
+        """A fresh parser (they keep stream state: one per choice), or None with no parser configured."""
+        if self.parser_cls is None:
+            return None
+        return self.parser_cls(self.tokenizer, tools, chat_template_kwargs=template_kwargs, model_config=None)
+
+    def request(self, body: dict) -> RequestParsing:
+        return _VllmRequest(self, body)
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=False)
+
+
+def _markers(parser, tokenizer) -> tuple[str | None, tuple[str, str] | None]:
+    """The text that opens a tool call, and the pair that opens and closes reasoning (None where the parser does not
+    say), which the parse flags look for. Reasoning parsers built on vLLM's parser engine name only the ids that
+    end reasoning: the opening tag is then the closing one without its slash (`</think>` -> `<think>`)."""
+    if parser is None:
+        return None, None
+    tp, rp = parser.tool_parser, parser.reasoning_parser
+    tool = next((v for a in ("tool_call_start_token", "bot_token", "tool_calls_start_token")
+                 if isinstance(v := getattr(tp, a, None), str) and v), None)
+    start, end = getattr(rp, "start_token", None), getattr(rp, "end_token", None)
+    if rp is not None and not isinstance(end, str) and getattr(rp, "reasoning_end_token_ids", None):
+        ends = sorted(tokenizer.decode([i], skip_special_tokens=False) for i in rp.reasoning_end_token_ids)
+        end = next((e for e in ends if e.startswith("</")), None)  # a tool call may end reasoning too: not the tag
+        start = end.replace("</", "<", 1) if end else None
+    return tool, ((start, end) if isinstance(start, str) and isinstance(end, str) and start and end else None)
+
+
+class _VllmRequest(RequestParsing):
+    def __init__(self, parsing: VllmParsing, body: dict):
+        self.parsing = parsing
+        fields = {k: v for k, v in body.items() if k in ChatCompletionRequest.model_fields}
+        request = ChatCompletionRequest.model_validate({**fields, "model": body.get("model") or "policy"})
+        self.template_kwargs = dict(body.get("chat_template_kwargs") or {})
+        self.tools_on = (parsing.tool_parser is not None and bool(request.tools)
+                         and request.tool_choice not in ("none",))
+        probe = parsing.new_parser(request.tools, self.template_kwargs)
+        if probe is not None:
+            before = request.structured_outputs
+            request = probe.adjust_request(request)
+            if request.structured_outputs is not None and request.structured_outputs is not before:
+                self.structured_outputs = {k: v for k, v in dataclasses.asdict(request.structured_outputs).items()
+                                           if not k.startswith("_") and v not in (None, False)}
+        self.request = request
+        self.parses = probe is not None
+        self.skip_special_tokens = request.skip_special_tokens
+
+    def _parser(self):
+        return self.parsing.new_parser(self.request.tools, self.template_kwargs)
+
+    def whole(self, text: str, token_ids: list[int], prompt_ids: list[int] | None) -> Parsed:
+        parser = self._parser()
+        if parser is None:
+            return Parsed(content=text)
+        if prompt_ids is not None:
+            parser.set_prompt_token_ids(prompt_ids)
+        reasoning, content, calls = parser.parse(text, self.request, enable_auto_tools=self.tools_on,
+                                                 model_output_token_ids=token_ids)
+        tool_calls = [{"id": c.id or new_tool_call_id(), "type": "function",
+                       "function": {"name": c.name, "arguments": c.arguments}}
+                      for c in calls or ()] if self.tools_on else []
+        return Parsed(content=content, tool_calls=tool_calls,
+                      reasoning=reasoning if self.request.include_reasoning else None)
+
+    def stream(self, prompt_ids: list[int] | None) -> ChoiceStream:
+        return _VllmStream(self, self._parser(), prompt_ids)
+
+    def reasoning_tokens(self, token_ids: list[int]) -> int | None:
+        if self.parsing.reasoning_parser is None:
+            return None
+        parser = self._parser()
+        return parser.count_reasoning_tokens(token_ids) if parser is not None else None
+
+
+class _VllmStream(ChoiceStream):
+    def __init__(self, owner: _VllmRequest, parser, prompt_ids: list[int] | None):
+        self.owner, self.parser, self.prompt_ids = owner, parser, prompt_ids
+
+    def delta(self, text: str, token_ids: list[int], finished: bool) -> dict | None:
+        if self.parser is None:
+            return {"content": text} if text or finished else None
+        message = self.parser.parse_delta(text, list(token_ids), self.owner.request, self.prompt_ids,
+                                          finished=finished)
+        if message is None:
+            return None
+        out = message.model_dump(exclude_unset=True, mode="json")
+        if not self.owner.request.include_reasoning:
+            out.pop("reasoning", None)
+        if not self.owner.tools_on:
+            out.pop("tool_calls", None)
+        return out

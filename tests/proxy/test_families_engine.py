@@ -1,0 +1,110 @@
+"""Every model family's tool-call format (and reasoning format) through the proxy against the real engine.
+
+For each family of tests/families: the tiny model speaks the family's format, vLLM serves it with the family's
+`--tool-call-parser` (and `--reasoning-parser`), and an OpenAI-SDK agent holds a three-turn tool conversation
+through the proxy, whole and streamed: two tool calls, each answered, then a short text. The replies are forced
+(a regex of the family's exact text), so the same text comes out on every path, and:
+- the agent gets, from the proxy's token-exact path, the message the engine's own chat endpoint gives for the same
+  request (content, tool calls, reasoning);
+- the episode merges into one sample with no drift, every sampled token trained (mask 1), thinking included.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import openai
+import pytest
+
+from harness.core.merge import FIRST_CALL, merge_episode
+from harness.running.proxied import engine_parsing
+from harness.running.vllm_server import start_vllm
+from harness.store.database import Store
+from tests.families import FAMILIES, Family
+from tests.families.talk import ask, marker_bias
+from tests.support import RunningProxy
+
+pytestmark = pytest.mark.engine
+
+FINAL = "The total is 9."
+
+
+def _forced(family: Family, turn: int) -> str:
+    """The exact reply of each turn: a call of add(a=turn+1), then the final text; reasoning first if the family
+    reasons."""
+    text = family.reply("add", {"a": turn + 1}) if turn < 2 else FINAL
+    if family.reasoning_parser:
+        text = f"<think>\nStep {turn}: I add.\n</think>\n\n" + text
+    return text
+
+
+def _conversation(base_url: str, family: Family, stream: bool, bias: dict) -> list[tuple[list[dict], dict]]:
+    """The agent's three turns: (the messages it sent, the answer it got)."""
+    client = openai.OpenAI(base_url=base_url, api_key="sk-test", max_retries=0)
+    messages = [{"role": "system", "content": "You add numbers."}, {"role": "user", "content": "Add two numbers."}]
+    turns = []
+    for turn in range(3):
+        answer = ask(client, messages, re.escape(_forced(family, turn)), stream, bias)
+        turns.append(([dict(m) for m in messages], answer))
+        message = {"role": "assistant", "content": answer["content"]}
+        if answer["reasoning"]:
+            message["reasoning_content"] = answer["reasoning"]
+        if answer["calls"]:
+            message["tool_calls"] = [{"id": i, "type": "function", "function": {"name": n, "arguments": json.dumps(a)}}
+                                     for i, (n, a) in zip(answer["ids"], answer["calls"], strict=True)]
+        messages.append(message)
+        for call_id in answer["ids"]:
+            messages.append({"role": "tool", "tool_call_id": call_id, "content": str(turn + 7)})
+    return turns
+
+
+def _same_message(a: dict, b: dict) -> bool:
+    keys = ("content", "reasoning", "calls", "finish")
+    return {k: (a[k].strip() if isinstance(a[k], str) else a[k]) for k in keys} == {
+        k: (b[k].strip() if isinstance(b[k], str) else b[k]) for k in keys}
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_a_family_tool_conversation_is_token_exact_and_parsed_as_the_engine_parses(name, tmp_path):
+    family = FAMILIES[name]
+    model = family.build(tmp_path / name)
+    # the forcing regex covers the thinking too: vLLM applies it after reasoning ends unless told otherwise
+    forcing = ["--structured-outputs-config", '{"enable_in_reasoning": true}'] if family.reasoning_parser else []
+    with start_vllm(model, tmp_path / "engine", tool_parser=family.tool_parser,
+                    reasoning_parser=family.reasoning_parser, extra_args=forcing) as engine:
+        proxy = RunningProxy(engine.base_url, tmp_path / "rec.duckdb", served_model=engine.served_model,
+                             **engine_parsing(engine))
+        try:
+            got = {stream: _conversation(f"{proxy.url}/e/{name}-{stream}/v1", family, stream, marker_bias(model))
+                   for stream in (False, True)}
+        finally:
+            proxy.close()
+        direct = openai.OpenAI(base_url=f"{engine.base_url}/v1", api_key="sk-test", max_retries=0)
+        for stream, turns in got.items():
+            for turn, (messages, answer) in enumerate(turns):
+                expected = ask(direct, messages, re.escape(_forced(family, turn)), stream, marker_bias(model),
+                                engine.served_model)
+                assert _same_message(answer, expected), (stream, turn, answer, expected)
+                assert bool(answer["calls"]) == (turn < 2), answer
+                assert answer["finish"] == ("tool_calls" if turn < 2 else "stop")
+                if family.reasoning_parser:
+                    assert answer["reasoning"].strip() == f"Step {turn}: I add."
+
+    with Store.open(tmp_path / "rec.duckdb", read_only=True) as store:
+        for stream in (False, True):
+            calls = store.load_calls(f"{name}-{stream}")
+            assert [c.extra["continuity"]["mode"] for c in calls] == ["chat", "token_exact", "token_exact"], [
+                c.extra.get("continuity") for c in calls]
+            assert not any(c.extra.get("flags") for c in calls), [c.extra.get("flags") for c in calls]
+            # each reply ended on the family's own close token, which the next prompt continues after
+            assert not any(c.extra["continuity"].get("synthetic_close") for c in calls), [c.extra for c in calls]
+            merged = merge_episode(calls)
+            assert [b.reason for b in merged.breaks] == [FIRST_CALL]
+            (sample,) = merged.samples
+            mask = [0] * len(sample.token_ids)
+            for call in calls:  # every sampled token, thinking included, is trained exactly where it was sampled
+                start, ids = len(call.prompt_ids), call.choices[0].completion_ids
+                assert sample.token_ids[start:start + len(ids)] == ids
+                mask[start:start + len(ids)] = [1] * len(ids)
+            assert sample.loss_mask == mask
