@@ -63,6 +63,7 @@ def create_app(config: ProxyConfig) -> web.Application:
         state.timelines = Timelines(config.continuity_episodes, config.continuity_tokens,
                                     reasoning_history=config.reasoning_history)
         state.parsing = reply_parsing(config.tool_parser, config.reasoning_parser, config.tokenizer)
+        state.timelines.forced_tools = state.parsing.forced_tools
     app[RESPONSES] = ConversationStore()
     app[ENGINES] = Engines(config.engine_bases)
     app.cleanup_ctx.append(_resources)

@@ -40,7 +40,8 @@ class ChatAnswer:
                             "audio": None, "function_call": None, "tool_calls": tool_calls,
                             "reasoning": parsed.reasoning},
                 "logprobs": self._logprobs(ch.get("logprobs")),
-                "finish_reason": "tool_calls" if tool_calls else ch.get("finish_reason") or "stop",
+                "finish_reason": ("tool_calls" if tool_calls and self.parsing.calls_finish
+                                  else ch.get("finish_reason") or "stop"),
                 "stop_reason": ch.get("stop_reason"),
                 "token_ids": ch.get("token_ids"),
             })
@@ -79,7 +80,7 @@ class ChatAnswer:
                 if not self.parallel_tool_calls:
                     delta["tool_calls"] = [c for c in delta["tool_calls"] if c.get("index") == 0]
                 self._streamed_calls.add(index)
-            if finish == "stop" and index in self._streamed_calls:
+            if finish == "stop" and index in self._streamed_calls and self.parsing.calls_finish:
                 finish = "tool_calls"
             choices.append({"index": index, "delta": delta, "logprobs": self._logprobs(ch.get("logprobs")),
                             "finish_reason": finish, "token_ids": ch.get("token_ids")})

@@ -248,6 +248,7 @@ class Timelines:
             raise ValueError(f"reasoning_history {reasoning_history!r}: use one of {', '.join(REASONING_HISTORY)}")
         self.max_episodes, self.max_tokens, self.max_parents = max_episodes, max_tokens, max_parents
         self.reasoning_history = reasoning_history
+        self.forced_tools = False  # forced tool calls can be served token-exactly (set from the reply parsing)
         self.tokens = 0
         self._episodes: OrderedDict[str, _EpisodeTimelines] = OrderedDict()
         self.turn_ends: dict[tuple, list[int]] = {}  # (model, template kwargs) -> [close token, *glue]
@@ -365,14 +366,16 @@ def _edit(replies: list[Parent], message: dict, index: int) -> dict:
     return best
 
 
-def unsupported(body: dict) -> str | None:
-    """The first request feature that token-exact serving cannot reproduce, or None."""
+def unsupported(body: dict, forced_tools: bool = False) -> str | None:
+    """The first request feature that token-exact serving cannot reproduce, or None. `forced_tools`: the proxy
+    parses with vLLM's own parsers, which also give the constraint the chat endpoint puts on a forced tool call
+    (`tool_choice` "required" or a named function), so those are served token-exactly too."""
     for key in _UNSUPPORTED_FIELDS:
         if body.get(key) not in (None, False):
             return key
     if body.get("add_generation_prompt") is False:
         return "add_generation_prompt"
-    if body.get("tool_choice") not in (None, "auto", "none"):
+    if body.get("tool_choice") not in (None, "auto", "none") and not forced_tools:
         return "tool_choice"
     return None
 
@@ -529,7 +532,7 @@ async def plan(timelines: Timelines, episode_id: str, body: dict, hashes: list[b
     parent = found.parent
     if found.fallback is not None:
         how = found.fallback
-    elif (feature := unsupported(body)) is not None:
+    elif (feature := unsupported(body, timelines.forced_tools)) is not None:
         how = Plan("chat", UNSUPPORTED, {"field": feature, "parent_call": parent.call_id})
     elif timelines.no_render is not None:
         how = Plan("chat", RENDER_FAILED, {"error": timelines.no_render})

@@ -187,6 +187,7 @@ class RequestParsing:
 
     skip_special_tokens: bool = True  # decode the completion as vLLM's chat endpoint would for this request
     structured_outputs: dict | None = None  # a constraint the chat endpoint would add to generation (strict tools)
+    calls_finish: bool = True  # a reply with tool calls finishes "tool_calls" (not for a named tool_choice)
 
     def whole(self, text: str, token_ids: list[int], prompt_ids: list[int] | None) -> Parsed:
         raise NotImplementedError
@@ -203,6 +204,7 @@ class RequestParsing:
 class ReplyParsing:
     """The proxy's reply parsing, set up once from the names the engine was started with."""
 
+    forced_tools: bool = False  # knows the constraint and parse of a forced tool_choice ("required", a function)
     tool_marker: str | None = None  # text that opens a tool call: there, with no call parsed, is a parse flag
     reasoning_markers: tuple[str, str] | None = None  # open and close reasoning: opened, never closed, is a flag
 

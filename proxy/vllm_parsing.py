@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+from pydantic import BaseModel
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 from vllm.parser.parser_manager import ParserManager
 from vllm.tokenizers import get_tokenizer
@@ -24,6 +25,8 @@ __all__ = ["VllmParsing"]
 
 class VllmParsing(ReplyParsing):
     """The parsers vLLM's chat endpoint would use for `tool_parser` and `reasoning_parser` on this tokenizer."""
+
+    forced_tools = True  # adjust_request gives the chat endpoint's constraint, parse reads the forced call
 
     def __init__(self, tool_parser: str | None, reasoning_parser: str | None, tokenizer: str | Path):
         super().__init__(tool_parser, reasoning_parser)
@@ -79,7 +82,8 @@ class _VllmRequest(RequestParsing):
                 self.structured_outputs = {k: v for k, v in dataclasses.asdict(request.structured_outputs).items()
                                            if not k.startswith("_") and v not in (None, False)}
         self.request = request
-        self.parses = probe is not None
+        self.forced = request.tool_choice == "required" or isinstance(request.tool_choice, BaseModel)
+        self.calls_finish = not isinstance(request.tool_choice, BaseModel)  # a named function finishes "stop"
         self.skip_special_tokens = request.skip_special_tokens
 
     def _parser(self):
@@ -96,6 +100,8 @@ class _VllmRequest(RequestParsing):
         tool_calls = [{"id": c.id or new_tool_call_id(), "type": "function",
                        "function": {"name": c.name, "arguments": c.arguments}}
                       for c in calls or ()] if self.tools_on else []
+        if self.forced and content is None:
+            content = ""  # as the chat endpoint writes a forced call's message
         return Parsed(content=content, tool_calls=tool_calls,
                       reasoning=reasoning if self.request.include_reasoning else None)
 

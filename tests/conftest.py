@@ -42,6 +42,21 @@ def engine(tiny_model_dir, tmp_path_factory):
         yield running
 
 
+@pytest.fixture(scope="session")
+def qwen3_engine(tmp_path_factory):
+    """A real vLLM serving the Qwen3-style test family (tests/families) with its hermes and qwen3 parsers, and the
+    logit bias that makes its markers single tokens; replies are forced with a regex that covers the thinking too
+    (vLLM applies it after reasoning ends unless told otherwise)."""
+    from tests.families import FAMILIES
+    from tests.families.talk import marker_bias
+
+    model = FAMILIES["qwen3"].build(tmp_path_factory.mktemp("models") / "qwen3")
+    forcing = ["--structured-outputs-config", '{"enable_in_reasoning": true}']
+    with start_vllm(model, tmp_path_factory.mktemp("engine"), tool_parser="hermes", reasoning_parser="qwen3",
+                    extra_args=forcing) as running:
+        yield running, marker_bias(model)
+
+
 @pytest.fixture
 def upstream():
     """The scripted engine (a real HTTP server answering like vLLM), for tests that control the engine's bytes."""

@@ -40,7 +40,6 @@ def add_parser(verbs) -> None:
 
 
 def _serve(args) -> int:
-    from harness.running.hub import ModelNotFoundError
     from harness.running.vllm_server import EngineError, start_or_attach
     from proxy import SamplingOverrides, serve_forever
 
@@ -55,7 +54,7 @@ def _serve(args) -> int:
                                  max_model_len=args.max_model_len, **options.parsers(args))
     except (EngineError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 2 if isinstance(exc, ModelNotFoundError) else 1  # bad input; else the engine failed
+        return 1 if isinstance(exc, EngineError) else 2  # the engine failed; else bad input
     try:
         if not engine.returns_token_ids:
             print(f"note: {engine.base_url} returns no token ids: recording text only", file=sys.stderr)

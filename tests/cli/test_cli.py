@@ -151,6 +151,9 @@ def test_sql_errors_are_clear(tmp_path):
     missing = subprocess.run(HARNESS + ["sql", "--db", str(tmp_path / "nope.duckdb"), "SELECT 1"],
                              capture_output=True, text=True)
     assert missing.returncode == 1 and "no database at" in missing.stderr
+    parser = subprocess.run(HARNESS + ["serve", "--model", str(tmp_path), "--tool-parser", "qwen2.5"],
+                            capture_output=True, text=True, timeout=60)
+    assert parser.returncode == 2 and "unknown tool parser 'qwen2.5'" in parser.stderr and "hermes" in parser.stderr
     bad = subprocess.run(HARNESS + ["serve", "--model", str(tmp_path / "no-such-model")], capture_output=True,
                          text=True)
     assert bad.returncode == 2 and "is not a directory" in bad.stderr

@@ -11,6 +11,7 @@ through the proxy, whole and streamed: two tool calls, each answered, then a sho
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 
@@ -65,26 +66,36 @@ def _same_message(a: dict, b: dict) -> bool:
         k: (b[k].strip() if isinstance(b[k], str) else b[k]) for k in keys}
 
 
-@pytest.mark.parametrize("name", sorted(FAMILIES))
-def test_a_family_tool_conversation_is_token_exact_and_parsed_as_the_engine_parses(name, tmp_path):
-    family = FAMILIES[name]
-    model = family.build(tmp_path / name)
+@contextlib.contextmanager
+def _served(family: Family, request, tmp_path):
+    """(engine, marker bias) for the family: the session's Qwen3 engine (tests/conftest.py), else one started here
+    with the family's parsers."""
+    if family.name == "qwen3":
+        yield request.getfixturevalue("qwen3_engine")
+        return
+    model = family.build(tmp_path / family.name)
     # the forcing regex covers the thinking too: vLLM applies it after reasoning ends unless told otherwise
     forcing = ["--structured-outputs-config", '{"enable_in_reasoning": true}'] if family.reasoning_parser else []
     with start_vllm(model, tmp_path / "engine", tool_parser=family.tool_parser,
                     reasoning_parser=family.reasoning_parser, extra_args=forcing) as engine:
+        yield engine, marker_bias(model)
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_a_family_tool_conversation_is_token_exact_and_parsed_as_the_engine_parses(name, tmp_path, request):
+    family = FAMILIES[name]
+    with _served(family, request, tmp_path) as (engine, bias):
         proxy = RunningProxy(engine.base_url, tmp_path / "rec.duckdb", served_model=engine.served_model,
                              **engine_parsing(engine))
         try:
-            got = {stream: _conversation(f"{proxy.url}/e/{name}-{stream}/v1", family, stream, marker_bias(model))
+            got = {stream: _conversation(f"{proxy.url}/e/{name}-{stream}/v1", family, stream, bias)
                    for stream in (False, True)}
         finally:
             proxy.close()
         direct = openai.OpenAI(base_url=f"{engine.base_url}/v1", api_key="sk-test", max_retries=0)
         for stream, turns in got.items():
             for turn, (messages, answer) in enumerate(turns):
-                expected = ask(direct, messages, re.escape(_forced(family, turn)), stream, marker_bias(model),
-                                engine.served_model)
+                expected = ask(direct, messages, re.escape(_forced(family, turn)), stream, bias, engine.served_model)
                 assert _same_message(answer, expected), (stream, turn, answer, expected)
                 assert bool(answer["calls"]) == (turn < 2), answer
                 assert answer["finish"] == ("tool_calls" if turn < 2 else "stop")

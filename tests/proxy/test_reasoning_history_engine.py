@@ -20,10 +20,9 @@ import pytest
 
 from harness.core.merge import DROPS_REASONING, FIRST_CALL, merge_episode
 from harness.running.proxied import engine_parsing
-from harness.running.vllm_server import start_vllm
 from harness.store.database import Store
 from tests.families import FAMILIES
-from tests.families.talk import ask, marker_bias
+from tests.families.talk import ask
 from tests.support import RunningProxy
 
 pytestmark = pytest.mark.engine
@@ -55,15 +54,6 @@ def _agent(url: str, bias: dict) -> list[dict]:
         messages.append(message)
         messages += [{"role": "tool", "tool_call_id": i, "content": "ok"} for i in answer["ids"]]
     return answers
-
-
-@pytest.fixture(scope="module")
-def qwen3_engine(tmp_path_factory):
-    model = QWEN3.build(tmp_path_factory.mktemp("models") / "qwen3")
-    forcing = ["--structured-outputs-config", '{"enable_in_reasoning": true}']  # the regex covers thinking too
-    with start_vllm(model, tmp_path_factory.mktemp("engine"), tool_parser="hermes", reasoning_parser="qwen3",
-                    extra_args=forcing) as engine:
-        yield engine, marker_bias(model)
 
 
 @pytest.mark.parametrize(("choice", "samples"), [("as_rendered", 3), ("keep", 1)])

@@ -13,10 +13,8 @@ import pytest
 
 from harness.core.merge import FIRST_CALL, merge_episode
 from harness.running.proxied import engine_parsing
-from harness.running.vllm_server import start_vllm
 from harness.store.database import Store
 from tests.families import FAMILIES
-from tests.families.talk import marker_bias
 from tests.support import RunningProxy
 
 pytestmark = pytest.mark.engine
@@ -24,15 +22,6 @@ pytestmark = pytest.mark.engine
 QWEN3 = FAMILIES["qwen3"]
 ADD = {"type": "function", "name": "add", "description": "Add a number to the running total.",
        "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}
-
-
-@pytest.fixture(scope="module")
-def qwen3_engine(tmp_path_factory):
-    model = QWEN3.build(tmp_path_factory.mktemp("models") / "qwen3")
-    forcing = ["--structured-outputs-config", '{"enable_in_reasoning": true}']  # the regex covers thinking too
-    with start_vllm(model, tmp_path_factory.mktemp("engine"), tool_parser="hermes", reasoning_parser="qwen3",
-                    extra_args=forcing) as engine:
-        yield engine, marker_bias(model)
 
 
 def _forced(text: str, bias: dict) -> dict:
