@@ -14,6 +14,8 @@ from __future__ import annotations
 import contextlib
 import json
 import re
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 
 import openai
 import pytest
@@ -66,25 +68,70 @@ def _same_message(a: dict, b: dict) -> bool:
         k: (b[k].strip() if isinstance(b[k], str) else b[k]) for k in keys}
 
 
+ORDER = sorted(FAMILIES)
+
+
+class _Engines:
+    """Each family's engine with its parsers, started one family ahead in a background thread: most of a start is
+    vLLM importing itself, which overlaps the conversation of the family before."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="family-engine")
+        self.starting: dict[str, Future] = {}
+
+    def _start(self, family: Family):
+        model = family.build(self.root / family.name)
+        # the forcing regex covers the thinking too: vLLM applies it after reasoning ends unless told otherwise
+        forcing = ["--structured-outputs-config", '{"enable_in_reasoning": true}'] if family.reasoning_parser else []
+        engine = start_vllm(model, self.root / f"engine-{family.name}", tool_parser=family.tool_parser,
+                            reasoning_parser=family.reasoning_parser, extra_args=forcing,
+                            env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})  # its core in-process: 5 s less a start
+        return engine, marker_bias(model)
+
+    def _ahead(self, name: str) -> None:
+        if name not in self.starting and name != "qwen3":  # qwen3: the session's engine (tests/conftest.py)
+            self.starting[name] = self.pool.submit(self._start, FAMILIES[name])
+
+    def take(self, name: str):
+        """(engine, marker bias) of `name`, the caller's to stop; the next family's engine starts meanwhile."""
+        self._ahead(name)
+        later = ORDER[ORDER.index(name) + 1:]
+        if later:
+            self._ahead(later[0])
+        return self.starting.pop(name).result()
+
+    def close(self) -> None:
+        for future in self.starting.values():  # started ahead for a family that did not run (-k)
+            with contextlib.suppress(Exception):
+                future.result()[0].stop()
+        self.pool.shutdown()
+
+
+@pytest.fixture(scope="module")
+def family_engines(tmp_path_factory):
+    engines = _Engines(tmp_path_factory.mktemp("families"))
+    yield engines
+    engines.close()
+
+
 @contextlib.contextmanager
-def _served(family: Family, request, tmp_path):
-    """(engine, marker bias) for the family: the session's Qwen3 engine (tests/conftest.py), else one started here
-    with the family's parsers."""
+def _served(family: Family, request):
+    """(engine, marker bias) for the family: the session's Qwen3 engine, else its own."""
     if family.name == "qwen3":
         yield request.getfixturevalue("qwen3_engine")
         return
-    model = family.build(tmp_path / family.name)
-    # the forcing regex covers the thinking too: vLLM applies it after reasoning ends unless told otherwise
-    forcing = ["--structured-outputs-config", '{"enable_in_reasoning": true}'] if family.reasoning_parser else []
-    with start_vllm(model, tmp_path / "engine", tool_parser=family.tool_parser,
-                    reasoning_parser=family.reasoning_parser, extra_args=forcing) as engine:
-        yield engine, marker_bias(model)
+    engine, bias = request.getfixturevalue("family_engines").take(family.name)
+    try:
+        yield engine, bias
+    finally:
+        engine.stop()
 
 
-@pytest.mark.parametrize("name", sorted(FAMILIES))
+@pytest.mark.parametrize("name", ORDER)
 def test_a_family_tool_conversation_is_token_exact_and_parsed_as_the_engine_parses(name, tmp_path, request):
     family = FAMILIES[name]
-    with _served(family, request, tmp_path) as (engine, bias):
+    with _served(family, request) as (engine, bias):
         proxy = RunningProxy(engine.base_url, tmp_path / "rec.duckdb", served_model=engine.served_model,
                              **engine_parsing(engine))
         try:
