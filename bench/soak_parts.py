@@ -51,7 +51,7 @@ _CLOSE, _NL = 2, 3  # the toy template's turn end: close token, then a newline
 
 def toy_render(messages: list[dict], add_generation_prompt: bool) -> list[int]:
     """A chat template in miniature: each message is [role, one id per word, close, newline]; append-only, so the
-    proxy's splice (proxy/continuity.py) works on it as on Qwen's template."""
+    proxy's splice (proxy/splice.py) works on it as on Qwen's template."""
     ids: list[int] = []
     for m in messages:
         content = m.get("content") or ""

@@ -21,25 +21,42 @@ the tokenizer and template alone (no engine, no weights):
    template writes after it is glue: context, never trained.
 
 A FAIL breaks merging or the proxy's answers for every agent; a warn depends on what the model writes or the
-agent sends back. transformers is imported inside `load_tokenizer`: the harness core imports without it.
+agent sends back. The conversations, the rendering and the reading back that the checks share are in
+harness/cli/doctor_render.py. transformers is imported inside `load_tokenizer`: the harness core imports without it.
 """
 
 from __future__ import annotations
 
-import copy
 import json
 import textwrap
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+from harness import install_hint
+from harness.cli.doctor_render import (
+    CONTEXT_CHARS,
+    CONVERSATIONS,
+    NAMED_ID_PARSERS,
+    NEXT_USER,
+    SYSTEM,
+    TOOL_USE,
+    TOOLS,
+    Divergence,
+    Finding,
+    Reader,
+    RenderError,
+    Template,
+    assistant,
+    show,
+    tool_result,
+    user,
+)
 from proxy.parsing import reply_parsing
-from proxy.tool_parsers import Parsed, ReplyParsing, check_reasoning_parser
+from proxy.tool_parsers import check_reasoning_parser
 
 __all__ = ["Check", "DoctorError", "Finding", "Report", "diagnose", "format_report", "load_tokenizer"]
 
 OK, WARN, FAIL = "ok", "warn", "FAIL"
-_CONTEXT = 40  # chars of text shown on each side of a difference
-_TOKENS_SHOWN = 6  # tokens shown on each side of a token difference
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 TOKEN_EXACT = ("Token-exact continuity (the proxy's default when the engine returns token ids) builds each prompt "
@@ -48,20 +65,6 @@ TOKEN_EXACT = ("Token-exact continuity (the proxy's default when the engine retu
 
 class DoctorError(ValueError):
     """Bad input: not a directory, no tokenizer, no chat template, unknown tool parser."""
-
-
-@dataclass(frozen=True)
-class Finding:
-    """One place where rendering does not do what merging needs."""
-
-    where: str  # which conversation and message
-    what: str  # what differs, in plain words
-    level: str | None = None  # "text" or "tokens": what `position` counts
-    position: int | None = None  # the first differing char or token of the longer render
-    before: str | None = None  # what both sides share just before `position`
-    expected: str | None = None  # from `position` on: the earlier call's prompt + reply, as the model wrote it
-    found: str | None = None  # from `position` on: the longer render
-    # before/expected/found are raw text when level is "text", else already printable (tokens as quoted pieces)
 
 
 @dataclass(frozen=True)
@@ -92,163 +95,13 @@ class Report:
                 "checks": [asdict(c) for c in self.checks], "notes": list(self.notes)}
 
 
-# --- representative conversations ------------------------------------------------------------------------------
-
-def _fn(name: str, description: str, **properties: str) -> dict:
-    props = {key: {"type": kind} for key, kind in properties.items()}
-    return {"type": "function", "function": {"name": name, "description": description,
-                                             "parameters": {"type": "object", "properties": props}}}
-
-
-TOOLS = [_fn("get_weather", "Weather for a city.", city="string", days="integer"),
-         _fn("search_web", "Search the web.", query="string", filters="object")]
-SYSTEM = {"role": "system", "content": "You are a careful assistant."}
-NEXT_USER = {"role": "user", "content": "One more question."}
-
-
-def _user(text: str) -> dict:
-    return {"role": "user", "content": text}
-
-
-def _assistant(content: str | None, *calls: tuple[str, dict]) -> dict:
-    """An assistant message as vLLM hands it to the template: null content as "", arguments parsed into objects."""
-    message: dict = {"role": "assistant", "content": content or ""}
-    if calls:
-        message["tool_calls"] = [{"id": f"call_{i}", "type": "function", "function": {"name": n, "arguments": a}}
-                                 for i, (n, a) in enumerate(calls)]
-    return message
-
-
-def _tool(call_id: str, content: str) -> dict:
-    return {"role": "tool", "tool_call_id": call_id, "content": content}
-
-
-_TEXT = [SYSTEM, _user("What is 2 + 2?"), _assistant("2 + 2 = 4."), _user("And 3 + 3?"), _assistant("6.")]
-_TOOL_USE = [
-    SYSTEM, _user("What's the weather in Paris and Tokyo? Then find me an umbrella."),
-    _assistant(None, ("get_weather", {"city": "Paris"})),
-    _tool("call_0", '{"temp_c": 21, "sky": "clear"}'),
-    _assistant("Now Tokyo, and umbrellas.", ("get_weather", {"city": "Tokyo", "days": 2}),
-               ("search_web", {"query": "umbrella", "filters": {"max_price": 20, "colors": ["red", "blue"]}})),
-    _tool("call_0", '{"temp_c": 18, "sky": "rain"}'), _tool("call_1", '["red umbrella, 15 EUR"]'),
-    _assistant("Paris: 21 °C and clear. Tokyo: rain, so take the red umbrella."),
-    _user("Thanks! And Zürich?"), _assistant(None, ("get_weather", {"city": "Zürich"})),
-    _tool("call_0", '{"temp_c": 12}'), _assistant("Zürich: 12 °C."),
-]
-CONVERSATIONS: list[tuple[str, list[dict], list[dict] | None]] = [
-    ("text replies", _TEXT, None),
-    ("text replies, tools offered", _TEXT, TOOLS),
-    ("no system prompt", _TEXT[1:], None),
-    ("tool calls and results", _TOOL_USE, TOOLS),
-]
-
-
-# --- rendering -------------------------------------------------------------------------------------------------
-
-class _RenderError(Exception):
-    pass
-
-
-class _Template:
-    """The tokenizer's chat template and stop tokens, with the comparisons the checks share."""
-
-    def __init__(self, tokenizer, stop_ids: dict[int, str], named_ids: bool = False):
-        self.tokenizer = tokenizer
-        self.named_ids = named_ids  # tool-call ids as Kimi K2 writes them: functions.<name>:<index>
-        self.stop_ids = stop_ids  # id -> where it comes from ("tokenizer eos", "generation_config.json")
-        self.stop_texts = {tokenizer.decode([i]): i for i in stop_ids}
-        self.close = ""  # the text of the token that ends an assistant turn, once check_close_token found it
-
-    def render(self, messages: list[dict], tools: list[dict] | None, generation_prompt: bool) -> str:
-        messages = _named_ids(messages) if self.named_ids else copy.deepcopy(messages)
-        try:
-            return self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
-                                                      add_generation_prompt=generation_prompt)
-        except Exception as exc:  # a template may raise anything (raise_exception, TypeError, jinja errors)
-            raise _RenderError(f"the template raised {type(exc).__name__}: {exc}") from exc
-
-    def ids(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False)
-
-    def latest_turn(self, messages: list[dict], tools: list[dict] | None) -> tuple[str, str, str]:
-        """(prompt, reply, close) for the last message, an assistant turn: the prompt of the call that produced
-        it, the turn's text as the template renders it when it is the latest, and the stop token ending it."""
-        prompt = self.render(messages[:-1], tools, True)
-        turn = self.render(messages, tools, False)
-        if not turn.startswith(prompt):
-            raise _Divergence(_difference(prompt, turn, "the generation prompt is not how the template starts "
-                                                        "the assistant turn"))
-        reply, close = self.split_close(turn[len(prompt):])
-        return prompt, reply, close
-
-    def split_close(self, tail: str) -> tuple[str, str]:
-        """Split an assistant turn's text at its first stop token: (reply, close). A template that leaves the
-        latest turn open (ready to be continued) has no stop token there: its close is the usual one."""
-        hits = [(tail.find(t), t) for t in self.stop_texts if t and t in tail]
-        if not hits:
-            return tail, self.close
-        pos, text = min(hits)
-        return tail[:pos], text
-
-    def divergence(self, prompt: str, reply: str, close: str, longer: str) -> Finding | None:
-        """Where `longer` stops extending prompt + reply + close, as text, then as token ids; None if it does."""
-        expected = prompt + reply + close
-        if not longer.startswith(expected):
-            return _difference(expected, longer, "the next call's prompt differs from this call's prompt + reply")
-        want = self.ids(prompt) + self.ids(reply) + ([self.stop_texts[close]] if close else [])
-        have = self.ids(longer)
-        if have[: len(want)] == want:
-            return None
-        pos = next((i for i, (a, b) in enumerate(zip(want, have, strict=False)) if a != b), len(have))
-        return Finding(where="", what="same text, but the next call's prompt tokenizes it differently",
-                       level="tokens", position=pos, before=self._pieces(have[max(0, pos - 3):pos]),
-                       expected=self._pieces(want[pos:pos + _TOKENS_SHOWN]),
-                       found=self._pieces(have[pos:pos + _TOKENS_SHOWN]))
-
-    def _pieces(self, ids: list[int]) -> str:
-        return " ".join(_show(self.tokenizer.decode([i])) for i in ids)
-
-
-# Kimi K2's template writes a call's id where its name goes, and the model writes ids as functions.<name>:<index>
-# (vLLM's kimi_k2 parser reads the name from there): its agents send those ids back, so doctor's conversations do.
-NAMED_ID_PARSERS = ("kimi_k2", "kimi_k3", "k2_horizon")
-
-
-def _named_ids(messages: list[dict]) -> list[dict]:
-    out, names = [], {}
-    for message in copy.deepcopy(messages):
-        for k, call in enumerate(message.get("tool_calls") or ()):
-            names[call["id"]] = call["id"] = f"functions.{call['function']['name']}:{k}"
-        if message.get("role") == "tool" and message.get("tool_call_id") in names:
-            message["tool_call_id"] = names[message["tool_call_id"]]
-        out.append(message)
-    return out
-
-
-class _Divergence(Exception):
-    def __init__(self, finding: Finding):
-        super().__init__(finding.what)
-        self.finding = finding
-
-
-def _show(text: str) -> str:
-    return json.dumps(text, ensure_ascii=False)
-
-
-def _difference(expected: str, found: str, what: str) -> Finding:
-    pos = next((i for i, (a, b) in enumerate(zip(expected, found, strict=False)) if a != b),
-               min(len(expected), len(found)))
-    return Finding(where="", what=what, level="text", position=pos, before=expected[max(0, pos - _CONTEXT):pos],
-                   expected=expected[pos:pos + _CONTEXT], found=found[pos:pos + _CONTEXT])
-
+# --- the checks ------------------------------------------------------------------------------------------------
 
 def _at(finding: Finding, where: str) -> Finding:
     return replace(finding, where=where)
 
 
-# --- the checks ------------------------------------------------------------------------------------------------
-
-def check_append_only(template: _Template) -> tuple[Check, list[str]]:
+def check_append_only(template: Template) -> tuple[Check, list[str]]:
     findings: list[Finding] = []
     notes: list[str] = []
     compared = 0
@@ -260,9 +113,9 @@ def check_append_only(template: _Template) -> tuple[Check, list[str]]:
             try:
                 prompt, reply, close = template.latest_turn(messages[:i + 1], tools)
                 found = template.divergence(prompt, reply, close, template.render(later, tools, True))
-            except _Divergence as exc:
+            except Divergence as exc:
                 found = exc.finding
-            except _RenderError as exc:
+            except RenderError as exc:
                 notes.append(f"append-only: skipped {name!r}: {exc}")
                 break
             compared += 1
@@ -283,25 +136,11 @@ def check_append_only(template: _Template) -> tuple[Check, list[str]]:
                  f"as token ids ({compared} turns over {len(CONVERSATIONS)} conversations)"), notes
 
 
-class _Reader:
-    """Reads a reply as the engine's chat endpoint and the proxy would: the model's tool (and reasoning) parser
-    on a request that offers TOOLS."""
-
-    def __init__(self, parsing: ReplyParsing, tokenizer):
-        self.parsing, self.tokenizer = parsing, tokenizer
-        self.name = parsing.tool_parser or "none"
-        self._request = parsing.request({"model": "doctor", "messages": [SYSTEM], "tools": TOOLS})
-
-    def parse(self, text: str) -> Parsed:
-        ids = self.tokenizer.encode(text, add_special_tokens=False)
-        return self._request.whole(text, ids, None)
-
-
-def _echo(parser: _Reader, reply: str) -> dict:
+def _echo(parser: Reader, reply: str) -> dict:
     """The assistant message an agent sends back after receiving `reply` parsed, as vLLM hands it on."""
     parsed = parser.parse(reply)
     calls = [(c["function"]["name"], _loads(c["function"]["arguments"])) for c in parsed.tool_calls]
-    return _assistant(parsed.content, *calls)
+    return assistant(parsed.content, *calls)
 
 
 def _loads(arguments: str):
@@ -315,18 +154,18 @@ def _history_probes() -> list[tuple[str, dict, str | None]]:
     newlines = "\nIt is 21 °C in Paris.\n"
     think = "<think>\nLook it up.\n</think>\n\nIt is 21 °C."
     return [
-        ("a tool call, echoed back", _assistant(None, call), None),
-        ("text before a tool call, echoed back", _assistant("Let me check.", call), None),
-        ("arguments written compactly, echoed back", _assistant(None, call), "compact"),
-        ("a reply with surrounding newlines", _assistant(newlines), newlines),
-        ("a reply with a <think> block", _assistant(think), think),
+        ("a tool call, echoed back", assistant(None, call), None),
+        ("text before a tool call, echoed back", assistant("Let me check.", call), None),
+        ("arguments written compactly, echoed back", assistant(None, call), "compact"),
+        ("a reply with surrounding newlines", assistant(newlines), newlines),
+        ("a reply with a <think> block", assistant(think), think),
     ]
 
 
-def check_history(template: _Template, parser: _Reader, reasoned: bool = False) -> tuple[Check, list[str]]:
+def check_history(template: Template, parser: Reader, reasoned: bool = False) -> tuple[Check, list[str]]:
     """`reasoned`: a reasoning parser splits the model's thinking out of the content, so a reply never comes back
     with a <think> block in its content (the reasoning check covers where the template puts it)."""
-    base = [SYSTEM, _user("What's the weather in Paris?")]
+    base = [SYSTEM, user("What's the weather in Paris?")]
     findings: list[Finding] = []
     notes: list[str] = []
     probes = 0
@@ -347,14 +186,14 @@ def check_history(template: _Template, parser: _Reader, reasoned: bool = False) 
             echoed = _echo(parser, reply) if message.get("tool_calls") else {**message, "content": reply}
             longer = template.render(base + [echoed, NEXT_USER], TOOLS, True)
             found = template.divergence(prompt, reply, close, longer)
-        except _Divergence as exc:
+        except Divergence as exc:
             found = exc.finding
-        except _RenderError as exc:
+        except RenderError as exc:
             notes.append(f"history: skipped {probe!r}: {exc}")
             continue
         probes += 1
         if found and message.get("tool_calls") and echoed["content"]:
-            found = replace(found, what=f"{found.what} (the parser gave the agent content {_show(echoed['content'])})")
+            found = replace(found, what=f"{found.what} (the parser gave the agent content {show(echoed['content'])})")
         if found:
             findings.append(_at(found, probe))
     if findings:
@@ -367,16 +206,16 @@ def check_history(template: _Template, parser: _Reader, reasoned: bool = False) 
     return Check("history", OK, f"all {probes} kinds of reply come back exactly as the model wrote them"), notes
 
 
-def check_tool_parser(template: _Template, parser: _Reader) -> Check:
+def check_tool_parser(template: Template, parser: Reader) -> Check:
     findings: list[Finding] = []
     replies = 0
-    for i, message in enumerate(_TOOL_USE):
+    for i, message in enumerate(TOOL_USE):
         if message["role"] != "assistant":
             continue
         where = f"tool calls and results, assistant message {i}"
         try:
-            _, reply, _ = template.latest_turn(_TOOL_USE[:i + 1], TOOLS)
-        except (_Divergence, _RenderError) as exc:
+            _, reply, _ = template.latest_turn(TOOL_USE[:i + 1], TOOLS)
+        except (Divergence, RenderError) as exc:
             return Check("tool-parser", WARN, f"could not render an assistant turn to parse ({where}: {exc})")
         # what the engine hands back: the reply's ids decoded, special tokens kept (vLLM does so with tools on)
         text = template.tokenizer.decode(template.ids(reply), skip_special_tokens=False)
@@ -385,11 +224,11 @@ def check_tool_parser(template: _Template, parser: _Reader) -> Check:
         got = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in parsed.tool_calls]
         replies += 1
         if got != want:
-            findings.append(Finding(where, f"the template renders this turn as {_show(text)}; the {parser.name} "
-                                    "parser reads other tool calls from it", expected=_show(want), found=_show(got)))
+            findings.append(Finding(where, f"the template renders this turn as {show(text)}; the {parser.name} "
+                                    "parser reads other tool calls from it", expected=show(want), found=show(got)))
         elif (parsed.content or "").strip() != (message["content"] or "").strip():
             findings.append(Finding(where, "the parser returns other content than the template rendered",
-                                    expected=_show(message["content"]), found=_show(parsed.content)))
+                                    expected=show(message["content"]), found=show(parsed.content)))
     if findings:
         return Check("tool-parser", FAIL, f"the {parser.name} parser does not read back {len(findings)} of "
                      f"{replies} assistant turns the template renders", tuple(findings),
@@ -402,18 +241,18 @@ def check_tool_parser(template: _Template, parser: _Reader) -> Check:
 _THOUGHT, _LATER_THOUGHT = "I should look up Paris first.", "The tool says 21 degrees."
 
 
-def check_reasoning(template: _Template, reasoning_parser: str | None) -> Check:
+def check_reasoning(template: Template, reasoning_parser: str | None) -> Check:
     """Where the template renders a reply's reasoning, and which `reasoning_history` choice that makes fit."""
-    call = _assistant(None, ("get_weather", {"city": "Paris"}))
-    loop = [SYSTEM, _user("What's the weather in Paris?"), {**call, "reasoning_content": _THOUGHT},
-            _tool("call_0", '{"temp_c": 21}')]
-    later = [*loop, {**_assistant("It is 21 °C."), "reasoning_content": _LATER_THOUGHT}, NEXT_USER]
+    call = assistant(None, ("get_weather", {"city": "Paris"}))
+    loop = [SYSTEM, user("What's the weather in Paris?"), {**call, "reasoning_content": _THOUGHT},
+            tool_result("call_0", '{"temp_c": 21}')]
+    later = [*loop, {**assistant("It is 21 °C."), "reasoning_content": _LATER_THOUGHT}, NEXT_USER]
     try:
         latest = _THOUGHT in template.render(loop[:3], TOOLS, False)
         in_loop = _THOUGHT in template.render(loop, TOOLS, True)
         after_user = _THOUGHT in template.render(later, TOOLS, True) or _LATER_THOUGHT in template.render(
             later, TOOLS, True)
-    except _RenderError as exc:
+    except RenderError as exc:
         return Check("reasoning", WARN, f"could not render a reply with reasoning_content: {exc}")
     named = f"the {reasoning_parser} reasoning parser" if reasoning_parser else "a reasoning parser (none given)"
     if not latest and not in_loop:
@@ -439,32 +278,32 @@ def check_reasoning(template: _Template, reasoning_parser: str | None) -> Check:
                  "context the model is never served.")
 
 
-def check_close_token(template: _Template) -> Check:
+def check_close_token(template: Template) -> Check:
     """Also sets `template.close`: the close token's text ("" when there is none), for the other checks."""
     reply = "The answer is 4."
-    messages = [SYSTEM, _user("What is 2 + 2?"), _assistant(reply)]
+    messages = [SYSTEM, user("What is 2 + 2?"), assistant(reply)]
     try:
         turn = template.render(messages, None, False)
         longer = template.render(messages + [NEXT_USER], None, True)
-    except _RenderError as exc:
+    except RenderError as exc:
         return Check("close-token", FAIL, f"cannot render a one-turn conversation: {exc}")
     # The text after the reply in the next call's prompt: where a sampled reply must have stopped.
     after = longer[longer.rfind(reply) + len(reply):] if reply in longer else ""
     ids = template.ids(after)
     if not ids or ids[0] not in template.stop_ids:
-        stops = ", ".join(f"{_show(template.tokenizer.decode([i]))} (id {i}, {src})"
+        stops = ", ".join(f"{show(template.tokenizer.decode([i]))} (id {i}, {src})"
                           for i, src in template.stop_ids.items())
         return Check("close-token", FAIL, f"after an assistant reply the next prompt goes on with "
-                     f"{_show(after[:_CONTEXT])}, which does not start with a stop token; the model stops on: "
+                     f"{show(after[:CONTEXT_CHARS])}, which does not start with a stop token; the model stops on: "
                      f"{stops or 'nothing (no eos)'}", (),
                      "A sampled reply ends at a stop token, so it never ends where the template's turn ends: the "
                      "merger cannot line replies up with history. Set eos_token_id in generation_config.json to "
                      "the template's end-of-turn token (or fix the template).")
     template.close = template.tokenizer.decode(ids[:1])
     tail = turn[turn.rfind(reply) + len(reply):] if reply in turn else ""
-    glue = (f"then writes {_show(tail[len(template.close):])}, which is context (mask 0), never trained"
+    glue = (f"then writes {show(tail[len(template.close):])}, which is context (mask 0), never trained"
             if tail.startswith(template.close) else "writes it only once another message follows")
-    return Check("close-token", OK, f"an assistant turn ends with {_show(template.close)} (id {ids[0]}, "
+    return Check("close-token", OK, f"an assistant turn ends with {show(template.close)} (id {ids[0]}, "
                  f"{template.stop_ids[ids[0]]}), where sampling stops; the template {glue}")
 
 
@@ -479,7 +318,7 @@ def load_tokenizer(model_dir: str | Path, chat_template: str | Path | None = Non
     try:
         from transformers import AutoTokenizer
     except ImportError as exc:
-        raise DoctorError(f"harness doctor needs transformers ({exc}): pip install 'harness[train]'") from exc
+        raise DoctorError(f"harness doctor needs transformers ({exc}): {install_hint('train')}") from exc
     if not any((path / name).is_file() for name in _TOKENIZER_FILES):
         raise DoctorError(f"no tokenizer in {str(path)!r}: the directory needs one of {', '.join(_TOKENIZER_FILES)}")
     try:
@@ -519,10 +358,10 @@ def diagnose(model_dir: str | Path, tool_parser: str = "hermes", chat_template: 
     tokenizer = load_tokenizer(model_dir, chat_template)
     try:  # tool calls are read by the tool parser alone: the reasoning check places the reasoning
         check_reasoning_parser(reasoning_parser)
-        parser = _Reader(reply_parsing(tool_parser, None, str(model_dir)), tokenizer)
+        parser = Reader(reply_parsing(tool_parser, None, str(model_dir)), tokenizer)
     except (ValueError, TypeError) as exc:  # a bad name; a parser that cannot work with this tokenizer (vLLM's)
         raise DoctorError(str(exc)) from exc
-    template = _Template(tokenizer, _stop_ids(tokenizer, Path(model_dir)), tool_parser in NAMED_ID_PARSERS)
+    template = Template(tokenizer, _stop_ids(tokenizer, Path(model_dir)), tool_parser in NAMED_ID_PARSERS)
     close_check = check_close_token(template)
     append_only, notes = check_append_only(template)
     history, history_notes = check_history(template, parser, reasoned=reasoning_parser is not None)
@@ -545,7 +384,7 @@ def format_report(report: Report) -> str:
             lines.append(f"      - {f.where}{at}: {f.what}")
             for label, value in (("after", f.before), ("expected", f.expected), ("found", f.found)):
                 if value is not None:
-                    shown = _show(value) if f.level == "text" else value
+                    shown = show(value) if f.level == "text" else value
                     lines.append(f"          {label + ':':<10}{'…' if label == 'after' else ''}{shown}")
         if check.advice:
             lines.append(textwrap.fill(check.advice, width=116, initial_indent=" " * 6, subsequent_indent=" " * 6))

@@ -171,19 +171,21 @@ def test_what_the_tiny_template_renders_parses_back(tiny_model_dir, content, cal
 
 
 def test_agrees_with_vllms_own_hermes_parser(tiny_model_dir):
-    """Same content and calls as vLLM's parser plus its chat endpoint's whitespace rule, on every table case."""
+    """Same content and calls as vLLM's Hermes parser as the chat endpoint runs it (the proxy's vLLM path), on every
+    table case; test_vllm_parsing.py checks the two agree through the whole chat answer."""
     pytest.importorskip("vllm")
     from transformers import AutoTokenizer
-    from vllm.tool_parsers.hermes_tool_parser import Hermes2ProToolParser
 
-    theirs = Hermes2ProToolParser(AutoTokenizer.from_pretrained(tiny_model_dir))
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    body = {"model": "policy", "messages": [{"role": "user", "content": "hi"}],
+            "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]}
+    theirs = reply_parsing("hermes", None, tokenizer=str(tiny_model_dir)).request(body)
     ours = get_parser("hermes")
     for case, text, _, _ in CASES:
-        info = theirs.extract_tool_calls(text, request=None)
-        content = info.content
-        if info.tools_called and content is not None and not content.strip():
-            content = None  # the chat endpoint's rule, applied after the parser
-        expected = (content, [(c.function.name, c.function.arguments) for c in info.tool_calls])
+        expected = theirs.whole(text, tokenizer.encode(text, add_special_tokens=False), None)
         parsed = ours.parse(text)
-        got = (parsed.content, [(c["function"]["name"], c["function"]["arguments"]) for c in parsed.tool_calls])
-        assert got == expected, case
+        assert _message(parsed) == _message(expected), case
+
+
+def _message(parsed: Parsed) -> tuple:
+    return parsed.content, [(c["function"]["name"], c["function"]["arguments"]) for c in parsed.tool_calls]
