@@ -12,3 +12,8 @@ The layers, lowest first; a module imports only its own layer and lower ones (te
 """
 
 __version__ = "0.1.0"
+
+
+def install_hint(extra: str) -> str:
+    """How a user gets one of our extras (pyproject.toml); the distribution is harness-rl, not PyPI's `harness`."""
+    return f"pip install -e '.[{extra}]' in the harness checkout"

@@ -53,6 +53,8 @@ async def sql(request: web.Request) -> web.Response:
         await asyncio.to_thread(request.app[RECORDER].flush)
     try:
         result = await asyncio.to_thread(request.app[STORE].query, query, params, max_rows=max_rows)
+    except ReadOnlyError as exc:  # a file outside the store
+        raise ApiError(403, str(exc), code="read_only") from None
     except duckdb.Error as exc:
         raise ApiError(400, f"SQL error: {exc}", code="sql_error") from None
     payload = {"columns": result.columns, "types": result.types, "rows": result.rows, "truncated": result.truncated}

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from harness import install_hint
 from harness.core.records import Sample
 from harness.store.export import parsed_arguments
 
@@ -117,7 +118,7 @@ def _read_saved_dataset(path: Path, split: str, limit: int | None) -> list[dict]
     try:
         import datasets
     except ImportError:
-        raise ChatDataError(f"reading {path} needs the 'datasets' package: pip install 'harness[data]'") from None
+        raise ChatDataError(f"reading {path} needs the 'datasets' package: {install_hint('data')}") from None
     loaded = datasets.load_from_disk(str(path))
     if isinstance(loaded, datasets.DatasetDict):
         if split not in loaded:

@@ -44,7 +44,7 @@ def add_parser(verbs) -> None:
     p.add_argument("--records", choices=RECORDS, default="chat",
                    help="chat: one record per conversation (SFT); tokens: one per merged sample (RL)")
     p.add_argument("--format", choices=FORMATS, default="jsonl", dest="fmt",
-                   help="jsonl (default), parquet, or hf (a datasets directory; needs harness[data])")
+                   help="jsonl (default), parquet, or hf (a datasets directory; needs the data extra)")
     p.add_argument("--where", metavar="SQL", help="keep the episodes this SQL predicate holds for, e.g. "
                    "'reward >= 1'; columns: " + ", ".join(EPISODE_COLUMNS))
     p.add_argument("--model", help="with --merge: the base model, a directory or a Hugging Face id (default: the "

@@ -5,6 +5,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from harness import install_hint
+
 
 def add_model_parsers(verbs) -> None:
     p = verbs.add_parser(
@@ -36,7 +38,7 @@ def _tiny_model(args) -> int:
     try:
         from harness.running.tiny_model import build_tiny_model
     except ImportError as exc:
-        print(f"error: tiny-model needs torch and transformers ({exc}); pip install 'harness[train]'",
+        print(f"error: tiny-model needs torch and transformers ({exc}); {install_hint('train')}",
               file=sys.stderr)
         return 1
     try:
@@ -54,7 +56,7 @@ def _smollm2(args) -> int:
     try:
         path = build_smollm2(args.out, gguf=args.gguf)
     except ImportError as exc:
-        print(f"error: smollm2 needs torch and transformers ({exc}); pip install 'harness[train]'", file=sys.stderr)
+        print(f"error: smollm2 needs torch and transformers ({exc}); {install_hint('train')}", file=sys.stderr)
         return 1
     except SmolLM2Error as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -14,6 +14,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from harness import install_hint
 from harness.core.records import Task
 from harness.running.task_records import (
     DATA_FILE_BUILDERS,
@@ -39,7 +40,7 @@ def _datasets():
     try:
         import datasets
     except ImportError:
-        raise TaskError("reading this task source needs the 'datasets' package: pip install 'harness[data]'") from None
+        raise TaskError(f"reading this task source needs the 'datasets' package: {install_hint('data')}") from None
     return datasets
 
 

@@ -22,6 +22,8 @@ import re
 import sys
 from pathlib import Path
 
+from harness import install_hint
+
 __all__ = ["ModelNotFoundError", "hub_cache", "hub_id_of", "is_hub_id", "local_model", "model_name", "model_reference",
            "resolve_model"]
 
@@ -139,7 +141,7 @@ def _snapshot(repo_id: str, what: str, looked_in: str | Path | None) -> str:
         )
     except ImportError:
         raise ModelNotFoundError(f"{what} {repo_id!r} is a Hugging Face id, and huggingface_hub is not installed: "
-                                 "pip install 'harness[train]', or give a model directory") from None
+                                 f"{install_hint('train')}, or give a model directory") from None
     cache, fetch = hub_cache(), f"`{_hub_cli()} download {repo_id}`"
     partial = None
     try:  # the cache first: no network for a model already here

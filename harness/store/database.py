@@ -38,7 +38,7 @@ from harness.store.arrow_tables import (
     timestamps,
     to_json,
 )
-from harness.store.readonly import check_read_only
+from harness.store.readonly import check_read_only, confine, outside_files
 from harness.store.schema import MIGRATIONS, SCHEMA_VERSION
 
 __all__ = ["EPISODE_CALLS", "EPISODE_CALLS_NO_BODIES", "MIGRATIONS", "SCHEMA_VERSION", "ROW_GROUP_SIZE", "QueryResult",
@@ -113,6 +113,7 @@ class Store:
                 # Fewer, larger checkpoints: checkpoint work is per byte, but each one has a fixed cost.
                 con.execute("SET checkpoint_threshold = '64MB'")
                 store._migrate()
+            confine(con)  # user SQL runs on this connection: it reads the store, no other file
         except BaseException:
             con.close()
             raise
@@ -324,6 +325,8 @@ class Store:
                 cur.execute(sql, params)
                 description = cur.description or []
                 rows = cur.fetchall() if max_rows is None else cur.fetchmany(max_rows + 1)
+            except duckdb.Error as exc:
+                raise outside_files(exc) or exc from None
             finally:
                 _rollback(cur)
         truncated = max_rows is not None and len(rows) > max_rows

@@ -24,6 +24,7 @@ from typing import Any
 
 import orjson
 
+from harness import install_hint
 from harness.store.sql import Reader, SqlError
 
 __all__ = ["EPISODE_COLUMNS", "ExportError", "FORMATS", "RECORDS", "episodes", "records", "write"]
@@ -190,7 +191,7 @@ def _write(rows: Iterator[dict[str, Any]], path: Path, fmt: str) -> int:
             try:
                 import datasets
             except ImportError:
-                raise ExportError("--format hf needs the `datasets` package: pip install 'harness[data]', or "
+                raise ExportError(f"--format hf needs the `datasets` package: {install_hint('data')}, or "
                                   "export jsonl or parquet, which `datasets` also loads") from None
             datasets.Dataset(data).save_to_disk(str(path))
     except pa.ArrowException as exc:

@@ -1,7 +1,11 @@
-"""The read-only check behind `harness sql`: only statements that read may run against recorded rollouts.
+"""The read-only check behind `harness sql`: only statements that read may run against recorded rollouts, and they
+read the store alone.
 
 DuckDB's own read-only mode covers a closed file; while the proxy owns the file, this check is what stands
-between a user's SQL and the data, so it errs on the side of refusing.
+between a user's SQL and the data, so it errs on the side of refusing. Every connection that runs user SQL is
+confined (`confine`): once its database files are attached, DuckDB refuses any other file (read_text, read_csv,
+read_parquet, read_json, glob, a path as a table name, ATTACH, COPY), through `harness sql`, the proxy's SQL
+route and the viewer alike.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from typing import Any
 
 import duckdb
 
-__all__ = ["ReadOnlyError", "check_read_only"]
+__all__ = ["ReadOnlyError", "check_read_only", "confine", "outside_files"]
 
 
 class ReadOnlyError(ValueError):
@@ -31,6 +35,19 @@ _EXPLAIN_PREFIX = re.compile(r"\s*explain\s+(?:analy[sz]e\s+)?(?:\([^)]*\)\s*)?"
 _PRAGMA_NAME = re.compile(r"\s*pragma\s+(\w+)", re.IGNORECASE)
 _parser_lock = threading.Lock()
 _parser_con: duckdb.DuckDBPyConnection | None = None
+
+
+def confine(con: duckdb.DuckDBPyConnection) -> None:
+    """From now on `con`'s database reads and writes only the files already attached to it (and its own spill
+    files): DuckDB's external access off, which cannot be turned back on while it runs."""
+    con.execute("SET enable_external_access = false")
+
+
+def outside_files(exc: duckdb.Error) -> ReadOnlyError | None:
+    """The refusal to give for a query DuckDB stopped at a file outside the store (None: another error)."""
+    if isinstance(exc, duckdb.PermissionException):
+        return ReadOnlyError(f"harness sql reads only the recorded rollouts, no other files: {exc}".split("\n")[0])
+    return None
 
 
 def check_read_only(sql: str) -> None:

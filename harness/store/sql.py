@@ -21,7 +21,7 @@ import orjson
 
 from harness.store.database import QueryResult, SchemaVersionError, Store
 from harness.store.live import discover
-from harness.store.readonly import ReadOnlyError, check_read_only
+from harness.store.readonly import ReadOnlyError, check_read_only, confine, outside_files
 
 
 class SqlError(RuntimeError):
@@ -90,8 +90,10 @@ class Reader:
             if self._store is not None:
                 return self._store.query(query, params, max_rows=max_rows)
             return _folder_query(self._con, query, params, max_rows)
+        except ReadOnlyError as exc:
+            raise SqlError(str(exc)) from None
         except duckdb.Error as exc:
-            raise SqlError(f"SQL error: {exc}") from None
+            raise SqlError(str(outside_files(exc) or f"SQL error: {exc}")) from None
 
 
 def _open_folder(folder: Path) -> duckdb.DuckDBPyConnection:
@@ -120,6 +122,7 @@ def _open_folder(folder: Path) -> duckdb.DuckDBPyConnection:
         # the views are the schema's own, over the unions (a file's own views would read only that file)
         _create_views(con, [r[0] for r in con.execute(
             "SELECT sql FROM duckdb_views() WHERE database_name = 'db0' AND NOT internal").fetchall()])
+        confine(con)
     except BaseException:
         con.close()
         raise
