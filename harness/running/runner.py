@@ -37,6 +37,7 @@ import re
 import signal
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -134,6 +135,17 @@ def model_env(proxy_url: str, episode_id: str, api_key: str) -> dict[str, str]:
             "AZURE_OPENAI_ENDPOINT": f"{proxy_url}/e/{episode_id}", "AZURE_OPENAI_API_KEY": api_key}
 
 
+def plan_episodes(run_id: str, tasks: list[Task], repeat: int) -> list[EpisodeSlot]:
+    """`repeat` episodes of each task. A task given twice (a training batch larger than its dataset) gets twice as
+    many: its repeat indices go on from the first time, so episode ids stay distinct and it is one group."""
+    slots, given = [], Counter()
+    for t in tasks:
+        first = given[t.task_id] * repeat
+        given[t.task_id] += 1
+        slots += [EpisodeSlot(t, r, f"{run_id}-{episode_part(t.task_id)}-{r}") for r in range(first, first + repeat)]
+    return slots
+
+
 class Runner:
     """Runs the episodes of one run against a started proxy, records outcomes, judges them."""
 
@@ -156,8 +168,7 @@ class Runner:
         self._running: set[asyncio.subprocess.Process] = set()
 
     def plan(self, tasks: list[Task]) -> list[EpisodeSlot]:
-        return [EpisodeSlot(t, r, f"{self.run_id}-{episode_part(t.task_id)}-{r}") for t in tasks
-                for r in range(self.config.repeat)]
+        return plan_episodes(self.run_id, tasks, self.config.repeat)
 
     @property
     def stopped(self) -> bool:
