@@ -2,6 +2,12 @@
 
 For tests that need exact control of the bytes (timeouts, engine errors, stream timing) and for benchmarks that
 measure the proxy rather than the model. Everything else tests against the real engine.
+
+It also answers vLLM's dev routes the trainer uses, as vLLM does in dev mode: the weight push's (/pause, /resume,
+/collective_rpc, /reset_prefix_cache, /v1/load_lora_adapter, /v1/unload_lora_adapter: accepted, nothing changes)
+and sleep mode's (POST /sleep?level=N, POST /wake_up, GET /is_sleeping). While it sleeps it refuses generation and
+weight reloads with 503 and counts them (`refused_asleep`): a test asserts the trainer never sends either.
+`targets` logs every request in arrival order, so a test can read the order of sleep, wake, push and calls.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ class Script:
     tool_arguments: str | None = None  # chat answers a call of tool "lookup" with these arguments instead of text
     content: str | None = None  # fixed reply text (chat and completions) instead of the generated "w1000 w1001 ..."
     reasoning: str | None = None  # chat answers carry this as `reasoning` (streamed word by word, before the text)
+    wake_status: int = 200  # POST /wake_up answers this (non-200: a wake that failed; the engine keeps sleeping)
 
 
 class ScriptedEngine:
@@ -43,8 +50,11 @@ class ScriptedEngine:
         self.authorizations: list[str | None] = []  # each request's Authorization header, same order
         self.headers: list[dict[str, str]] = []  # each request's headers, same order
         self.models_headers: list[dict[str, str]] = []  # each GET /v1/models's headers
-        self.targets: list[str] = []  # every request's path and query string as they arrived (chat, models...)
+        self.targets: list[str] = []  # every request's path and query string as they arrived (chat, models, dev
+        # routes...); "METHOD " before dev routes' paths, e.g. "POST /sleep?level=1"
         self.cancelled = 0  # requests whose client went away before the answer ended
+        self.sleep_level = 0  # 0: awake; else the level of the POST /sleep it sleeps at
+        self.refused_asleep: list[str] = []  # requests refused because it was asleep (generation, reloads)
         self.app = web.Application()
         self.app.router.add_post("/v1/chat/completions", self._chat)
         self.app.router.add_post("/v1/completions", self._completions)
@@ -52,6 +62,12 @@ class ScriptedEngine:
         self.app.router.add_post("/openai/deployments/{deployment}/completions", self._completions)
         self.app.router.add_get("/v1/models", self._models)
         self.app.router.add_get("/health", self._health)
+        self.app.router.add_post("/sleep", self._sleep)
+        self.app.router.add_post("/wake_up", self._wake_up)
+        self.app.router.add_get("/is_sleeping", self._is_sleeping)
+        for route in ("/pause", "/resume", "/reset_prefix_cache", "/collective_rpc", "/v1/load_lora_adapter",
+                      "/v1/unload_lora_adapter"):
+            self.app.router.add_post(route, self._weights_route)
         self._runner: web.AppRunner | None = None
         self.url: str | None = None
 
@@ -69,6 +85,32 @@ class ScriptedEngine:
 
     async def _health(self, request: web.Request) -> web.Response:
         return web.Response(text="ok") if self.script.healthy else web.Response(status=503, text="dying")
+
+    async def _sleep(self, request: web.Request) -> web.Response:
+        self.targets.append(f"POST {request.raw_path}")
+        level = int(request.query.get("level", "1"))
+        if level not in (0, 1, 2):
+            return _error(422, f"level must be 0, 1 or 2, got {level}")
+        self.sleep_level = level or self.sleep_level
+        return web.json_response({"status": "sleeping", "level": level})
+
+    async def _wake_up(self, request: web.Request) -> web.Response:
+        self.targets.append(f"POST {request.raw_path}")
+        if self.script.wake_status != 200:
+            return _error(self.script.wake_status, "scripted wake-up failure")
+        self.sleep_level = 0
+        return web.json_response({"status": "awake", "tags": None})
+
+    async def _is_sleeping(self, request: web.Request) -> web.Response:
+        self.targets.append(f"GET {request.raw_path}")
+        return web.json_response({"is_sleeping": self.sleep_level > 0})
+
+    async def _weights_route(self, request: web.Request) -> web.Response:
+        self.targets.append(f"POST {request.raw_path}")
+        if self.sleep_level and request.path in ("/collective_rpc", "/v1/load_lora_adapter"):
+            self.refused_asleep.append(request.raw_path)
+            return _error(503, "the engine is sleeping: wake it up before loading weights")
+        return web.json_response({"success": True} if request.path == "/reset_prefix_cache" else {})
 
     async def _models(self, request: web.Request) -> web.Response:
         self.models_headers.append(dict(request.headers))
@@ -89,6 +131,9 @@ class ScriptedEngine:
         self.headers.append(dict(request.headers))
         self.targets.append(request.raw_path)
         s = self.script
+        if self.sleep_level:
+            self.refused_asleep.append(request.raw_path)
+            return _error(503, "the engine is sleeping")
         if s.delay_s:
             await asyncio.sleep(s.delay_s)
         if s.status != 200:
@@ -217,3 +262,8 @@ class ScriptedEngine:
         piece = -(-len(args) // max(count - 1, 1))
         part = args[(pos - 1) * piece: pos * piece]
         return {"tool_calls": [{"index": 0, "function": {"arguments": part}}]} if part else {}
+
+
+def _error(status: int, message: str) -> web.Response:
+    err = {"error": {"message": message, "type": "server_error", "code": status}}
+    return web.Response(body=orjson.dumps(err), status=status, content_type="application/json")

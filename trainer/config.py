@@ -31,6 +31,7 @@ from typing import Any, Literal
 
 import yaml
 
+from harness.running.gpus import Gpus
 from harness.running.hub import ModelNotFoundError, hub_id_of, model_reference, resolve_model
 from trainer.config_checks import ConfigError, Mode, check, role_rules, trains
 from trainer.config_keys import (
@@ -82,7 +83,7 @@ _AGENTJET_NAMES = {
 
 
 def load_config(path: str | Path, overrides: Sequence[str] = (), mode: Mode = "rl", *,
-                locate_model: bool = False) -> TrainConfig:
+                locate_model: bool = False, gpus: Gpus | None = None) -> TrainConfig:
     """The config in the YAML file at `path`, with `overrides` ("trainer.lr=1e-5") applied, checked for `mode`:
     rl (`harness train`: rollouts need data.train and an agent), from_run (`harness train --from-run`: needs
     offline.run) or sft (`harness sft`: needs offline.data); offline modes need an agent only to validate. A config
@@ -90,7 +91,8 @@ def load_config(path: str | Path, overrides: Sequence[str] = (), mode: Mode = "r
 
     With `locate_model`, model.path becomes the model directory it names (a Hub id: its snapshot in the local cache,
     downloaded when missing and online) or a ConfigError says why it can't: what a command that uses the model does
-    first. Without it the model need not exist yet, so a config can be read, shown and checked on any machine."""
+    first. Without it the model need not exist yet, so a config can be read, shown and checked on any machine.
+    The memory plan is checked against `gpus`, by default the GPUs this process sees (harness/running/gpus.py)."""
     path = Path(path)
     values = _walk(TrainConfig, _root(_read_yaml(path), path.name), "", path.resolve().parent, path.name)
     for item in overrides:
@@ -104,7 +106,7 @@ def load_config(path: str | Path, overrides: Sequence[str] = (), mode: Mode = "r
     if locate_model and cfg.model.path is not None:
         given_at = Path.cwd() if any(_sets_model_path(o) for o in overrides) else path.resolve().parent
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=_model_dir(cfg.model.path, given_at)))
-    check(cfg, path.name, "from_run" if mode == "rl" and cfg.offline.run else mode)
+    check(cfg, path.name, "from_run" if mode == "rl" and cfg.offline.run else mode, gpus)
     return cfg
 
 
@@ -282,8 +284,11 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     tp, origin = inner, typing.get_origin(inner)
     if origin is Literal:
         choices = typing.get_args(tp)
+        if isinstance(value, str) and all(isinstance(c, int) for c in choices):  # from --set: "1", "off"
+            text = value.strip().lower()
+            value = 0 if text in _FALSE else int(text) if text.isdigit() else value
         if value in choices:
-            return value
+            return choices[choices.index(value)]  # the choice itself: `sleep: off` (YAML's false) is 0
         by_lower = {str(c).lower(): c for c in choices}
         close = difflib.get_close_matches(str(value).lower(), list(by_lower), n=1)
         hint = f": did you mean {by_lower[close[0]]!r}?" if close else ""

@@ -13,9 +13,20 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
 
+from harness.running.gpus import (
+    Gpus,
+    Placement,
+    PlacementError,
+    count_parameters,
+    lora_parameters,
+    memory_problem,
+    plan,
+    this_machine,
+    trainer_memory,
+)
 from trainer.config_keys import GROUP_ESTIMATORS, TrainConfig, in_range, key_name, range_text
 
-__all__ = ["ConfigError", "Mode", "check", "role_rules"]
+__all__ = ["ConfigError", "Mode", "check", "placement_of", "role_rules"]
 
 Mode = Literal["rl", "from_run", "sft"]
 
@@ -25,9 +36,9 @@ class ConfigError(ValueError):
 
 
 
-def check(cfg: TrainConfig, where: str, mode: Mode = "rl") -> None:
-    """Values in range, required keys set, and keys that must agree with each other, for `mode`; ConfigError
-    names the key, the value and what to do."""
+def check(cfg: TrainConfig, where: str, mode: Mode = "rl", gpus: Gpus | None = None) -> None:
+    """Values in range, required keys set, keys that must agree with each other, for `mode`, and the memory plan
+    on `gpus` (None: this machine's); ConfigError names the key, the value and what to do."""
     online = mode == "rl"
     for key, f, _, value in _leaves(cfg):
         meta = f.metadata
@@ -97,6 +108,7 @@ def check(cfg: TrainConfig, where: str, mode: Mode = "rl") -> None:
         except ValueError as exc:
             raise ConfigError(f"trainer.lora: {exc}") from None
     _check_tied(cfg, serves=online or cfg.data.validation is not None)
+    _check_memory_plan(cfg, gpus, serves=online or cfg.data.validation is not None)
     from proxy.tool_parsers import check_reasoning_parser, check_tool_parser
 
     try:
@@ -127,6 +139,67 @@ def _check_tied(cfg: TrainConfig, serves: bool) -> None:
     why = unservable(cfg.model.path) if serves else None
     if why is not None:
         raise ConfigError(f"model.path {cfg.model.path!r} ties its input and output embeddings, and {why}")
+
+
+def placement_of(cfg: TrainConfig, gpus: Gpus | None = None, serves: bool = True) -> Placement | None:
+    """Where the run's engines and trainer ranks go on `gpus` (None: this machine's); None without GPUs or with
+    backbone verl (its own placement). PlacementError (a ValueError) names what does not fit."""
+    if cfg.backbone != "harness":
+        return None
+    e, p = cfg.rollout.engine, cfg.placement
+    share = e.gpu_memory_utilization
+    if share is None and "--gpu-memory-utilization" in e.extra_args[:-1]:  # an older config's way to say it
+        try:
+            share = float(e.extra_args[e.extra_args.index("--gpu-memory-utilization") + 1])
+        except ValueError:
+            raise ConfigError(f"rollout.engine.extra_args {e.extra_args!r}: --gpu-memory-utilization needs a "
+                              "number; better, set rollout.engine.gpu_memory_utilization") from None
+    return plan(this_machine() if gpus is None else gpus, layout=p.layout, engines=cfg.rollout.engines,
+                nprocs=cfg.trainer.fsdp.nprocs, engine_gpus=p.engine_gpus, trainer_gpus=p.trainer_gpus,
+                share=share, attached=e.url is not None or not serves)
+
+
+def _check_memory_plan(cfg: TrainConfig, gpus: Gpus | None, serves: bool) -> None:
+    """Sleep mode where it can work, the GPU lists against the machine, and the engines' share plus the trainer's
+    estimate (gpus.trainer_memory) within a GPU's memory: refused here, with the numbers, rather than as an
+    out-of-memory error at the first update."""
+    r, t, e = cfg.rollout, cfg.trainer, cfg.rollout.engine
+    if e.sleep and r.async_.max_staleness > 0:
+        raise ConfigError(f"rollout.engine.sleep {e.sleep} puts the engine to sleep while a step trains, but with "
+                          f"rollout.async.max_staleness {r.async_.max_staleness} the next steps' episodes run on it "
+                          "meanwhile: set one of them to 0")
+    if e.sleep == 2 and t.lora.rank > 0:
+        raise ConfigError("rollout.engine.sleep 2 drops the engine's weights, and with LoRA (trainer.lora.rank "
+                          f"{t.lora.rank}) each push loads only the adapter, so the base weights would never come "
+                          "back: use rollout.engine.sleep 1")
+    if cfg.backbone != "harness":
+        return
+    machine = this_machine() if gpus is None else gpus
+    try:
+        placement = placement_of(cfg, machine, serves)
+    except PlacementError as exc:
+        raise ConfigError(str(exc)) from None
+    if e.sleep and serves and e.url is None and placement is None:
+        raise ConfigError(f"rollout.engine.sleep {e.sleep} needs the engine on a CUDA GPU (vLLM's sleep mode), and "
+                          "this machine has none visible: leave it 0 on CPU")
+    if placement is None or machine.memory_bytes is None or not cfg.model.path:
+        return
+    parameters = count_parameters(cfg.model.path)
+    if parameters is None:  # a Hub id not fetched yet, or weights in another format: nothing to count
+        return
+    lora = t.lora.rank > 0
+    memory = trainer_memory(parameters, 2 if cfg.model.dtype in ("bfloat16", "float16") else 4,
+                            world=t.fsdp.nprocs, lora=lora,
+                            trainable=lora_parameters(cfg.model.path, t.lora.rank, t.lora.target_modules)
+                            if lora else None, reference=t.kl_coef > 0, critic=t.adv_estimator == "gae",
+                            offload=t.fsdp.param_offload or t.fsdp.optimizer_offload)
+    problem = memory_problem(memory, machine.memory_bytes, placement, sleep=bool(e.sleep))
+    if problem is not None:
+        raise ConfigError(f"the memory plan does not fit ({placement.describe()}; {parameters / 1e9:.2f}B "
+                          f"parameters, model.dtype {cfg.model.dtype}): {problem}. Lower "
+                          "rollout.engine.gpu_memory_utilization, set rollout.engine.sleep, train in bfloat16 "
+                          "(model.dtype) or with LoRA (trainer.lora.rank), offload (trainer.fsdp.param_offload), "
+                          "add ranks (trainer.fsdp.nprocs), or use placement.layout split")
 
 
 def _check_offline(cfg: TrainConfig, where: str, mode: Mode) -> None:

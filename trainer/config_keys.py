@@ -24,9 +24,10 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 __all__ = ["TrainConfig", "ModelConfig", "DataConfig", "TaskJudgeConfig", "RolloutConfig", "ValidationSampling",
-           "EngineConfig", "RolesConfig", "TrainerConfig", "VerlConfig", "FsdpConfig", "LoraConfig", "LoggingConfig",
-           "DebugConfig", "OfflineConfig", "CriticConfig", "AsyncConfig", "GuardSettings", "iter_keys", "key_name",
-           "describe_config", "ADV_ESTIMATORS", "LOSS_AGG_MODES", "KL_TYPES", "GROUP_ESTIMATORS"]
+           "EngineConfig", "PlacementConfig", "RolesConfig", "TrainerConfig", "VerlConfig", "FsdpConfig", "LoraConfig",
+           "LoggingConfig", "DebugConfig", "OfflineConfig", "CriticConfig", "AsyncConfig", "GuardSettings",
+           "iter_keys", "key_name", "describe_config", "ADV_ESTIMATORS", "LOSS_AGG_MODES", "KL_TYPES",
+           "GROUP_ESTIMATORS"]
 
 ROOT = "harness"
 AdvEstimator = Literal["grpo", "grpo_no_std", "drgrpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae",
@@ -121,7 +122,35 @@ class EngineConfig:
                                 "keeps each episode on one and moves calls off one that fails (docs/proxy.md)")
     max_model_len: int = _key(4096, "context length of the engine, prompt and completion together", ge=16)
     extra_args: list[str] = _key([], "extra vLLM command-line arguments when the engine is started, e.g. "
-                                 "[--gpu-memory-utilization, '0.5']")
+                                 "[--max-num-seqs, '64']")
+    gpu_memory_utilization: float | None = _key(
+        None, "share of its GPU's memory each started engine takes (vLLM's --gpu-memory-utilization: weights, KV "
+        "cache, activations); null: 0.5 with placement.layout colocated, which leaves the other half to the "
+        "trainer's weights, gradients and AdamW moments (a 1.5B model in float32 needs ~24 GB of them), 0.9 "
+        "(vLLM's own) with split, where the engine has its GPU alone. Checked at load against the trainer's "
+        "estimate (docs/training.md: GPU memory); ignored on CPU", gt=0, le=1)
+    sleep: Literal[0, 1, 2] = _key(
+        0, "put the engines to sleep while the trainer updates (colocated layouts: their memory goes to the "
+        "trainer), after each step's rollouts, and wake them before the new weights are pushed: 0 (or off): never; "
+        "1: weights to CPU memory, KV cache dropped; 2: both dropped, the push reloads the weights (full weights "
+        "only: with LoRA the push loads only the adapter). Started engines get --enable-sleep-mode (GPU only); an "
+        "engine at engine.url must run with it and VLLM_SERVER_DEV_MODE=1. Synchronous rollouts only "
+        "(rollout.async.max_staleness 0)")
+
+
+@dataclass(frozen=True)
+class PlacementConfig:
+    """Which GPUs the engines and the trainer ranks use (harness/running/gpus.py); indices into the visible GPUs."""
+
+    layout: Literal["colocated", "split"] = _key(
+        "colocated", "colocated: the engines run on the trainer's GPUs and take rollout.engine."
+        "gpu_memory_utilization of each (with rollout.engine.sleep they free it during updates); split: engines and "
+        "trainer ranks on disjoint GPUs")
+    trainer_gpus: list[int] = _key([], "the GPU of each trainer rank, one per rank (trainer.fsdp.nprocs); []: the "
+                                   "first nprocs GPUs. Indices into CUDA_VISIBLE_DEVICES's list when it is set")
+    engine_gpus: list[int] = _key([], "split only: the GPUs of the started engines (engine k on the k-th, cycling "
+                                  "when there are more engines, which then need rollout.engine.gpu_memory_"
+                                  "utilization); []: the GPUs after the trainer's, one per engine")
 
 
 @dataclass(frozen=True)
@@ -202,8 +231,8 @@ class RolloutConfig:
     refuse_other_hosts: bool = _key(False, "with rollout.transparent: refuse agents' traffic to other hosts instead "
                                     "of tunnelling it untouched")
     engines: int = _key(1, "engines started on model.path when engine.url is not set, all behind the one proxy, "
-                        "which keeps each episode on one and moves calls off one that fails (docs/proxy.md); each "
-                        "gets its own GPU when there are enough, else (on CPU) its own slice of the cores", ge=1)
+                        "which keeps each episode on one and moves calls off one that fails (docs/proxy.md); on "
+                        "GPUs where `placement` says, on CPU each its own slice of the cores", ge=1)
     guard: GuardSettings = _section(GuardSettings)
     validation: ValidationSampling = _section(ValidationSampling)
     engine: EngineConfig = _section(EngineConfig)
@@ -394,6 +423,7 @@ class TrainConfig:
     rollout: RolloutConfig = _section(RolloutConfig)
     roles: RolesConfig = _section(RolesConfig)
     trainer: TrainerConfig = _section(TrainerConfig)
+    placement: PlacementConfig = _section(PlacementConfig)
     logging: LoggingConfig = _section(LoggingConfig)
     debug: DebugConfig = _section(DebugConfig)
     offline: OfflineConfig = _section(OfflineConfig)

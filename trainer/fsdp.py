@@ -26,6 +26,7 @@ import os
 import runpy
 import subprocess
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -56,7 +57,7 @@ class Dist:
     rank: int  # global rank, 0..world-1
     world: int  # number of processes
     local_rank: int  # rank on this machine; picks the GPU
-    device: torch.device  # cuda:<local_rank> on GPUs, cpu otherwise
+    device: torch.device  # cuda:<its GPU> (init_distributed's gpus[local_rank], else local_rank), cpu otherwise
     is_main: bool  # rank 0: the process that logs, writes the run directory and talks to the engine
 
 
@@ -65,11 +66,12 @@ def under_torchrun() -> bool:
     return all(key in os.environ for key in _TORCHRUN_ENV)
 
 
-def init_distributed(device: str | None = None) -> Dist:
+def init_distributed(device: str | None = None, gpus: Sequence[int] | None = None) -> Dist:
     """Join the process group that torchrun's environment describes, or make a one-rank group without it.
 
-    `device` forces "cpu" (gloo) or "cuda"; by default a GPU is used when there is one. Calling it again in the
-    same process returns the group already there. Call `shutdown()` at the end.
+    `device` forces "cpu" (gloo) or "cuda"; by default a GPU is used when there is one. On GPUs, local rank r
+    trains on cuda:gpus[r] (the memory plan's placement.trainer_gpus, harness/running/gpus.py), by default on
+    cuda:r. Calling it again in the same process returns the group already there. Call `shutdown()` at the end.
     """
     import torch
     import torch.distributed as dist
@@ -85,7 +87,10 @@ def init_distributed(device: str | None = None) -> Dist:
         raise RuntimeError(f"Partial torchrun environment: {missing} unset; start the job with torchrun or `launch`")
     else:
         rank, world, local_rank = 0, 1, 0
-    target = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    if use_cuda and gpus and local_rank >= len(gpus):
+        raise RuntimeError(f"local rank {local_rank} has no GPU in {list(gpus)}: give one GPU per rank "
+                           "(placement.trainer_gpus)")
+    target = torch.device("cuda", gpus[local_rank] if gpus else local_rank) if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(target)
     if not dist.is_initialized():

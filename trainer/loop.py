@@ -22,7 +22,11 @@ Departures from textbook GRPO, all on purpose:
   with each micro-batch weighted by its share of the mini-batch's aggregation units (tokens, sequences or
   episodes, summed over ranks), so the update equals the one a single pass over the mini-batch would make.
 - With several ranks, rank 0 runs the engine, the proxy, the agents and the judges; every rank trains on its
-  share of each mini-batch (FSDP2).
+  share of each mini-batch (FSDP2). Engines and ranks sit on the GPUs `placement` gives them (harness/running/gpus.py).
+- With `rollout.engine.sleep` N the engines sleep from the end of the step's episodes to the push: `POST
+  /sleep?level=N` once the collect has returned (no episode runs then), `POST /wake_up` just before the push, which
+  (level 2) loads the weights the engine dropped; the next step's episodes start after the push. Asynchronous
+  rollouts would send episodes meanwhile: the config refuses the pair.
 """
 
 from __future__ import annotations
@@ -36,11 +40,14 @@ import time
 import torch
 
 from harness.core.records import Sample
+from harness.running.gpus import Placement
 from harness.running.tasks import read_tasks
+from harness.running.vllm_server import EngineError
 from trainer import algorithms as algo
 from trainer.async_rollouts import RolloutsAhead, keep_fresh, plan_steps
 from trainer.checkpoint import check_resume, find_resume, load, save
 from trainer.config import TrainConfig, run_dir, save_resolved
+from trainer.config_checks import placement_of
 from trainer.critic import Critic
 from trainer.estimators import adaptive_kl_coef
 from trainer.experience import advantages_of, experience_of, gae_of, mean_token_kl
@@ -53,9 +60,11 @@ from trainer.loop_parts import (
     policy_and_optimizer,
     push_weights,
     seed_all,
+    sleep_engines,
     token_weights,
     tracker_for,
     validate,
+    wake_engines,
     weight_sync,
     wind_down,
     write_trained,
@@ -70,14 +79,15 @@ log = logging.getLogger("harness.train")
 
 def train(cfg: TrainConfig) -> dict[str, float]:
     """Run the whole training; returns the last step's metrics."""
-    dist = init_distributed()
+    placement = placement_of(cfg)  # checked at load: the GPUs of the engines and of each rank
+    dist = init_distributed(gpus=placement.trainer_gpus if placement is not None else None)
     try:
-        return _train(cfg, dist)
+        return _train(cfg, dist, placement)
     finally:
         shutdown()  # also when the run stops before its first step (bad tasks, a checkpoint of another run)
 
 
-def _train(cfg: TrainConfig, dist: Dist) -> dict[str, float]:
+def _train(cfg: TrainConfig, dist: Dist, placement: Placement | None) -> dict[str, float]:
     # ---------------------------------------------------------------------------------------------- setup
     t = cfg.trainer
     seed = cfg.debug.seed if cfg.debug.enabled else t.seed
@@ -115,6 +125,7 @@ def _train(cfg: TrainConfig, dist: Dist) -> dict[str, float]:
 
     rollouts = sync = tracker = ahead = None
     if dist.is_main:
+        log.info("GPUs: %s", placement.describe() if placement is not None else "none: engines and trainer on CPU")
         rollouts = start_rollouts(cfg, out)
         sync = weight_sync(rollouts, cfg, out)
         tracker = tracker_for(rollouts.store, rollouts.run_id, cfg)
@@ -132,6 +143,7 @@ def _train(cfg: TrainConfig, dist: Dist) -> dict[str, float]:
         ahead = RolloutsAhead(rollouts.collect, [(s, ts) for s, ts, _ in plan], staleness, served_version=start,
                               stop=rollouts.stop)
     metrics: dict[str, float] = {}
+    sleep_level, asleep = cfg.rollout.engine.sleep if dist.is_main else 0, False
     try:
         for step, step_tasks, data_pos in plan:
             started = time.perf_counter()
@@ -139,8 +151,13 @@ def _train(cfg: TrainConfig, dist: Dist) -> dict[str, float]:
             rollout = (ahead.take(step) if ahead else rollouts.collect(step, step_tasks)) if dist.is_main else None
             if t.adv_estimator == "remax" and dist.is_main:  # the baseline: one greedy episode per task
                 rollout.baselines = greedy_baselines(rollouts, step, step_tasks, cfg)
+            if sleep_level:  # the step's episodes are over: the engines' memory goes to the trainer until the push
+                asleep = True  # (set first: if one of several engines fails to sleep, the others are woken)
+                sleep_s = sleep_engines(rollouts, sleep_level)
             experience = broadcast(experience_of(rollout, cfg) if dist.is_main else None, dist)
             metrics = dict(experience.metrics)
+            if sleep_level:
+                metrics["time/sleep_s"] = sleep_s
             if staleness:  # the step trains weights version step - 1; time/rollout_wait_s: what overlap left
                 experience, lag = keep_fresh(experience, step - 1, staleness)
                 metrics.update(lag, **{"time/rollout_wait_s": time.perf_counter() - started})
@@ -179,6 +196,8 @@ def _train(cfg: TrainConfig, dist: Dist) -> dict[str, float]:
             metrics["time/train_s"] = time.perf_counter() - t0
 
             # ------------------------------------------------ 5. the new weights into the running engine
+            if asleep:  # awake before the push, which (sleep level 2) loads the weights it dropped
+                metrics["time/wake_s"], asleep = wake_engines(rollouts), False
             metrics.update(push_weights(model, sync, dist, version=step))
 
             # ------------------------------------------------ 6. validation, checkpoint, metrics
@@ -202,6 +221,9 @@ def _train(cfg: TrainConfig, dist: Dist) -> dict[str, float]:
     finally:
         if ahead is not None:
             ahead.close()
+        if asleep:  # a step failed while the engines slept: an engine the user started is left awake
+            with contextlib.suppress(EngineError):
+                wake_engines(rollouts)
         wind_down(tracker, rollouts)
     return metrics
 

@@ -1,6 +1,6 @@
 """What the RL loop (trainer/loop.py), offline training (trainer/offline.py) and the critic (trainer/critic.py)
-share: the policy and its optimiser, token weights of a mini-batch's loss, pushing weights, validation, tracking,
-winding a run down, and small distributed helpers."""
+share: the policy and its optimiser, token weights of a mini-batch's loss, pushing weights, putting the engines to
+sleep and waking them, validation, tracking, winding a run down, and small distributed helpers."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import torch
 
 from harness.core.records import Sample
 from harness.running.report import pass_at_k
+from harness.running.vllm_server import sleep, wake_up
 from proxy.config import SamplingOverrides
 from trainer import algorithms as algo
 from trainer.checkpoint import save_hf
@@ -112,6 +113,24 @@ def push_weights(model, sync: WeightSync | None, dist: Dist, version: int) -> di
     lora = sync.adapter is not None  # the adapter alone, written from the gathered state by peft
     timings = sync.push(model, version, state=state) if lora else sync.push(state, version)
     return {"time/sync_s": time.perf_counter() - t0, "time/sync_reload_s": timings.get("reload_s", 0.0)}
+
+
+def sleep_engines(rollouts: Rollouts, level: int) -> float:
+    """Put every engine of the run to sleep at `level` (rollout.engine.sleep: their GPU memory goes to the
+    trainer's update); the seconds it took. Only once no episode runs: nothing may reach a sleeping engine."""
+    started = time.perf_counter()
+    for engine in (rollouts.engine, *rollouts.more_engines):
+        sleep(engine.base_url, level)
+    return time.perf_counter() - started
+
+
+def wake_engines(rollouts: Rollouts) -> float:
+    """Wake every engine of the run, before the new weights are pushed (after level 2 the push is what loads
+    them again); the seconds it took. An EngineError names the engine and what it answered."""
+    started = time.perf_counter()
+    for engine in (rollouts.engine, *rollouts.more_engines):
+        wake_up(engine.base_url)
+    return time.perf_counter() - started
 
 
 def validate(rollouts: Rollouts, step: int, tasks, cfg: TrainConfig) -> dict[str, float]:

@@ -32,6 +32,7 @@ from proxy.guard import DEGENERATE, GuardConfig
 from proxy.roles import RoleRule
 from proxy.server import ProxyServer
 from trainer.config import TrainConfig, role_rules, trains
+from trainer.config_checks import placement_of
 from trainer.lora import ENGINE_ENV, adapters_in_use, engine_args, spec_of
 from trainer.tied import engine_view, ties_embeddings
 
@@ -267,7 +268,9 @@ def run_config(cfg: TrainConfig) -> RunConfig:
 
 def start_engines(cfg: TrainConfig, out: Path) -> list[Engine]:
     """The engines serving the policy: attached (engine.url, engine.more_urls; with LoRA, started with
-    trainer/lora.py's engine_args and ENGINE_ENV) or started (rollout.engines)."""
+    trainer/lora.py's engine_args and ENGINE_ENV) or started (rollout.engines), each on the GPU and with the memory
+    share the memory plan gives it (config_checks.placement_of; on CPU none), with sleep mode when
+    rollout.engine.sleep is on."""
     e, parsers = cfg.rollout.engine, {"tool_parser": cfg.rollout.tool_parser,
                                       "reasoning_parser": cfg.rollout.reasoning_parser}
     if e.url:
@@ -278,6 +281,7 @@ def start_engines(cfg: TrainConfig, out: Path) -> list[Engine]:
     lora = spec_of(cfg.trainer.lora)
     loaded = adapters_in_use(cfg.rollout.async_.max_staleness)
     extra, env = [*(engine_args(lora, loaded) if lora else []), *e.extra_args], ENGINE_ENV if lora else None
+    placement = placement_of(cfg)  # checked at load
     started = []
     try:
         for k in range(cfg.rollout.engines):
@@ -285,7 +289,9 @@ def start_engines(cfg: TrainConfig, out: Path) -> list[Engine]:
                                       served_model_name=model_name(cfg.model.path),
                                       max_model_len=e.max_model_len, extra_args=extra, env=env,
                                       share=(k, cfg.rollout.engines) if cfg.rollout.engines > 1 else None,
-                                      **parsers))
+                                      gpu=placement.engine_ids[k] if placement and placement.engine_ids else None,
+                                      gpu_memory_utilization=placement.share if placement else None,
+                                      sleep_mode=bool(e.sleep), **parsers))
     except BaseException:
         for engine in started:
             engine.stop()

@@ -9,7 +9,13 @@ makes the engine tier of the tests run on a 2-core machine with no GPU. A starte
 process group and is stopped at interpreter exit, or when the starting process dies (Linux), so a crashed
 test run never leaves a server behind. It reports logprobs after temperature (`--logprobs-mode
 processed_logprobs`: the distribution tokens were sampled from, which the trainer recomputes) and serves the
-dev routes that reload weights (VLLM_SERVER_DEV_MODE=1; see trainer/weight_sync.py).
+dev routes that reload weights and put it to sleep (VLLM_SERVER_DEV_MODE=1; see trainer/weight_sync.py and
+`sleep` / `wake_up` below).
+
+On a GPU machine the command line is vLLM's defaults plus the memory plan's: `--gpu-memory-utilization` (the
+engine's share of its GPU), `--enable-sleep-mode` when the trainer puts it to sleep around its updates, and the GPU
+it runs on (CUDA_VISIBLE_DEVICES); harness/running/gpus.py decides them. `engine_command` builds it without
+starting anything.
 
 Pure stdlib: no torch, no vllm import (the server runs in a subprocess); huggingface_hub only for a Hub id.
 """
@@ -26,15 +32,17 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 from harness.running.hub import model_name, model_reference, resolve_model
 from proxy.tool_parsers import check_reasoning_parser, check_tool_parser
 
-__all__ = ["Engine", "EngineError", "attach", "placement", "start_or_attach", "start_vllm"]
+__all__ = ["Engine", "EngineError", "attach", "engine_command", "is_sleeping", "placement", "sleep",
+           "start_or_attach", "start_vllm", "wake_up"]
 
 _STOP_GRACE_S = 20.0  # SIGTERM, then this long, then SIGKILL
 _LOG_TAIL_LINES = 30
@@ -93,6 +101,9 @@ def start_vllm(
     share: tuple[int, int] | None = None,
     tool_parser: str = "hermes",
     reasoning_parser: str | None = None,
+    gpu: str | None = None,
+    gpu_memory_utilization: float | None = None,
+    sleep_mode: bool = False,
 ) -> Engine:
     """Start vLLM's OpenAI server on `model_dir` and wait until it serves; the log goes to run_dir/engine.log.
 
@@ -103,34 +114,21 @@ def start_vllm(
     Without a CUDA GPU, the CPU recipe is applied (float32, eager, one process, 1 GiB KV cache). `env` is
     merged over os.environ and the recipe; `extra_args` are appended to the command line, so they can override
     any flag set here. `share=(k, n)` starts engine k of n that run side by side on this machine: it gets its
-    own GPU, or on CPU its own cores (`placement`).
+    own GPU, or on CPU its own cores (`placement`). On a GPU machine, `gpu` (a CUDA_VISIBLE_DEVICES entry) names
+    the GPU it runs on, `gpu_memory_utilization` its share of that GPU's memory, and `sleep_mode` lets `sleep`
+    free it (engine_command).
     """
     model_dir = Path(model_dir).resolve()
     run_dir = Path(run_dir).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     port = port or _free_port()
     served = served_model_name or model_name(model_dir)
-    args = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-        "--model", str(model_dir),
-        "--host", "127.0.0.1",
-        "--port", str(port),
-        "--served-model-name", served,
-        "--max-model-len", str(max_model_len),
-        "--enable-auto-tool-choice", "--tool-call-parser", check_tool_parser(tool_parser),
-        *(["--reasoning-parser", check_reasoning_parser(reasoning_parser)] if reasoning_parser else []),
-        "--logprobs-mode", "processed_logprobs",  # logprobs after temperature: what the trainer recomputes
-    ]  # fmt: skip
-    full_env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_SERVER_DEV_MODE": "1"}
-    gpus = _cuda_gpus()
-    if not gpus:
-        args += ["--dtype", "float32", "--enforce-eager", "--distributed-executor-backend", "uni"]
-        full_env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_CACHE_ROOT=str(run_dir / "vllm-cache"))
-    if share is not None:
-        full_env.update({k: v for k, v in placement(*share, gpus, sorted(os.sched_getaffinity(0))).items()
-                         if k not in os.environ})  # what the user set wins
-    args += list(extra_args)
-    full_env.update(env or {})
+    args, full_env = engine_command(model_dir, run_dir, port=port, served_model_name=served,
+                                    max_model_len=max_model_len, tool_parser=tool_parser,
+                                    reasoning_parser=reasoning_parser, gpus=_cuda_gpus(), gpu=gpu,
+                                    gpu_memory_utilization=gpu_memory_utilization, sleep_mode=sleep_mode,
+                                    share=share, cores=sorted(os.sched_getaffinity(0)), extra_args=extra_args,
+                                    env=env, base_env=os.environ)
 
     log_path = run_dir / "engine.log"
     with open(log_path, "ab") as log:
@@ -148,6 +146,46 @@ def start_vllm(
         engine.stop()
         raise
     return engine
+
+
+def engine_command(model_dir: Path, run_dir: Path, *, port: int, served_model_name: str, max_model_len: int,
+                   tool_parser: str = "hermes", reasoning_parser: str | None = None, gpus: int = 0,
+                   gpu: str | None = None, gpu_memory_utilization: float | None = None, sleep_mode: bool = False,
+                   share: tuple[int, int] | None = None, cores: Sequence[int] = (), extra_args: Sequence[str] = (),
+                   env: Mapping[str, str] | None = None,
+                   base_env: Mapping[str, str] = MappingProxyType({})) -> tuple[list[str], dict[str, str]]:
+    """The command line and environment `start_vllm` starts vLLM with on a machine with `gpus` GPUs and `cores`
+    usable cores (see start_vllm for the arguments); `base_env` is the environment it inherits."""
+    args = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(model_dir),
+        "--host", "127.0.0.1",
+        "--port", str(port),
+        "--served-model-name", served_model_name,
+        "--max-model-len", str(max_model_len),
+        "--enable-auto-tool-choice", "--tool-call-parser", check_tool_parser(tool_parser),
+        *(["--reasoning-parser", check_reasoning_parser(reasoning_parser)] if reasoning_parser else []),
+        "--logprobs-mode", "processed_logprobs",  # logprobs after temperature: what the trainer recomputes
+    ]  # fmt: skip
+    full_env = {**base_env, "HF_HUB_OFFLINE": "1", "VLLM_SERVER_DEV_MODE": "1"}
+    if not gpus:
+        if sleep_mode:
+            raise EngineError("vLLM's sleep mode needs a CUDA GPU; on CPU leave rollout.engine.sleep off")
+        args += ["--dtype", "float32", "--enforce-eager", "--distributed-executor-backend", "uni"]
+        full_env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_CACHE_ROOT=str(run_dir / "vllm-cache"))
+    else:
+        if gpu_memory_utilization is not None:
+            args += ["--gpu-memory-utilization", f"{gpu_memory_utilization:g}"]
+        if sleep_mode:
+            args += ["--enable-sleep-mode"]
+    if share is not None:
+        full_env.update({k: v for k, v in placement(*share, gpus, cores).items()
+                         if k not in base_env})  # what the user set wins
+    if gpus and gpu is not None:  # the memory plan's GPU, already mapped through the user's CUDA_VISIBLE_DEVICES
+        full_env["CUDA_VISIBLE_DEVICES"] = gpu
+    args += list(extra_args)
+    full_env.update(env or {})
+    return args, full_env
 
 
 def attach(url: str, *, timeout_s: float = 10, api_key: str | None = None, tool_parser: str = "hermes",
@@ -182,6 +220,57 @@ def attach(url: str, *, timeout_s: float = 10, api_key: str | None = None, tool_
     model_dir = root if isinstance(root, str) and Path(root, "config.json").is_file() else None
     return Engine(base_url, served, isinstance(answer, dict) and answer.get("prompt_token_ids") is not None,
                   tool_parser=tool_parser, reasoning_parser=reasoning_parser, model_dir=model_dir)
+
+
+# ---------------------------------------------------------------------------------------------- sleep mode
+
+
+def sleep(base_url: str, level: int, timeout_s: float = 600) -> None:
+    """Put the engine at `base_url` to sleep (vLLM's POST /sleep?level=N): level 1 moves its weights to CPU memory
+    and drops its KV cache, level 2 drops both (the next weight push must reload them). Nothing may be sent to it
+    until `wake_up`. The engine needs --enable-sleep-mode and VLLM_SERVER_DEV_MODE=1 (start_vllm's sleep_mode)."""
+    if level not in (1, 2):
+        raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
+    _dev_route(base_url, f"/sleep?level={level}", "POST", timeout_s, what="put it to sleep")
+
+
+def wake_up(base_url: str, timeout_s: float = 600) -> None:
+    """Wake the engine at `base_url` (POST /wake_up) and make sure it is awake (GET /is_sleeping): an EngineError
+    names the URL and what it answered otherwise."""
+    answer = _dev_route(base_url, "/wake_up", "POST", timeout_s, what="wake it up")
+    if isinstance(answer, dict) and answer.get("status") not in (None, "awake"):
+        raise EngineError(f"POST {base_url}/wake_up answered {answer!r}: the engine is not fully awake; see its log")
+    if is_sleeping(base_url, timeout_s):
+        raise EngineError(f"GET {base_url}/is_sleeping still says the engine sleeps after POST /wake_up; see its "
+                          "log")
+
+
+def is_sleeping(base_url: str, timeout_s: float = 30) -> bool:
+    """Whether the engine at `base_url` sleeps (GET /is_sleeping)."""
+    answer = _dev_route(base_url, "/is_sleeping", "GET", timeout_s, what="ask whether it sleeps")
+    if not isinstance(answer, dict) or not isinstance(answer.get("is_sleeping"), bool):
+        raise EngineError(f"GET {base_url}/is_sleeping answered {answer!r}, not {{\"is_sleeping\": true|false}}")
+    return answer["is_sleeping"]
+
+
+def _dev_route(base_url: str, route: str, method: str, timeout_s: float, *, what: str) -> Any:
+    """One of vLLM's dev routes; its JSON answer (None when empty). Failures name the URL and the status."""
+    url = base_url.rstrip("/").removesuffix("/v1") + route
+    request = urllib.request.Request(url, data=b"" if method == "POST" else None, method=method)
+    try:
+        with _DIRECT.open(request, timeout=timeout_s) as r:
+            raw = r.read()
+    except urllib.error.HTTPError as exc:
+        hint = (": the engine has no such route; start it with VLLM_SERVER_DEV_MODE=1 and --enable-sleep-mode "
+                "(start_vllm's sleep_mode does)" if exc.code == 404 else "; see the engine's log")
+        raise EngineError(f"{method} {url} answered HTTP {exc.code} trying to {what}: {exc.read()[:300]!r}"
+                          f"{hint}") from None
+    except (OSError, ValueError) as exc:
+        raise EngineError(f"{method} {url} failed trying to {what}: {exc}; is the engine running there?") from None
+    try:
+        return json.loads(raw) if raw.strip() else None
+    except ValueError:
+        return raw.decode(errors="replace")
 
 
 # ---------------------------------------------------------------------------------------------- helpers
