@@ -238,12 +238,10 @@ def save_hf(
     `model_state_dict` is a full state dict (`fsdp.full_state_dict` on rank 0). When `config_dir`'s config ties
     the output layer to the embeddings, the output layer is left out, as the model ships (trainer/tied.py
     `as_shipped`). Weights over `max_shard_bytes` are split into `model-0000i-of-0000n.safetensors` with an index,
-    as transformers and vLLM expect. The directory is built next to `out_dir` and renamed into place: a reader sees
-    the old files or the new ones.
+    as transformers and vLLM expect (trainer/model_files.py `write_weights`). The directory is built next to
+    `out_dir` and renamed into place: a reader sees the old files or the new ones.
     """
-    from safetensors.torch import save_file
-
-    from trainer.model_files import copy_model_files, unshared_contiguous
+    from trainer.model_files import copy_model_files, write_weights
     from trainer.tied import as_shipped
 
     config_dir, out = Path(config_dir), Path(out_dir)
@@ -253,20 +251,7 @@ def save_hf(
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     copy_model_files(config_dir, tmp)
-
-    tensors = unshared_contiguous(as_shipped(dict(model_state_dict), config_dir))
-    shards = _split(tensors, max_shard_bytes)
-    if len(shards) == 1:
-        save_file(shards[0], tmp / "model.safetensors", metadata={"format": "pt"})
-    else:
-        weight_map = {}
-        for i, shard in enumerate(shards, 1):
-            name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-            save_file(shard, tmp / name, metadata={"format": "pt"})
-            weight_map.update(dict.fromkeys(shard, name))
-        total = sum(t.numel() * t.element_size() for t in tensors.values())
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    write_weights(tmp, as_shipped(dict(model_state_dict), config_dir), max_shard_bytes=max_shard_bytes)
 
     if out.exists():
         old = out.with_name(f".old-{out.name}")
@@ -277,19 +262,6 @@ def save_hf(
     else:
         tmp.rename(out)
     return out
-
-
-def _split(tensors: dict[str, torch.Tensor], max_bytes: int) -> list[dict[str, torch.Tensor]]:
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for name, tensor in tensors.items():
-        nbytes = tensor.numel() * tensor.element_size()
-        if shards[-1] and size + nbytes > max_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name] = tensor
-        size += nbytes
-    return shards
 
 
 # ---------------------------------------------------------------------------------------------------- helpers

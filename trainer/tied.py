@@ -22,6 +22,7 @@ only, and FSDP2 keeps the tied weight one parameter), the engine serves the mode
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -127,25 +128,25 @@ def as_shipped(tensors: dict[str, torch.Tensor], config_dir: str | Path) -> dict
     return {k: v for k, v in tensors.items() if k != OUTPUT}
 
 
-def untied(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A state dict as an untied engine loads it, on the CPU: the output layer as its own tensor (a copy of the
-    embeddings when the dict ties, or leaves out, the output layer), and no two tensors sharing memory."""
-    from trainer.model_files import unshared_contiguous
-
-    out = unshared_contiguous(tensors)
+def untied(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A state dict as an untied engine loads it: with the output layer as an entry of its own (the embeddings
+    again, when `tensors` leaves it out). Nothing is copied here: the writer (trainer/model_files.py
+    `write_weights`) writes each entry as its own tensor, also when two entries share memory or are one tensor."""
+    out = dict(tensors)
     if OUTPUT not in out and EMBEDDINGS in out:
-        out[OUTPUT] = out[EMBEDDINGS].clone()
+        out[OUTPUT] = out[EMBEDDINGS]
     return out
 
 
 def engine_view(model_dir: str | Path, out_dir: str | Path) -> Path:
     """The untied copy of a tied model that an engine serves during training, written into `out_dir` (rebuilt
-    each time, atomically): config with `tie_word_embeddings: false`, one safetensors file with the output layer
-    written out, every other file (tokenizer, template) as the model has it."""
-    from safetensors.torch import load_file, save_file
+    each time, atomically): config with `tie_word_embeddings: false`, safetensors weights with the output layer
+    written out (in shards of 5 GiB, as transformers writes them), every other file (tokenizer, template) as the
+    model has it."""
+    from safetensors.torch import load_file
 
     from harness.running.model_dir import write_model_dir
-    from trainer.model_files import copy_model_files
+    from trainer.model_files import copy_model_files, write_weights
 
     model_dir, out = Path(model_dir), Path(out_dir)
     shards = sorted(model_dir.glob("*.safetensors"))
@@ -167,6 +168,6 @@ def engine_view(model_dir: str | Path, out_dir: str | Path) -> Path:
     def write(folder: Path) -> None:
         copy_model_files(model_dir, folder)
         (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
-        save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+        write_weights(folder, tensors, max_shard_bytes=5 * 2**30)  # as checkpoint.save_hf shards
 
     return write_model_dir(out, write)

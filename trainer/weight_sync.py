@@ -2,7 +2,8 @@
 
 A push is:
 
-    write   safetensors + the model's config files into a temp dir, renamed into place when complete
+    write   safetensors in the engine's dtype, shard by shard, + the model's config files into a temp dir,
+            renamed into place when complete
     pause   POST /pause?mode=keep             requests in flight freeze, new ones queue (skipped if absent)
     reload  POST /collective_rpc              {"method": "reload_weights", "kwargs": {"weights_path": DIR}}
     reset   POST /reset_prefix_cache?reset_running_requests=true
@@ -31,6 +32,14 @@ The reload routes exist when the server runs with VLLM_SERVER_DEV_MODE=1 (runnin
 The engine's model must have untied input and output embeddings: with tied ones vLLM's reload_weights keeps the old
 output layer. A tied model is trained tied and served untied (trainer/tied.py): a push writes its output layer out.
 
+The weights are written once per push, in the engine's dtype (`dtype`: what vLLM would cast them to on load,
+so the engine ends up with the same bits; `engine_dtype` says which), in shards of at most `max_shard_bytes` with
+the index transformers writes; reload_weights reads either layout. Each shard is cast and brought to the CPU only
+while it is written, so a push needs one shard of host memory besides what it is given. Given the FSDP-sharded
+model itself, it gathers one tensor at a time on the device (every other rank runs `follow_push` meanwhile) and
+the full float32 state never exists on the host: a push of a 1.5B model in bfloat16 then needs one shard (1 GiB by
+default) of host memory, where a gathered float32 state dict is 6 GB before anything is written.
+
 Pure stdlib HTTP (urllib, no environment proxies: HTTP(S)_PROXY may point at our own recording proxy).
 """
 
@@ -42,7 +51,7 @@ import time
 import urllib.error
 import urllib.request
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -50,10 +59,10 @@ import torch
 
 from trainer.checkpoint import fsync_path
 from trainer.lora import save_adapter
-from trainer.model_files import copy_model_files
+from trainer.model_files import copy_model_files, gathered, write_weights
 from trainer.tied import untied
 
-__all__ = ["WeightSync", "WeightSyncError"]
+__all__ = ["WeightSync", "WeightSyncError", "engine_dtype", "follow_push"]
 
 _DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 _DEV_MODE_HINT = ("start the engine with VLLM_SERVER_DEV_MODE=1 (start_vllm does), or attach to one "
@@ -70,7 +79,7 @@ class WeightSync:
     def __init__(self, engine_url: str, work_dir: str | Path, proxy_url: str | None = None,
                  proxy_admin_token: str | None = None, timeout_s: float = 600.0, *,
                  model_dir: str | Path | None = None, keep: int = 2, more_engine_urls: tuple[str, ...] = (),
-                 adapter: str | None = None) -> None:
+                 adapter: str | None = None, dtype: torch.dtype | None = None, max_shard_bytes: int = 2**30) -> None:
         """`work_dir` receives one weights directory per version (`v000042/`), the newest `keep` kept (the
         engine reads from the newest; with LoRA, the newest `keep` adapters also stay loaded, for calls still
         generating on them: asynchronous rollouts keep K + 2). `model_dir` is the model the engine started from:
@@ -79,6 +88,8 @@ class WeightSync:
         `timeout_s` bounds each HTTP call (a reload of a large model can take minutes). With `more_engine_urls`,
         every phase runs on every engine before the next phase starts: all are paused before any reloads, and the
         proxy hears of the new version only once all serve it.
+        `dtype` is the engine's (`engine_dtype`): full weights are written in it (None: in their own, as the
+        trainer holds them), in files of at most `max_shard_bytes`, the most host memory a push adds.
         """
         if keep < 1:
             raise ValueError(f"keep must be at least 1 (the weights the engine serves), got {keep!r}")
@@ -97,16 +108,21 @@ class WeightSync:
             shutil.rmtree(stale, ignore_errors=True)
         self.can_pause: bool | None = None  # None until the engine was asked: False if it has no /pause
         self.adapter = adapter  # LoRA: the adapter's base name; None: full weights
+        self.dtype = dtype  # full weights are written in it; None: as they come
+        if max_shard_bytes < 1:
+            raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes!r}")
+        self.max_shard_bytes = max_shard_bytes
         self._adapter_names: list[str] = []  # the version names this sync loaded, oldest first
 
     # ------------------------------------------------------------------------------------------------ public
 
     def push(self, weights: torch.nn.Module | Mapping[str, torch.Tensor], version: int, *,
              state: Mapping[str, torch.Tensor] | None = None) -> dict[str, float]:
-        """Write `weights` (a model or a full state dict; with LoRA the peft model, and `state` its full state
-        when its parameters are shards), load them into the engine as `version`, and return the seconds each
-        phase took (write_s, pause_s, reload_s, reset_s, notify_s, resume_s, total_s; with LoRA also unload_s,
-        the adapter two versions old unloaded) and the bytes written."""
+        """Write `weights` (a model, also FSDP-sharded, or a full state dict; with LoRA the peft model, and `state`
+        its full state when its parameters are shards), load them into the engine as `version`, and return the
+        seconds each phase took (write_s, pause_s, reload_s, reset_s, notify_s, resume_s, total_s; with LoRA also
+        unload_s, the adapter two versions old unloaded) and the bytes written. With an FSDP-sharded model on
+        several ranks this is a collective: the main rank pushes while every other one runs `follow_push`."""
         started = time.perf_counter()
         weights_dir, written = self.write(weights, version, state=state)
         write_s = time.perf_counter() - started
@@ -121,8 +137,6 @@ class WeightSync:
         Everything goes into a temp dir first, renamed into place once complete: a crash leaves either no
         directory for `version` or a complete one.
         """
-        from safetensors.torch import save_file
-
         if not isinstance(version, int) or isinstance(version, bool) or version < 0:
             raise ValueError(f"version must be a non-negative integer, got {version!r}")
         target = self.work_dir / f"v{version:06d}"
@@ -131,14 +145,13 @@ class WeightSync:
         try:
             if self.adapter is not None:
                 save_adapter(weights, tmp, dict(state) if state is not None else None)
-                written = tmp / "adapter_model.safetensors"
+                files = [tmp / "adapter_model.safetensors"]
             else:
                 state = weights.state_dict() if isinstance(weights, torch.nn.Module) else weights
-                self._write_configs(tmp, getattr(weights, "config", None))
-                tensors = untied(state)
-                written = tmp / "model.safetensors"
-                save_file(tensors, written, metadata={"format": "pt"})
-            fsync_path(written)
+                self._write_configs(tmp, getattr(weights, "config", None))  # before the first (collective) gather
+                files = write_weights(tmp, untied(state), max_shard_bytes=self.max_shard_bytes, dtype=self.dtype)
+            for file in files:
+                fsync_path(file)
             if target.exists():  # the same version again (a resumed run, a restore): swap the old one out
                 old = self.work_dir / f".tmp-old-{target.name}-{uuid.uuid4().hex[:8]}"
                 target.rename(old)
@@ -147,7 +160,7 @@ class WeightSync:
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        return target, (target / written.name).stat().st_size
+        return target, sum((target / f.name).stat().st_size for f in files if f.suffix == ".safetensors")
 
     def served_name(self, version: int) -> str:
         """With LoRA: the model name the engine serves `version`'s adapter under."""
@@ -298,6 +311,51 @@ class WeightSync:
         for old in versions[:-self.keep]:
             if old != keep_also:
                 shutil.rmtree(old, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------------------------- other ranks
+
+
+def follow_push(model: torch.nn.Module) -> None:
+    """What every rank but the main one runs while the main one pushes the FSDP-sharded `model` (`WeightSync.push(
+    model, ...)`): this rank's part of gathering each tensor, in the order the push writes them. A collective."""
+    for tensor in untied(model.state_dict()).values():
+        gathered(tensor.detach())
+
+
+# ---------------------------------------------------------------------------------------------- engine dtype
+
+_VLLM_DTYPES = {"half": torch.float16, "float16": torch.float16, "bfloat16": torch.bfloat16, "float": torch.float32,
+                "float32": torch.float32}  # vLLM's --dtype names; "auto" reads the model's config
+
+
+def engine_dtype(model_dir: str | Path, engine_args: Sequence[str] = (), *, gpu: bool) -> torch.dtype:
+    """The dtype in which a vLLM engine that harness starts (running/vllm_server.py start_vllm) on the model at
+    `model_dir` holds its weights: a push written in it loads with the bits vLLM's own cast would give.
+
+    `--dtype` in `engine_args` (the extra arguments start_vllm appends; the last one wins); else, without a GPU,
+    float32 (start_vllm's CPU recipe); else vLLM's "auto": the dtype config.json names (`dtype` or `torch_dtype`,
+    or its `text_config`'s), float32 or none as bfloat16. On GPUs older than Ampere vLLM's auto takes float16
+    instead; a bfloat16 push still loads there, cast by the engine.
+    """
+    said = None
+    for i, arg in enumerate(engine_args):
+        if arg == "--dtype" and i + 1 < len(engine_args):
+            said = engine_args[i + 1]
+        elif arg.startswith("--dtype="):
+            said = arg.split("=", 1)[1]
+    if said is not None and said.lower() != "auto":
+        if said.lower() not in _VLLM_DTYPES:
+            raise ValueError(f"the engine's --dtype {said!r} is not one of vLLM's: auto, {', '.join(_VLLM_DTYPES)}")
+        return _VLLM_DTYPES[said.lower()]
+    if said is None and not gpu:
+        return torch.float32
+    path = Path(model_dir) / "config.json"
+    config = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    text = config.get("text_config") or {}
+    named = next((c[key] for c in (config, text) for key in ("dtype", "torch_dtype") if c.get(key)), None)
+    dtype = _VLLM_DTYPES.get(str(named).removeprefix("torch."), torch.float32)
+    return torch.bfloat16 if dtype == torch.float32 else dtype
 
 
 # ---------------------------------------------------------------------------------------------- helpers

@@ -125,3 +125,30 @@ def test_after_a_push_the_engine_is_greedy_like_transformers_on_the_new_weights(
     versions = db_rows(tmp_path / "rec.duckdb", "SELECT weight_version FROM calls WHERE episode_id = 'sync' "
                                                  "ORDER BY call_index")
     assert versions == [(0,), (1,), (2,)]
+
+
+def test_the_engine_reloads_a_push_cast_to_bfloat16_and_written_in_shards(engine, tiny_model_dir, tmp_path):
+    """A push in another dtype than the engine's float32, in several files with their index: the engine casts it on
+    load, and decodes greedily as transformers does on the pushed (bfloat16-rounded) weights."""
+    from transformers import AutoTokenizer
+
+    from trainer.policy import load_policy
+
+    model = load_policy(tiny_model_dir).eval()
+    prompts = _prompt_ids(AutoTokenizer.from_pretrained(tiny_model_dir))
+    before = _engine_greedy(engine, prompts)
+    model.load_state_dict(_perturbed(model, seed=99))
+    sync = WeightSync(engine.base_url, tmp_path / "weights", model_dir=tiny_model_dir, dtype=torch.bfloat16,
+                      max_shard_bytes=400_000)
+    try:
+        sync.push(model, version=1)
+        weights_dir = tmp_path / "weights" / "v000001"
+        assert len(list(weights_dir.glob("model-*-of-*.safetensors"))) > 2
+        assert (weights_dir / "model.safetensors.index.json").is_file()
+        after = _engine_greedy(engine, prompts)
+        model.load_state_dict({k: v.to(torch.bfloat16).float() for k, v in model.state_dict().items()})
+        assert after == _transformers_greedy(model, prompts)
+        assert after != before
+    finally:
+        WeightSync(engine.base_url, tmp_path / "restore").load(tiny_model_dir, version=0)
+    assert _engine_greedy(engine, prompts) == before
