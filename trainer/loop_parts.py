@@ -12,7 +12,7 @@ import torch
 
 from harness.core.records import Sample
 from harness.running.report import pass_at_k
-from harness.running.vllm_server import sleep, wake_up
+from harness.running.vllm_server import cuda_gpus, sleep, wake_up
 from proxy.config import SamplingOverrides
 from trainer import algorithms as algo
 from trainer.checkpoint import save_hf
@@ -24,7 +24,7 @@ from trainer.policy import load_policy
 from trainer.rollout import Rollouts, engine_model_dir, sampling_seed
 from trainer.schedule import lr_factor
 from trainer.tracking import Tracker
-from trainer.weight_sync import WeightSync
+from trainer.weight_sync import WeightSync, engine_dtype, follow_push
 
 log = logging.getLogger("harness.train")
 
@@ -48,12 +48,15 @@ def policy_and_optimizer(cfg: TrainConfig, dist: Dist, total_steps: int):
 
 def weight_sync(rollouts: Rollouts, cfg: TrainConfig, out) -> WeightSync:
     """How new weights reach the rollouts' engines: a full checkpoint per push, or with LoRA the adapter."""
-    lora = spec_of(cfg.trainer.lora) is not None
+    lora, model_dir = spec_of(cfg.trainer.lora) is not None, engine_model_dir(cfg, out)
+    # pushes are written in the dtype of the engines we start; an engine the user runs gets the trainer's
+    dtype = None if cfg.rollout.engine.url else engine_dtype(model_dir, cfg.rollout.engine.extra_args,
+                                                             gpu=cuda_gpus() > 0)
     return WeightSync(rollouts.engine.base_url, out / ("adapters" if lora else "weights"), proxy_url=rollouts.url,
-                      proxy_admin_token=rollouts.admin_token, model_dir=engine_model_dir(cfg, out),
+                      proxy_admin_token=rollouts.admin_token, model_dir=model_dir,
                       keep=adapters_in_use(cfg.rollout.async_.max_staleness) if lora else 2,
                       more_engine_urls=tuple(e.base_url for e in rollouts.more_engines),
-                      adapter=ADAPTER_NAME if lora else None)
+                      adapter=ADAPTER_NAME if lora else None, dtype=dtype)
 
 
 def tracker_for(store, run_id: str, cfg: TrainConfig) -> Tracker:
@@ -105,13 +108,20 @@ def token_weights(rows: list[Sample], mode: str) -> list[torch.Tensor]:
 
 
 def push_weights(model, sync: WeightSync | None, dist: Dist, version: int) -> dict[str, float]:
-    """Gather the full weights (a collective) and load them into the engine (rank 0)."""
+    """Write the weights and load them into the engine (rank 0); every rank takes part in the gathers (collectives).
+    Full weights are gathered tensor by tensor as the push writes them (at most one shard in host memory); with
+    LoRA the whole state is gathered and peft writes the adapter from it."""
     t0 = time.perf_counter()
-    state = full_state_dict(model, dist)
-    if not dist.is_main:
+    if hasattr(model, "peft_config"):
+        state = full_state_dict(model, dist)
+        if not dist.is_main:
+            return {}
+        timings = sync.push(model, version, state=state)
+    elif dist.is_main:
+        timings = sync.push(model, version)
+    else:
+        follow_push(model)
         return {}
-    lora = sync.adapter is not None  # the adapter alone, written from the gathered state by peft
-    timings = sync.push(model, version, state=state) if lora else sync.push(state, version)
     return {"time/sync_s": time.perf_counter() - t0, "time/sync_reload_s": timings.get("reload_s", 0.0)}
 
 

@@ -125,7 +125,7 @@ def start_vllm(
     served = served_model_name or model_name(model_dir)
     args, full_env = engine_command(model_dir, run_dir, port=port, served_model_name=served,
                                     max_model_len=max_model_len, tool_parser=tool_parser,
-                                    reasoning_parser=reasoning_parser, gpus=_cuda_gpus(), gpu=gpu,
+                                    reasoning_parser=reasoning_parser, gpus=cuda_gpus(), gpu=gpu,
                                     gpu_memory_utilization=gpu_memory_utilization, sleep_mode=sleep_mode,
                                     share=share, cores=sorted(os.sched_getaffinity(0)), extra_args=extra_args,
                                     env=env, base_env=os.environ)
@@ -298,7 +298,7 @@ def placement(k: int, n: int, gpus: int, cores: Sequence[int]) -> dict[str, str]
     return {"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, mine))}
 
 
-def _cuda_gpus() -> int:
+def cuda_gpus() -> int:
     """How many GPUs `nvidia-smi -L` lists; decided without importing torch."""
     try:
         result = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=10)
