@@ -38,7 +38,7 @@ install: $(STAMP) $(VERL_STAMP) $(AGENTS_STAMP) $(MITM_STAMP) $(NODE_STAMP)
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
-		$(BIN)/pip install -q -e '.[engine,train,data,test,track]'; \
+		$(BIN)/pip install -q -e '.[gpu,test]'; \
 	else \
 		$(BIN)/pip install -q -e '.[engine-cpu,train,data,test,track]' && \
 		$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true; \

@@ -217,3 +217,14 @@ def test_a_failed_wake_names_the_engine_url_and_its_status():
         up.close()
     with pytest.raises(EngineError, match=r"POST http://127.0.0.1:9/sleep\?level=1 failed trying to put it to sleep"):
         sleep("http://127.0.0.1:9", 1)
+
+
+def test_docs_gpu_md_holds_the_sizing_table_as_computed():
+    """docs/gpu.md's table is `python -m harness.running.gpu_sizing`'s output, and its numbers are the memory plan's
+    own estimate (a full bf16 1.5B: 8 bytes a parameter)."""
+    from harness.running.gpu_sizing import QWEN25, sizing_table
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "gpu.md").read_text(encoding="utf-8")
+    assert f"<!-- sizing:start -->\n{sizing_table()}<!-- sizing:end -->" in doc
+    one_five = next(s for s in QWEN25 if s.name == "1.5B")
+    assert trainer_memory(one_five.parameters, 2).peak == 8 * one_five.parameters
