@@ -206,7 +206,11 @@ def check_history(template: Template, parser: Reader, reasoned: bool = False) ->
     return Check("history", OK, f"all {probes} kinds of reply come back exactly as the model wrote them"), notes
 
 
-def check_tool_parser(template: Template, parser: Reader) -> Check:
+def check_tool_parser(template: Template, parser: Reader, reasoned: Reader | None = None) -> Check:
+    """`reasoned`: the tool parser with the reasoning parser, as the engine reads a reply; it reads the turns the
+    template renders with a reasoning block (GLM's `<think></think>` in every turn), the tool parser alone the others
+    (a reasoning parser takes a turn without one for unfinished reasoning)."""
+    markers = reasoned.parsing.reasoning_markers if reasoned is not None else None
     findings: list[Finding] = []
     replies = 0
     for i, message in enumerate(TOOL_USE):
@@ -219,7 +223,7 @@ def check_tool_parser(template: Template, parser: Reader) -> Check:
             return Check("tool-parser", WARN, f"could not render an assistant turn to parse ({where}: {exc})")
         # what the engine hands back: the reply's ids decoded, special tokens kept (vLLM does so with tools on)
         text = template.tokenizer.decode(template.ids(reply), skip_special_tokens=False)
-        parsed = parser.parse(text)
+        parsed = (reasoned if markers and markers[1] in text else parser).parse(text)
         want = [(c["function"]["name"], c["function"]["arguments"]) for c in message.get("tool_calls", [])]
         got = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in parsed.tool_calls]
         replies += 1
@@ -356,17 +360,20 @@ def diagnose(model_dir: str | Path, tool_parser: str = "hermes", chat_template: 
              reasoning_parser: str | None = None) -> Report:
     """Run the five checks on the model in `model_dir`; raises DoctorError on bad input."""
     tokenizer = load_tokenizer(model_dir, chat_template)
-    try:  # tool calls are read by the tool parser alone: the reasoning check places the reasoning
+    try:  # tool calls are read by the tool parser alone (the reasoning check places the reasoning), but for turns
+        # the template renders with a reasoning block (check_tool_parser)
         check_reasoning_parser(reasoning_parser)
         parser = Reader(reply_parsing(tool_parser, None, str(model_dir)), tokenizer)
+        reasoned = (Reader(reply_parsing(tool_parser, reasoning_parser, str(model_dir)), tokenizer)
+                    if reasoning_parser is not None else None)
     except (ValueError, TypeError) as exc:  # a bad name; a parser that cannot work with this tokenizer (vLLM's)
         raise DoctorError(str(exc)) from exc
     template = Template(tokenizer, _stop_ids(tokenizer, Path(model_dir)), tool_parser in NAMED_ID_PARSERS)
     close_check = check_close_token(template)
     append_only, notes = check_append_only(template)
     history, history_notes = check_history(template, parser, reasoned=reasoning_parser is not None)
-    checks = (append_only, history, check_tool_parser(template, parser), check_reasoning(template, reasoning_parser),
-              close_check)
+    checks = (append_only, history, check_tool_parser(template, parser, reasoned),
+              check_reasoning(template, reasoning_parser), close_check)
     source = str(chat_template) if chat_template is not None else "the model's own"
     return Report(str(model_dir), source, parser.name, checks, reasoning_parser=reasoning_parser,
                   notes=tuple(notes + history_notes))

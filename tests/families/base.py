@@ -24,12 +24,28 @@ class Family:
     eos_token: str = "<|im_end|>"
     stop_tokens: tuple[str, ...] = ()  # more tokens the model stops on (generation_config.json), as the family's
     drops_reasoning: bool = False  # the template leaves earlier turns' reasoning out of the history it renders
+    # token -> logit bias, over the engine tests' +100 for every marker (talk.marker_bias), where one marker must
+    # outbid another that may come at the same place
+    bias: dict[str, int] = field(default_factory=dict)
     notes: dict = field(default_factory=dict)
 
     def build(self, out: Path) -> Path:
         return build_tiny_model(out, seed=0, chat_template=self.template, special_tokens=self.special_tokens,
                                 added_tokens=self.added_tokens, eos_token=self.eos_token,
                                 stop_tokens=self.stop_tokens)
+
+    def marker_bias(self, model: Path) -> dict[str, int]:
+        """The logit bias the engine tests send for this family's model (talk.marker_bias, then `bias`)."""
+        from transformers import AutoTokenizer
+
+        from tests.families.talk import marker_bias
+
+        out = marker_bias(model)
+        if self.bias:
+            tokenizer = AutoTokenizer.from_pretrained(model)
+            added = tokenizer.get_added_vocab()
+            out.update({str(added[token]): b for token, b in self.bias.items()})  # KeyError: not one of its markers
+        return out
 
 
 def hermes_reply(name: str, arguments: dict) -> str:

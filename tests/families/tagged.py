@@ -1,6 +1,6 @@
 """Families whose tool calls are framed by their own tags or tokens: Qwen3-Coder (XML), Kimi K2
 (`<|tool_call_begin|>` sections), DeepSeek-V3 (`<｜tool▁call▁begin｜>` with fenced JSON), and GLM-4.5 (`<arg_key>` and
-`<arg_value>` pairs, `<think>` reasoning: written, not yet in FAMILIES, see GLM45.notes).
+`<arg_value>` pairs, `<think>` reasoning).
 
 Each template is written here from the family's published format; what each renders:
 - the tools (as the family lays them out), the system message, user messages;
@@ -15,6 +15,34 @@ from __future__ import annotations
 import json
 
 from tests.families.base import Family
+
+# Macros the templates below share: `text(content)`, a message's content as text (a string, or the text parts of a
+# list); `tool_list(tools)`, the tools as JSON lines in `<tools></tools>` under a `# Tools` heading and the hermes-like
+# preamble GLM-4.5 and DeepSeek-V3 both write, ending in a blank line (each template follows with how to call).
+SHARED_MACROS = r"""{%- macro text(content) -%}
+    {%- if content is string -%}
+        {{- content -}}
+    {%- elif content is iterable and content is not mapping -%}
+        {%- for part in content -%}
+            {%- if part is mapping and part.type == 'text' -%}
+                {{- part.text -}}
+            {%- elif part is string -%}
+                {{- part -}}
+            {%- endif -%}
+        {%- endfor -%}
+    {%- elif content is not none -%}
+        {{- content -}}
+    {%- endif -%}
+{%- endmacro -%}
+{%- macro tool_list(tools) -%}
+    {{- '# Tools\n\nYou may call one or more functions to assist with the user query.\n\n' -}}
+    {{- 'You are provided with function signatures within <tools></tools> XML tags:\n<tools>' -}}
+    {%- for tool in tools -%}
+        {{- '\n' + tool | tojson -}}
+    {%- endfor -%}
+    {{- '\n</tools>\n\n' -}}
+{%- endmacro -%}
+"""
 
 # ---------------------------------------------------------------------------------------------------------------
 # Qwen3-Coder: ChatML, tools listed as <function> XML in the system message, calls as
@@ -122,29 +150,10 @@ QWEN3_CODER = Family("qwen3_coder", "qwen3_xml", qwen3_coder_reply, template=QWE
 # Reasoning `<think>...</think>` right after `<|assistant|>`; turns before the last user message keep only an empty
 # `<think></think>`. All of GLM's added tokens are special (vLLM's glm45 parser asks for them undecoded).
 
-GLM45_TEMPLATE = r"""{%- macro text(content) -%}
-    {%- if content is string -%}
-        {{- content -}}
-    {%- elif content is iterable and content is not mapping -%}
-        {%- for part in content -%}
-            {%- if part is mapping and part.type == 'text' -%}
-                {{- part.text -}}
-            {%- elif part is string -%}
-                {{- part -}}
-            {%- endif -%}
-        {%- endfor -%}
-    {%- elif content is not none -%}
-        {{- content -}}
-    {%- endif -%}
-{%- endmacro -%}
-{{- '[gMASK]<sop>' -}}
+GLM45_TEMPLATE = SHARED_MACROS + r"""{{- '[gMASK]<sop>' -}}
 {%- if tools -%}
-    {{- '<|system|>\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n' -}}
-    {{- 'You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n' -}}
-    {%- for tool in tools -%}
-        {{- tool | tojson + '\n' -}}
-    {%- endfor -%}
-    {{- '</tools>\n\nFor each function call, output the function name and arguments in this XML format:\n' -}}
+    {{- '<|system|>\n' + tool_list(tools) -}}
+    {{- 'For each function call, output the function name and arguments in this XML format:\n' -}}
     {{- '<tool_call>{function-name}\n<arg_key>{arg-key-1}</arg_key>\n<arg_value>{arg-value-1}</arg_value>\n' -}}
     {{- '...\n</tool_call>' -}}
 {%- endif -%}
@@ -215,12 +224,15 @@ GLM45 = Family(
     special_tokens=("[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>", "<think>",
                     "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<arg_key>",
                     "</arg_key>", "<arg_value>", "</arg_value>"),
-    eos_token="<|user|>", drops_reasoning=True,
-    notes={"not_listed": [
-        "the proxy: GLM renders nothing after an assistant turn (the next role token ends it), so the proxy finds "
-        "no close token (turn_end []) and serves every continued call by chat rendering (close_token_not_rendered)",
-        "the forcing: vLLM's glm45 tool parser defaults to tool strict level FUNCTION, which ORs its own tool-call "
-        "tag (GLM-4.7 layout) with the request's regex, so the reply is not forced (engine and proxy agree)"]})
+    eos_token="<|user|>", stop_tokens=("<|observation|>",), drops_reasoning=True,
+    # vLLM's glm45 tool parser sets tool strict level FUNCTION as its default (--tool-strict-level auto cannot go
+    # below it), so with tools a request's regex is OR-ed with its tool-call tag (GLM-4.7's layout, no text before
+    # the call, values free), on the engine's chat endpoint and in the proxy alike. The tag opens on `<tool_call>`
+    # and the reply on `<think>`: `<think>` outbids `<tool_call>` at the first token, which rules the tag out and
+    # leaves the regex. A call's reply then stops on `<|observation|>`, where the tool results' render begins.
+    bias={"<tool_call>": 50, "<|user|>": 50},
+    notes={"stops": "no end-of-turn token: a reply ends on the stop token that opens the next message, which the "
+                    "proxy continues from (proxy/splice.py: the template closes no turn)"})
 
 # ---------------------------------------------------------------------------------------------------------------
 # Kimi K2 (Instruct): `<|im_system|>`/`<|im_user|>`/`<|im_assistant|>` + role name + `<|im_middle|>` ... `<|im_end|>`;
@@ -234,20 +246,7 @@ GLM45 = Family(
 # prompt, takes reasoning as already ended, and streams the new turn's reasoning as content (`<think>` included,
 # `</think>` dropped); its whole-reply parse is right. The engine's chat endpoint does exactly the same (notes).
 
-KIMI_K2_TEMPLATE = r"""{%- macro text(content) -%}
-    {%- if content is string -%}
-        {{- content -}}
-    {%- elif content is iterable and content is not mapping -%}
-        {%- for part in content -%}
-            {%- if part is mapping and part.type == 'text' -%}
-                {{- part.text -}}
-            {%- endif -%}
-        {%- endfor -%}
-    {%- elif content is not none -%}
-        {{- content -}}
-    {%- endif -%}
-{%- endmacro -%}
-{%- if tools -%}
+KIMI_K2_TEMPLATE = SHARED_MACROS + r"""{%- if tools -%}
     {{- '<|im_system|>tool_declare<|im_middle|>' + tools | tojson + '<|im_end|>' -}}
 {%- endif -%}
 {%- if not messages or messages[0].role != 'system' -%}
@@ -304,7 +303,8 @@ KIMI_K2 = Family(
 # which the assistant goes on without a new `<｜Assistant｜>`. Only the sentence tokens are special: the role and
 # tool tokens are plain added tokens (the deepseek_v3 parser reads them from the decoded text).
 
-DEEPSEEK_V3_TEMPLATE = r"""{%- set ns = namespace(system='', in_tools=false, first_output=true, last_user=false) -%}
+DEEPSEEK_V3_TEMPLATE = SHARED_MACROS + r"""
+{%- set ns = namespace(system='', in_tools=false, first_output=true, last_user=false) -%}
 {%- for message in messages -%}
     {%- if message.role == 'system' -%}
         {%- set ns.system = ns.system + ('\n\n' if ns.system else '') + message.content -%}
@@ -312,12 +312,8 @@ DEEPSEEK_V3_TEMPLATE = r"""{%- set ns = namespace(system='', in_tools=false, fir
 {%- endfor -%}
 {{- '<｜begin▁of▁sentence｜>' + ns.system -}}
 {%- if tools -%}
-    {{- '\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n' -}}
-    {{- 'You are provided with function signatures within <tools></tools> XML tags:\n<tools>' -}}
-    {%- for tool in tools -%}
-        {{- '\n' + tool | tojson -}}
-    {%- endfor -%}
-    {{- '\n</tools>\n\nTo call functions, write <｜tool▁calls▁begin｜>, then each call as\n' -}}
+    {{- '\n\n' + tool_list(tools) -}}
+    {{- 'To call functions, write <｜tool▁calls▁begin｜>, then each call as\n' -}}
     {{- '<｜tool▁call▁begin｜>function<｜tool▁sep｜><function_name>\n```json\n<arguments as JSON>\n```' -}}
     {{- '<｜tool▁call▁end｜>\nand after the last one <｜tool▁calls▁end｜><｜end▁of▁sentence｜>' -}}
 {%- endif -%}
@@ -376,5 +372,4 @@ DEEPSEEK_V3 = Family(
                   "<｜tool▁outputs▁end｜>", "<｜tool▁output▁begin｜>", "<｜tool▁output▁end｜>"),
     eos_token="<｜end▁of▁sentence｜>")
 
-# GLM45 is written but not listed: the engine test cannot pass it yet (GLM45.notes says why).
-FAMILIES = (QWEN3_CODER, KIMI_K2, DEEPSEEK_V3)
+FAMILIES = (QWEN3_CODER, GLM45, KIMI_K2, DEEPSEEK_V3)

@@ -25,7 +25,7 @@ from harness.running.proxied import engine_parsing
 from harness.running.vllm_server import start_vllm
 from harness.store.database import Store
 from tests.families import FAMILIES, Family
-from tests.families.talk import ask, marker_bias
+from tests.families.talk import ask
 from tests.support import RunningProxy
 
 pytestmark = pytest.mark.engine
@@ -87,7 +87,7 @@ class _Engines:
         engine = start_vllm(model, self.root / f"engine-{family.name}", tool_parser=family.tool_parser,
                             reasoning_parser=family.reasoning_parser, extra_args=forcing,
                             env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})  # its core in-process: 5 s less a start
-        return engine, marker_bias(model)
+        return engine, family.marker_bias(model)
 
     def _ahead(self, name: str) -> None:
         if name not in self.starting and name != "qwen3":  # qwen3: the session's engine (tests/conftest.py)
