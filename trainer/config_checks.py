@@ -40,9 +40,11 @@ def check(cfg: TrainConfig, where: str, mode: Mode = "rl", gpus: Gpus | None = N
     """Values in range, required keys set, keys that must agree with each other, for `mode`, and the memory plan
     on `gpus` (None: this machine's); ConfigError names the key, the value and what to do."""
     online = mode == "rl"
+    # offline modes train on stored data: tasks and a judge only for validating with the agent
+    offline_optional = {"data.train"} | (set() if cfg.data.validation else {"task_judge.judge"})
     for key, f, _, value in _leaves(cfg):
         meta = f.metadata
-        if meta["required"] and value is None and (online or key != "data.train"):
+        if meta["required"] and value is None and (online or key not in offline_optional):
             raise ConfigError(f"{key} is required ({meta['help']}): set it in {where} or with --set {key}=...")
         if isinstance(value, (int, float)) and not isinstance(value, bool) and not in_range(value, meta):
             raise ConfigError(f"{key} must be {range_text(meta)}, got {value!r}")

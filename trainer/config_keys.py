@@ -260,8 +260,10 @@ class FsdpConfig:
     """Data-parallel sharding of the trainer (PyTorch FSDP2): NCCL on GPUs, gloo on CPU."""
 
     nprocs: int = _key(1, "trainer processes (one per GPU; CPU processes on a machine without one)", ge=1)
-    param_offload: bool = _key(False, "keep parameters in CPU memory between uses")
-    optimizer_offload: bool = _key(False, "keep optimizer state in CPU memory")
+    param_offload: bool = _key(False, "keep parameters, their gradients and the optimizer state in CPU memory "
+                               "between uses (FSDP2's CPUOffloadPolicy offloads them together)")
+    optimizer_offload: bool = _key(False, "the same as param_offload: FSDP2 has no optimizer-only offload, so this "
+                                   "also keeps parameters and gradients in CPU memory")
     mixed_precision: bool = _key(True, "compute in bf16 with float32 gradient reduction, on GPU; CPU always float32")
 
 
@@ -326,6 +328,9 @@ class TrainerConfig:
     test_freq: int = _key(10, "validate every N steps (and after the last); 0: never; needs data.validation", ge=0)
     val_before_train: bool = _key(False, "validate once before the first step; needs data.validation")
     save_freq: int = _key(10, "checkpoint every N steps (and after the last); 0: only after the last", ge=0)
+    keep_checkpoints: int | None = _key(None, "keep the N newest checkpoints of this run, deleting older ones as new "
+                                        "ones are written (a full checkpoint holds weights and optimizer state); "
+                                        "null: keep every one", ge=1)
     resume: str = _key("auto", "auto: continue from the latest checkpoint of this experiment if any; disable: start "
                        "fresh; or a checkpoint directory", path="resume")
     seed: int = _key(0, "seed of the trainer's random state")

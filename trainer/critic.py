@@ -127,9 +127,9 @@ class Critic:
         return stats
 
 
-    def save(self, out: Path, step: int) -> None:
-        """Beside the policy's checkpoint: <run dir>/critic/checkpoints/step_<step>/ (a collective)."""
-        save(out / "critic", step, self.model, self.optimizer, self.scheduler, {}, self.dist)
+    def save(self, out: Path, step: int, keep_last: int | None = None) -> None:
+        """Beside the policy's checkpoint: <run dir>/critic/checkpoints/step_<step>/ (a collective), as many kept."""
+        save(out / "critic", step, self.model, self.optimizer, self.scheduler, {}, self.dist, keep_last=keep_last)
 
     def load(self, policy_checkpoint: Path) -> None:
         """The critic saved with the policy checkpoint `policy_checkpoint` (<run dir>/checkpoints/step_<k>)."""

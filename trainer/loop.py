@@ -211,9 +211,9 @@ def _train(cfg: TrainConfig, dist: Dist, placement: Placement | None) -> dict[st
             if (t.save_freq and step % t.save_freq == 0) or step == total_steps:
                 t0 = time.perf_counter()
                 resume_state = {"mode": "rl", "data_pos": data_pos, "kl_coef": kl_coef}
-                save(out, step, model, optimizer, scheduler, resume_state, dist)
+                save(out, step, model, optimizer, scheduler, resume_state, dist, keep_last=t.keep_checkpoints)
                 if critic is not None:
-                    critic.save(out, step)
+                    critic.save(out, step, keep_last=t.keep_checkpoints)
                 metrics["time/checkpoint_s"] = time.perf_counter() - t0
             metrics["time/step_s"] = time.perf_counter() - started
             log_metrics(tracker, step, metrics)

@@ -145,7 +145,8 @@ def _train(cfg: TrainConfig, mode: Mode, dist: Dist) -> dict[str, float]:
                 metrics.update(parts.push_weights(model, sync, dist, version=step))
                 metrics.update(parts.validate(rollouts, step, val_tasks, cfg) if dist.is_main else {})
             if (t.save_freq and step % t.save_freq == 0) or last:
-                save(out, step, model, optimizer, scheduler, {"mode": mode, "plan": fingerprint}, dist)
+                save(out, step, model, optimizer, scheduler, {"mode": mode, "plan": fingerprint}, dist,
+                     keep_last=cfg.trainer.keep_checkpoints)
             metrics["time/step_s"] = time.perf_counter() - started
             parts.log_metrics(tracker, step, metrics)
         parts.write_trained(model, cfg, out, dist)

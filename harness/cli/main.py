@@ -20,6 +20,16 @@ from harness.viewer.app import add_parser as add_view_parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        return 130
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The `harness` command line, every verb and option (tests/test_docs.py checks the docs' command lines on it)."""
     parser = argparse.ArgumentParser(
         prog="harness",
         description="Record unmodified LLM agents through an OpenAI-compatible proxy and train them with RL.",
@@ -39,12 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     add_view_parser(verbs)
     add_export_parser(verbs)
     add_retokenize_parser(verbs)
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    try:
-        return args.func(args)
-    except KeyboardInterrupt:
-        return 130
+    return parser
 
 
 # ---------------------------------------------------------------------------------------------------------------

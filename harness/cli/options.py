@@ -122,7 +122,9 @@ def add_engine_args(p) -> None:
     src.add_argument("--upstream", action="append", metavar="URL",
                      help="URL of an engine already running, e.g. http://127.0.0.1:8000; repeat it for several "
                      "engines serving the same model (an episode stays on one; a failed engine's calls move on)")
-    p.add_argument("--max-model-len", type=int, default=2048, help="engine context length (default: %(default)s)")
+    p.add_argument("--max-model-len", type=int, default=4096,
+                   help="context length of an engine started with --model, prompt and completion together, as "
+                   "harness train's rollout.engine.max_model_len (default: %(default)s)")
     p.add_argument("--no-token-exact", action="store_true",
                    help="render every chat call with the engine's chat template instead of continuing conversations "
                    "from the recorded token ids (docs/proxy.md: token-exact continuity)")

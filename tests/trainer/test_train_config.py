@@ -482,3 +482,15 @@ def test_harness_train_with_an_uncached_hub_id_offline_exits_2_naming_the_fetch_
     assert rc == 2 and len(err) == 1, err
     assert err[0].startswith(f"error: model.path {QWEN!r} is no folder in ") and f"hf download {QWEN}" in err[0]
     assert not (tmp_path / "math").exists()  # refused before the run began
+
+
+def test_sft_needs_no_judge_unless_it_validates_with_the_agent(tmp_path):
+    """Fine-tuning on chat records judges nothing: task_judge.judge is required for RL and for validation only."""
+    sft = {"offline": {"data": "chat.jsonl"}}
+    cfg = load_config(write_config(tmp_path, sft, drop=("data.train", "task_judge.judge")), mode="sft")
+    assert cfg.task_judge.judge is None
+    with pytest.raises(ConfigError, match="task_judge.judge is required"):
+        load_config(write_config(tmp_path, {**sft, "data": {"validation": "tasks.jsonl"}},
+                                 drop=("data.train", "task_judge.judge")), mode="sft")
+    with pytest.raises(ConfigError, match="task_judge.judge is required"):
+        load_config(write_config(tmp_path, drop=("task_judge.judge",)))
