@@ -70,6 +70,7 @@ from trainer.loop_parts import (
     write_trained,
 )
 from trainer.lora import spec_of
+from trainer.oom import oom_explained
 from trainer.policy import collate, load_policy, micro_batches, padded, token_logprobs
 from trainer.rollout import greedy_baselines, start_rollouts
 from trainer.schedule import next_tasks
@@ -82,7 +83,8 @@ def train(cfg: TrainConfig) -> dict[str, float]:
     placement = placement_of(cfg)  # checked at load: the GPUs of the engines and of each rank
     dist = init_distributed(gpus=placement.trainer_gpus if placement is not None else None)
     try:
-        return _train(cfg, dist, placement)
+        with oom_explained(cfg, dist.device):
+            return _train(cfg, dist, placement)
     finally:
         shutdown()  # also when the run stops before its first step (bad tasks, a checkpoint of another run)
 

@@ -41,8 +41,10 @@ from trainer import algorithms as algo
 from trainer import loop_parts as parts
 from trainer.checkpoint import check_resume, find_resume, load, save
 from trainer.config import Mode, TrainConfig, config_to_dict, run_dir, save_resolved
+from trainer.config_checks import placement_of
 from trainer.fsdp import Dist, init_distributed, metrics_over_ranks, most_over_ranks, shutdown
 from trainer.offline_data import OfflineData, OfflineDataError
+from trainer.oom import oom_explained
 from trainer.policy import collate, micro_batches, padded, token_logprobs
 from trainer.rollout import start_rollouts
 
@@ -53,9 +55,11 @@ _DISAGREE = 0.05  # mean |trainer - stored| logprob on step 1 above which pg war
 
 def train_offline(cfg: TrainConfig, mode: Mode) -> dict[str, float]:
     """Run `harness train --from-run` (mode from_run) or `harness sft` (mode sft); returns the last step's metrics."""
-    dist = init_distributed()
+    placement = placement_of(cfg)  # checked at load: the GPUs of each rank (and of the validation engines)
+    dist = init_distributed(gpus=placement.trainer_gpus if placement is not None else None)
     try:
-        return _train(cfg, mode, dist)
+        with oom_explained(cfg, dist.device):
+            return _train(cfg, mode, dist)
     finally:
         shutdown()  # also when the data or a checkpoint is refused before the first step
 

@@ -109,6 +109,7 @@ def _launch(args, overrides: list[str], verb: str) -> int:
     from trainer.chat_data import ChatDataError
     from trainer.checkpoint import ResumeError
     from trainer.offline_data import OfflineDataError
+    from trainer.oom import TrainerOutOfMemory
 
     try:
         if mode == "rl":
@@ -122,4 +123,7 @@ def _launch(args, overrides: list[str], verb: str) -> int:
     except (TaskError, OfflineDataError, ChatDataError, ResumeError) as exc:  # bad data, found once the run reads it
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except TrainerOutOfMemory as exc:  # settings too big for the device: what to lower, not a traceback
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     return 0
