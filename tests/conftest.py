@@ -44,9 +44,9 @@ def engine(tiny_model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def qwen3_engine(tmp_path_factory):
-    """A real vLLM serving the Qwen3-style test family (tests/families) with its hermes and qwen3 parsers, and the
-    logit bias that makes its markers single tokens; replies are forced with a regex that covers the thinking too
-    (vLLM applies it after reasoning ends unless told otherwise)."""
+    """A real vLLM serving the Qwen3 test family (tests/families: the tiny random model on Qwen3's real vocabulary)
+    with its hermes and qwen3 parsers, and the logit bias that makes its markers single tokens; replies are forced
+    with a regex that covers the thinking too (vLLM applies it after reasoning ends unless told otherwise)."""
     from tests.families import FAMILIES
     from tests.families.talk import marker_bias
 

