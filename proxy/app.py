@@ -263,6 +263,7 @@ async def _plan_call(app: web.Application, prepared: Prepared, episode_id: str, 
     state = app[STATE]
     cap = Capture(prepared, run_id=state.run_id, episode_id=episode_id, call_index=call_index,
                   weight_version=state.weight_version)
+    cap.on_complete = app[RECORDER].journal_call  # a stream's record is journaled before its last bytes go out
     route = "chat/completions" if endpoint == CHAT else "completions"
     if role is not None:
         cap.notes["role"] = role.name

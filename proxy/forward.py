@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -25,6 +26,7 @@ from proxy.request import CHAT, COMPLETIONS, Prepared
 from proxy.wire.common import Wire
 
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "Connection": "keep-alive"}
+CALL_ID_HEADER = "x-harness-call-id"  # on every forwarded answer: the `calls.call_id` it is recorded under
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -100,6 +102,7 @@ class Capture:
         self.episode_id = episode_id
         self.call_index = call_index
         self.weight_version = weight_version
+        self.call_id = uuid.uuid4().hex
         self.started_at = time.time()
         self.t0 = time.perf_counter()
         self.ttft_ms: float | None = None
@@ -121,6 +124,9 @@ class Capture:
         self.unreachable = False  # the engine could not be reached: nothing went to the agent, another may take it
         self.saw_done = False  # the engine's stream said [DONE]...
         self.done_sent = False  # ...and it went out to the agent: the agent has the whole answer
+        # Called with the call's record once a stream's answer is complete, before its last bytes go out (app.py
+        # journals it, so a crash right after loses nothing); the record proper follows once they went out.
+        self.on_complete: Callable[[Call], None] | None = None
 
     def _acc(self, index: int) -> _ChoiceAcc:
         acc = self.choices.get(index)
@@ -255,7 +261,7 @@ class Capture:
             extra["wire"] = self.wire
         extra.update(self.notes)
         return Call(
-            call_id=uuid.uuid4().hex,
+            call_id=self.call_id,
             run_id=self.run_id,
             episode_id=self.episode_id,
             call_index=self.call_index,
@@ -340,7 +346,15 @@ async def forward(
     """Send the prepared request to the engine and answer the agent; `cap` records what happened. With `answer`,
     the engine answers a completions request and the agent gets it as the chat answer it asked for. With `wire`,
     the agent spoke another API (proxy/wire/common.py): it gets the chat answer translated back, errors included, while
-    the record stays chat form."""
+    the record stays chat form. A whole answer is returned unsent: the caller records it first."""
+    resp = await _forward(request, session, url, cap, answer, wire)
+    if not resp.prepared:
+        resp.headers[CALL_ID_HEADER] = cap.call_id
+    return resp
+
+
+async def _forward(request: web.Request, session: aiohttp.ClientSession, url: str, cap: Capture,
+                   answer: ChatAnswer | None, wire: Wire | None) -> web.StreamResponse:
     # identity: the answer is parsed and recorded here, and a vendor's fixed model would otherwise compress it
     headers = {"Content-Type": "application/json", "Accept-Encoding": "identity", **cap.upstream_headers}
     if wire is not None:
@@ -393,7 +407,7 @@ def _split_events(buf: bytearray) -> list[bytes]:
 
 async def _forward_stream(request: web.Request, upstream: aiohttp.ClientResponse, cap: Capture,
                           answer: ChatAnswer | None, wire: Wire | None) -> web.StreamResponse:
-    resp = web.StreamResponse(status=200, headers=_SSE_HEADERS)
+    resp = web.StreamResponse(status=200, headers={**_SSE_HEADERS, CALL_ID_HEADER: cap.call_id})
     await resp.prepare(request)
     buf = bytearray()
     try:
@@ -404,6 +418,8 @@ async def _forward_stream(request: web.Request, upstream: aiohttp.ClientResponse
                 for event in _split_events(buf):
                     out.append(_translate_event(event, cap, answer, wire))
                 payload = b"".join(out)
+                if cap.saw_done:
+                    _complete(cap)
                 if payload:
                     await resp.write(payload)
                     cap.done_sent = cap.saw_done
@@ -413,8 +429,10 @@ async def _forward_stream(request: web.Request, upstream: aiohttp.ClientResponse
             err = _upstream_error(exc, str(upstream.url.with_query(None)))
             cap.fail(ERROR, 200, f"stream broke off: {err.message}")
             cap.notes["engine_fault"] = "stream_broke_off"  # the agent saw a 200: this says whose fault it was
+            _complete(cap)
             await resp.write(b"data: " + orjson.dumps(err.body()) + b"\n\n" if wire is None
                              else wire.error_event(cap.error))
+        _complete(cap)
         await resp.write_eof()
     except (ConnectionResetError, aiohttp.ClientConnectionResetError) as exc:
         if not cap.done_sent:  # an agent that hangs up after [DONE] got the whole answer
@@ -422,6 +440,15 @@ async def _forward_stream(request: web.Request, upstream: aiohttp.ClientResponse
     finally:  # also when the handler is cancelled (an agent that hangs up right after [DONE]): the answer stays
         cap.response = cap.assembled_response()
     return resp
+
+
+def _complete(cap: Capture) -> None:
+    """The stream's answer is complete and its last bytes are about to go out: hand its record to `on_complete`
+    (once)."""
+    if cap.on_complete is not None:
+        hook, cap.on_complete = cap.on_complete, None
+        cap.response = cap.assembled_response()
+        hook(cap.to_call())
 
 
 def _translate_event(event: bytes, cap: Capture, answer: ChatAnswer | None, wire: Wire | None) -> bytes:

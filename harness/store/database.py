@@ -12,10 +12,14 @@ it directly: `harness.store.recorder.Recorder` batches calls on a background thr
 Threads: every public method runs on its own `Store.cursor()`, so the recorder's writer thread and query
 threads can share a Store. A read-write Store locks the file for every other process: while a proxy runs,
 query through it.
+
+Crashes: what a killed proxy had answered but not yet written waits in the file's journal (harness/store/journal.py);
+every read-write open replays it first, and a read-only open does too when it can take the file read-write.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -38,11 +42,14 @@ from harness.store.arrow_tables import (
     timestamps,
     to_json,
 )
+from harness.store.journal import journal_segments, pending_records, replay
 from harness.store.readonly import check_read_only, confine, outside_files
 from harness.store.schema import MIGRATIONS, SCHEMA_VERSION
 
 __all__ = ["EPISODE_CALLS", "EPISODE_CALLS_NO_BODIES", "MIGRATIONS", "SCHEMA_VERSION", "ROW_GROUP_SIZE", "QueryResult",
            "SchemaVersionError", "Store", "calls_of"]
+
+log = logging.getLogger(__name__)
 
 
 # Rows per row group. A transaction that appends a full row group has it compressed and written straight to
@@ -89,6 +96,8 @@ class Store:
         path = Path(path)
         if read_only and not path.exists():
             raise FileNotFoundError(f"no harness database at {path}")
+        if read_only and journal_segments(path):
+            _recover_for_reader(path, memory_mb)
         if not read_only:
             path.parent.mkdir(parents=True, exist_ok=True)
         # The file is ATTACHed (an ATTACH option is the only way to set its row group size), so every cursor
@@ -113,6 +122,7 @@ class Store:
                 # Fewer, larger checkpoints: checkpoint work is per byte, but each one has a fixed cost.
                 con.execute("SET checkpoint_threshold = '64MB'")
                 store._migrate()
+                replay(store)  # what a killed proxy answered but had not written yet (harness/store/journal.py)
             confine(con)  # user SQL runs on this connection: it reads the store, no other file
         except BaseException:
             con.close()
@@ -369,6 +379,21 @@ class Store:
             call["request"] = orjson.loads(call["request"]) if call["request"] else None
             call["response"] = orjson.loads(call["response"]) if call["response"] else None
         return calls
+
+
+def _recover_for_reader(path: Path, memory_mb: int | None) -> None:
+    """A read-only open of a file whose journal holds records: write them in first (a read-write open replays the
+    journal), unless another process holds the file; then say what the reader will not see."""
+    try:
+        Store.open(path, memory_mb=memory_mb).close()
+    except (duckdb.Error, OSError, SchemaVersionError) as exc:
+        if not journal_segments(path):
+            return  # another process replayed it meanwhile
+        log.warning("%s: its journal holds %d records (calls, episodes) that a proxy answered but had not written "
+                    "into the file when it stopped; they are not in what this read-only opening shows. Open the "
+                    "file read-write once to write them in: start the proxy on it (`harness serve --db %s`), or "
+                    "query it again when no other process holds it (could not open it read-write now: %s)",
+                    path, pending_records(path), path, exc)  # fmt: skip
 
 
 def _rollback(cur: duckdb.DuckDBPyConnection) -> None:

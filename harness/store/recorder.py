@@ -1,22 +1,22 @@
 """The proxy's single writer: records are buffered in memory and written to the store in batches by a thread.
 
-`record_call` and `record_episode` run on the proxy's event loop, so they only append to a list under a lock
-(microseconds, no I/O). A daemon thread writes when `max_batch` calls are waiting or the oldest record has
-waited `max_delay_s`, episodes before calls; under load one write takes everything waiting, up to `max_write`
-calls, because each transaction has a fixed cost.
+`record_call` and `record_episode` run on the proxy's event loop, so they only append to a list under a lock, after
+one `os.write` of the record to the journal (harness/store/journal.py: ~10-50 us, what a killed process would
+otherwise lose; the journal is replayed when the store is opened again). A daemon thread writes when `max_batch`
+calls are waiting or the oldest record has waited `max_delay_s`, episodes before calls; under load one write takes
+everything waiting, up to `max_write` calls, because each transaction has a fixed cost.
 
 Nothing recorded is dropped: when a batch fails (a row DuckDB refuses, a disk error), it is split in halves and
 retried until the failing records are isolated; those are appended to the spill file `<db path>.spill.jsonl`
 with the error, and `read_spill` turns them back into records. A full disk is different: the batch stays in
 memory and is tried again every `retry_s` until it lands, and `disk_full` says why meanwhile (the proxy refuses
 new calls with it: they could not be recorded). Only if a record can be neither written nor spilled (the disk
-still full at close) is it lost, and then it is counted in `records_lost` and logged.
+still full at close) is it lost, and then it is counted in `records_lost` and logged (and stays in the journal,
+for the next open to try again).
 """
 
 from __future__ import annotations
 
-import base64
-import dataclasses
 import errno
 import logging
 import threading
@@ -26,8 +26,9 @@ from pathlib import Path
 
 import orjson
 
-from harness.core.records import Call, Choice, Episode
+from harness.core.records import Call, Episode
 from harness.store.database import ROW_GROUP_SIZE, Store
+from harness.store.journal import Journal, decode_record, encode_record
 
 __all__ = ["Recorder", "read_spill"]
 
@@ -45,8 +46,10 @@ class Recorder:
         max_delay_s: float = 0.2,
         max_write: int | None = None,
         spill_path: str | Path | None = None,
+        journal: bool = True,
     ) -> None:
-        """max_write defaults to max(max_batch, ROW_GROUP_SIZE): a full row group skips the WAL."""
+        """max_write defaults to max(max_batch, ROW_GROUP_SIZE): a full row group skips the WAL. `journal`: off,
+        a killed process loses what is buffered (for benchmarks that measure what the journal costs)."""
         max_write = max_write or max(max_batch, ROW_GROUP_SIZE)
         if max_batch < 1 or max_write < max_batch or max_delay_s < 0:
             raise ValueError(f"need 1 <= max_batch <= max_write and max_delay_s >= 0, got {max_batch=} "
@@ -65,6 +68,8 @@ class Recorder:
         self._oldest: float | None = None  # monotonic time the oldest buffered record arrived
         self._urgent = False  # a flush() is waiting: write now
         self._closing = False
+        self._journal = Journal(store.path) if journal else None
+        self._early: dict[str, bytes] = {}  # call_id -> journaled early record (journal_call) awaiting record_call
         self._recorded = [0, 0]  # episodes, calls ever recorded
         self._done = [0, 0]  # episodes, calls written or spilled
 
@@ -83,22 +88,39 @@ class Recorder:
     # --- called from the event loop: append only ---------------------------------------------------------
 
     def record_call(self, call: Call) -> None:
+        line = encode_record("call", call) if self._journal is not None else b""
         with self._lock:
-            if self._append(self._calls, call, 1):
+            if self._append(self._calls, call, 1, line):
                 if len(self._calls) == self.max_batch:
                     self._work.notify()
                 return
         self._spill_late(call, "call")
 
     def record_episode(self, episode: Episode) -> None:
+        line = encode_record("episode", episode) if self._journal is not None else b""
         with self._lock:
-            if self._append(self._episodes, episode, 0):
+            if self._append(self._episodes, episode, 0, line):
                 return
         self._spill_late(episode, "episode")
 
-    def _append(self, buffer: list, record: object, kind: int) -> bool:
+    def journal_call(self, call: Call) -> None:
+        """Journal a call whose answer is complete, before its last bytes go out (a stream's [DONE]); the call's
+        `record_call` follows once they have, and replaces it. A crash in between replays this one."""
+        if self._journal is None:
+            return
+        line = encode_record("call", call)
+        with self._lock:
+            if not self._closing:
+                self._journal.append(line)
+                self._early[call.call_id] = line
+
+    def _append(self, buffer: list, record: Call | Episode, kind: int, line: bytes) -> bool:
         if self._closing:
             return False
+        if self._journal is not None:
+            self._journal.append(line)  # under the lock: into the segment that the batch taking `record` seals
+            if kind == 1 and self._early:
+                self._early.pop(record.call_id, None)
         buffer.append(record)
         self._recorded[kind] += 1
         if self._oldest is None:
@@ -151,11 +173,21 @@ class Recorder:
                 self._progress.wait(remaining)
 
     def close(self) -> None:
-        """Write everything still buffered, then stop the writer thread. Safe to call twice."""
+        """Write everything still buffered, then stop the writer thread, and delete the journal (unless a record
+        could be neither written nor spilled: then the next open replays it). Safe to call twice."""
         with self._lock:
             self._closing = True
             self._work.notify()
         self._thread.join()
+        if self._journal is not None:
+            with self._lock:
+                keep = bool(self._early) or self.records_lost > 0
+                self._journal.remove(self._journal.close(keep=keep))
+
+    @property
+    def journal_failures(self) -> int:
+        """Records that could not be journaled (a full disk): a crash before they are written loses them."""
+        return self._journal.failures if self._journal is not None else 0
 
     def __enter__(self) -> Recorder:
         return self
@@ -172,15 +204,24 @@ class Recorder:
                     return
                 episodes, self._episodes = self._episodes, []
                 calls, self._calls = self._calls[: self.max_write], self._calls[self.max_write :]
+                segments = []
                 if not self._calls:
                     self._oldest, self._urgent = None, False
+                    if self._journal is not None:  # every record journaled so far is in this batch
+                        segments = self._journal.seal(self._early.values())
             held: tuple[list, list] = ([], [])
+            lost = self.records_lost
             try:
                 held = self._write(episodes, calls)
             except Exception:  # _write handles failures itself; this only keeps the thread alive
                 log.exception("recorder: unexpected error writing %d calls", len(calls))
                 self.records_lost += len(episodes) + len(calls)
+            if segments and not (held[0] or held[1]) and self.records_lost == lost:
+                self._journal.remove(segments)  # committed (or spilled): commit first, then delete
             with self._lock:
+                if segments and (held[0] or held[1]):
+                    self._journal.unseal(segments)
+                # with records lost, their segments stay on disk for the next open to replay
                 self._done[0] += len(episodes) - len(held[0])
                 self._done[1] += len(calls) - len(held[1])
                 self._progress.notify_all()
@@ -248,12 +289,10 @@ class Recorder:
     def _spill(self, record: Call | Episode, kind: str, error: Exception) -> None:
         log.error("recorder: %s %s could not be written (%s); spilling it to %s",
                   kind, _record_id(record), error, self.spill_path)  # fmt: skip
-        line = {"kind": kind, "error": f"{type(error).__name__}: {error}", "spilled_at": time.time(),
-                "record": dataclasses.asdict(record)}  # fmt: skip
         try:
-            data = orjson.dumps(line, default=_encode_bytes, option=orjson.OPT_NON_STR_KEYS)
+            data = encode_record(kind, record, error=f"{type(error).__name__}: {error}", spilled_at=time.time())
             with open(self.spill_path, "ab") as f:
-                f.write(data + b"\n")
+                f.write(data)
         except Exception:
             self.records_lost += 1
             log.exception("recorder: LOST %s %s: it could not be spilled to %s",
@@ -272,38 +311,12 @@ def read_spill(path: str | Path) -> list[Call | Episode]:
     for number, line in enumerate(Path(path).read_bytes().splitlines(), start=1):
         if not line.strip():
             continue
-        entry = orjson.loads(line)
-        fields = entry["record"]
-        if entry["kind"] == "episode":
-            records.append(Episode(**fields))
-        elif entry["kind"] == "call":
-            for name in ("request", "response"):
-                fields[name] = _decode_bytes(fields[name])
-            fields["choices"] = [Choice(**choice) for choice in fields["choices"]]
-            records.append(Call(**fields))
-        else:
-            kind = entry["kind"]
-            raise ValueError(f"{path}:{number}: unknown record kind {kind!r}, expected call or episode")
+        try:
+            records.append(decode_record(orjson.loads(line)))
+        except ValueError as exc:
+            raise ValueError(f"{path}:{number}: {exc}") from None
     return records
 
 
 def _record_id(record: Call | Episode) -> str:
     return getattr(record, "call_id", None) or getattr(record, "episode_id", "?")
-
-
-def _encode_bytes(value: object) -> object:
-    """orjson fallback: bytes as text when they are UTF-8 (JSON bodies always are), else base64."""
-    if isinstance(value, bytes):
-        try:
-            return value.decode()
-        except UnicodeDecodeError:
-            return {"base64": base64.b64encode(value).decode()}
-    return repr(value)  # never lose a record over an unserialisable note in `extra`
-
-
-def _decode_bytes(value: str | dict | None) -> bytes | None:
-    if value is None:
-        return None
-    if isinstance(value, dict):
-        return base64.b64decode(value["base64"])
-    return value.encode()
