@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,26 @@ from tests.support import BackgroundApp, ScriptedUpstream
 
 ROOT = Path(__file__).resolve().parents[1]
 pytest_plugins = ["tests.tiers", "pytester"]
+
+
+def pytest_collection_finish(session):
+    """Start pip resolving the GPU install (tests/test_install.py) now, when its test is selected: it waits on the
+    package index for a minute or more, while the other tests run."""
+    if any(item.nodeid.endswith("test_the_gpu_extras_resolve_in_a_fresh_virtualenv") for item in session.items):
+        from tests.test_install import Resolve
+
+        session.config.stash[_RESOLVE] = Resolve(Path(tempfile.mkdtemp(prefix="harness-gpu-install-")))
+
+
+_RESOLVE = pytest.StashKey()
+
+
+@pytest.fixture(scope="session")
+def gpu_resolve(request, tmp_path_factory):
+    """The background resolve started at collection (or one started now, when run alone)."""
+    from tests.test_install import Resolve
+
+    return request.config.stash.get(_RESOLVE, None) or Resolve(tmp_path_factory.mktemp("gpu-install"))
 
 
 @pytest.fixture(scope="session")
