@@ -115,9 +115,10 @@ class Template:
     def ids(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def latest_turn(self, messages: list[dict], tools: list[dict] | None) -> tuple[str, str, str]:
+    def latest_turn(self, messages: list[dict], tools: list[dict] | None) -> tuple[str, str, str | None]:
         """(prompt, reply, close) for the last message, an assistant turn: the prompt of the call that produced
-        it, the turn's text as the template renders it when it is the latest, and the stop token ending it."""
+        it, the turn's text as the template renders it when it is the latest, and the stop token ending it (None:
+        the template leaves the turn open, see split_close)."""
         prompt = self.render(messages[:-1], tools, True)
         turn = self.render(messages, tools, False)
         if not turn.startswith(prompt):
@@ -126,17 +127,22 @@ class Template:
         reply, close = self.split_close(turn[len(prompt):])
         return prompt, reply, close
 
-    def split_close(self, tail: str) -> tuple[str, str]:
+    def split_close(self, tail: str) -> tuple[str, str | None]:
         """Split an assistant turn's text at its first stop token: (reply, close). A template that leaves the
-        latest turn open (ready to be continued) has no stop token there: its close is the usual one."""
+        latest turn open has no stop token there (close None): the model stops on the token that opens what
+        follows (GLM's `<|observation|>` after a tool call, `<|user|>` after text), whichever stop token that is."""
         hits = [(tail.find(t), t) for t in self.stop_texts if t and t in tail]
         if not hits:
-            return tail, self.close
+            return tail, None
         pos, text = min(hits)
         return tail[:pos], text
 
-    def divergence(self, prompt: str, reply: str, close: str, longer: str) -> Finding | None:
-        """Where `longer` stops extending prompt + reply + close, as text, then as token ids; None if it does."""
+    def divergence(self, prompt: str, reply: str, close: str | None, longer: str) -> Finding | None:
+        """Where `longer` stops extending prompt + reply + close, as text, then as token ids; None if it does. An
+        open turn's close (None) is the stop token `longer` has after the reply, else the usual one."""
+        if close is None:
+            rest = longer[len(prompt + reply):] if longer.startswith(prompt + reply) else ""
+            close = next((t for t in self.stop_texts if t and rest.startswith(t)), self.close)
         expected = prompt + reply + close
         if not longer.startswith(expected):
             return _difference(expected, longer, "the next call's prompt differs from this call's prompt + reply")

@@ -229,6 +229,9 @@ def test_every_family_passes_with_its_own_parsers(tmp_path):
         else:
             assert checks["tool-parser"].status == OK, (name, format_report(report))
         assert checks["close-token"].status == OK, (name, format_report(report))
+        # every family's template only appends, but Mistral v3's, which moves the tool list to the last user
+        # message; templates that leave a turn open (GLM's) continue with the stop token the model sampled
+        assert (checks["append-only"].status == OK) == (name != "mistral"), (name, format_report(report))
     qwen = FAMILIES["qwen2.5"].build(tmp_path / "wrong")
     assert _checks(diagnose(qwen, tool_parser="pythonic"))["tool-parser"].status == FAIL
     with pytest.raises(DoctorError, match=r"llama3_json cannot be used with the tokenizer.*<\|python_tag\|>"):
