@@ -251,7 +251,7 @@ def test_hub_name_in_offline_mode_not_in_the_cache(datasets, monkeypatch):
 def test_missing_datasets_package_says_how_to_install(tmp_path, monkeypatch):
     (tmp_path / "tasks.parquet").write_bytes(b"")
     monkeypatch.setitem(sys.modules, "datasets", None)  # what an environment without the extra looks like
-    with pytest.raises(TaskError, match=r"needs the 'datasets' package: pip install -e '\.\[data\]' in the harness checkout"):
+    with pytest.raises(TaskError, match=r"needs the 'datasets' package: pip install -e '\.\[data\]' in the harness"):
         read_tasks(str(tmp_path / "tasks.parquet"))
 
 
