@@ -66,6 +66,7 @@ def test_a_tied_real_model_trains_on_two_processes_and_the_engine_agrees_with_th
     shipped = (smollm2_dir / "config.json").read_bytes()
     run = _train(smollm2_dir, tmp_path, "trainer.fsdp.nprocs=2", f"trainer.total_steps={LEARN_STEPS}",
                  f"trainer.test_freq={LEARN_STEPS}", "data.validation_limit=16", "rollout.validation.n=2",
+                 "rollout.batch_size=2", "trainer.mini_batch_size=1",  # CI-sized: 16 episodes, 2 updates a step
                  config="arithmetic")
     # The engine served the untied view; the model itself was not touched.
     assert json.loads((run / "engine-model" / "config.json").read_text())["tie_word_embeddings"] is False
