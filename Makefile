@@ -29,7 +29,7 @@ CHROMIUM := /usr/bin/chromium
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 RUN_DIR ?= runs/demo
 
-.PHONY: install demo test test-fast test-engine lint bench soak clean
+.PHONY: install demo test test-fast test-engine test-long lint bench soak clean
 
 install: $(STAMP) $(VERL_STAMP) $(AGENTS_STAMP) $(MITM_STAMP) $(NODE_STAMP)
 
@@ -83,6 +83,12 @@ test-fast: install $(CHROMIUM)
 
 test-engine: install $(CHROMIUM)
 	$(BIN)/pytest -q -m engine --durations=15
+
+# Long learning runs that CI leaves out (tests marked long_run): the gae and remax estimators and rejection-sampling
+# fine-tuning learning end to end.
+test-long: install
+	HARNESS_LONG_TESTS=1 $(BIN)/pytest -q -m engine -k "gae_with_a_critic or remax_learns or rejection_sampling" \
+		--durations=5
 
 lint: install
 	$(BIN)/ruff check .

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import subprocess
 import sys
 import threading
 from pathlib import Path
 
 import duckdb
+import pytest
 from aiohttp import web
 
 from proxy import ProxyConfig, ProxyServer
@@ -106,3 +108,8 @@ def record_terse_run(upstream_url: str, run_dir: Path) -> Path:
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr
     return run_dir / "harness.duckdb"
+
+
+# Long learning runs CI leaves out, to keep within its 40 minutes: `make test-long` runs them.
+long_run = pytest.mark.skipif(not os.environ.get("HARNESS_LONG_TESTS"),
+                              reason="a long learning run: make test-long (HARNESS_LONG_TESTS=1)")

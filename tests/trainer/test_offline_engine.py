@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.support import TERSE, db_rows
+from tests.support import TERSE, db_rows, long_run
 from tests.trainer.test_offline import _cli, _metric, _record
 from trainer.weight_sync import WeightSync
 
@@ -36,6 +36,7 @@ def _likelier(db: Path, run_id: str, before: Path, after: Path) -> dict[str, flo
     return {k: sum(v) / len(v) for k, v in change.items()}
 
 
+@long_run  # two minutes of learning: make test-long (from-run training itself is in tests/trainer/test_offline.py)
 def test_rejection_sampling_fine_tuning_on_a_recorded_run_raises_the_demo_reward(engine, tiny_model_dir, tmp_path):
     """The demo task (examples/terse_agent) recorded on vLLM serving the tiny model; `--from-run` SFT on its
     rewarded episodes, validated by the agent on the same engine before and after (fixed seeds): the loss on the

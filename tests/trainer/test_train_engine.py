@@ -21,7 +21,7 @@ import pytest
 
 from harness.store.sql import run_sql
 from proxy.scripted_engine import Script
-from tests.support import ScriptedUpstream, db_rows
+from tests.support import ScriptedUpstream, db_rows, long_run
 from trainer.estimators import adaptive_kl_coef
 from trainer.weight_sync import WeightSync
 
@@ -324,6 +324,7 @@ def _rewards_by_step(db: Path) -> dict[int, list[float]]:
     return out
 
 
+@long_run  # the estimators' maths is in the fast tier (tests/trainer/test_loop_parts.py, test_estimators.py)
 def test_gae_with_a_critic_learns_the_demo_task(engine, tiny_model_dir, tmp_path):
     """adv_estimator gae: the critic starts at 0 (its head is zero), learns the returns, and its advantages teach
     the policy; with critic.warmup_steps 1 the first step trains the critic alone."""
@@ -349,6 +350,7 @@ def test_gae_with_a_critic_learns_the_demo_task(engine, tiny_model_dir, tmp_path
     assert t > 3.0, f"{statistics.mean(rewards[1]):.3f} -> {statistics.mean(rewards[4]):.3f}, Welch t = {t:.2f}"
 
 
+@long_run
 def test_remax_learns_the_demo_task_against_greedy_episodes(engine, tiny_model_dir, tmp_path):
     """adv_estimator remax: each step also runs every task once greedily (recorded as <run>-greedy<step>), and a
     sample's advantage is its reward minus its task's greedy reward."""
