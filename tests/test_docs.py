@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from harness.cli.main import build_parser
-from trainer.config_keys import iter_keys
+from trainer.config_reference import iter_keys
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = sorted([ROOT / "README.md", *(ROOT / "docs").glob("*.md"), *(ROOT / "examples").glob("**/README.md")])

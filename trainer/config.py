@@ -51,12 +51,8 @@ from trainer.config_keys import (
     TrainConfig,
     TrainerConfig,
     ValidationSampling,
-    describe_config,
-    iter_keys,
-    key_name,
-    optional_inner,
-    type_text,
 )
+from trainer.config_reference import describe_config, iter_keys, key_name, optional_inner, type_text
 
 __all__ = ["ConfigError", "role_rules", "trains", "load_config", "config_to_dict", "save_resolved", "describe_config",
            "run_dir", "iter_keys", "Mode", "TrainConfig", "ModelConfig", "DataConfig", "TaskJudgeConfig",

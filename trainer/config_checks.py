@@ -24,7 +24,8 @@ from harness.running.gpus import (
     this_machine,
     trainer_memory,
 )
-from trainer.config_keys import GROUP_ESTIMATORS, TrainConfig, in_range, key_name, range_text
+from trainer.config_keys import GROUP_ESTIMATORS, TrainConfig
+from trainer.config_reference import in_range, key_name, range_text
 
 __all__ = ["ConfigError", "Mode", "check", "placement_of", "role_rules"]
 
