@@ -11,6 +11,7 @@ per choice, `adjust_request` before generating, `parse` for a whole answer, `par
 from __future__ import annotations
 
 import dataclasses
+import functools
 from pathlib import Path
 
 from pydantic import BaseModel
@@ -20,7 +21,7 @@ from vllm.tokenizers import get_tokenizer
 
 from proxy.tool_parsers import ChoiceStream, Parsed, ReplyParsing, RequestParsing, new_tool_call_id
 
-__all__ = ["VllmParsing"]
+__all__ = ["VllmParsing", "loading_parsers"]
 
 
 class VllmParsing(ReplyParsing):
@@ -30,10 +31,13 @@ class VllmParsing(ReplyParsing):
 
     def __init__(self, tool_parser: str | None, reasoning_parser: str | None, tokenizer: str | Path):
         super().__init__(tool_parser, reasoning_parser)
-        self.tokenizer = get_tokenizer(str(tokenizer))
-        self.parser_cls = ParserManager.get_parser(
-            tool_parser_name=self.tool_parser, reasoning_parser_name=self.reasoning_parser,
-            enable_auto_tools=self.tool_parser is not None, tokenizer=self.tokenizer)
+        self.tokenizer = _tokenizer(str(tokenizer))
+        try:
+            self.parser_cls = ParserManager.get_parser(
+                tool_parser_name=self.tool_parser, reasoning_parser_name=self.reasoning_parser,
+                enable_auto_tools=self.tool_parser is not None, tokenizer=self.tokenizer)
+        except TypeError as exc:  # vLLM's "cannot be used with the tokenizer of None: ... could not locate ..."
+            raise ValueError(_misfit(self.tool_parser, self.reasoning_parser, str(tokenizer), exc)) from exc
         self.tool_marker, self.reasoning_markers = _markers(self.new_parser(None, {}), self.tokenizer)
 
     def new_parser(self, tools, template_kwargs: dict):
@@ -47,6 +51,47 @@ class VllmParsing(ReplyParsing):
 
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=False)
+
+
+@functools.lru_cache(maxsize=4)
+def _tokenizer(model_dir: str):
+    """vLLM's tokenizer of a model directory, loaded once per process (doctor tries every parser on one)."""
+    return get_tokenizer(model_dir)
+
+
+def loading_parsers(model_dir: str | Path) -> tuple[list[str], list[str]]:
+    """The tool parsers and the reasoning parsers whose tokens this model's tokenizer has (vLLM checks a parser
+    against the tokenizer when it loads it): which names can be used with the model at all."""
+    from proxy.tool_parsers import REASONING_PARSERS, TOOL_PARSERS
+
+    tokenizer = _tokenizer(str(model_dir))
+
+    def loads(**names) -> bool:
+        try:
+            ParserManager.get_parser(**names, tokenizer=tokenizer)
+        except Exception:  # a TypeError for missing tokens; an ImportError for a parser's own package
+            return False
+        return True
+
+    return ([n for n in TOOL_PARSERS if loads(tool_parser_name=n, enable_auto_tools=True)],
+            [n for n in REASONING_PARSERS if loads(reasoning_parser_name=n)])
+
+
+def _misfit(tool_parser: str | None, reasoning_parser: str | None, model_dir: str, exc: Exception) -> str:
+    """Which parser does not fit the tokenizer of `model_dir`, why (vLLM's words, less its model name, which it does
+    not know here), and the names that do."""
+    why = str(exc).split(": ", 1)[-1].rstrip(".")
+    tools, reasonings = loading_parsers(model_dir)
+    if tool_parser is not None and tool_parser not in tools:
+        named, fit, flag = f"tool parser {tool_parser!r}", tools, "--tool-parser (rollout.tool_parser)"
+    else:
+        named, fit, flag = (f"reasoning parser {reasoning_parser!r}", reasonings,
+                            "--reasoning-parser (rollout.reasoning_parser)")
+    kind = named.split(" ", 1)[0]
+    return (f"the {named} cannot be used with the tokenizer of {model_dir!r}: {why}. The {kind} parsers that load "
+            f"with this tokenizer: {', '.join(fit) or 'none'}; pick one with {flag}. `harness parsers` lists the "
+            f"model families of each, and `harness doctor --model {model_dir} --tool-parser NAME` checks that one "
+            "reads back the turns the model's chat template writes")
 
 
 def _markers(parser, tokenizer) -> tuple[str | None, tuple[str, str] | None]:

@@ -1,7 +1,8 @@
 """Docs that run: every `harness ...` command line in README.md, docs/*.md and the examples' READMEs parses on the
 real command line (every flag exists; in code blocks, required arguments are there too), and every config key the
 docs and examples name (`trainer.lr`, `--set rollout.engine.sleep=1`, the keys of a YAML config block) is a key
-of the config schema. The checker is run on planted mistakes too, so it can fail."""
+of the config schema. The checker is run on planted mistakes too, so it can fail. Every example training config
+passes `harness train CONFIG --check`."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from harness.cli.main import build_parser
+from harness.cli.main import build_parser, main
 from trainer.config_reference import iter_keys
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -195,6 +196,18 @@ def test_every_config_key_the_docs_name_exists(doc):
 def test_every_key_of_the_example_configs_exists(config):
     problems = config_key_problems(yaml.safe_load(config.read_text(encoding="utf-8")))
     assert not problems, f"{_rel(config)}:\n" + "\n".join(problems)
+
+
+@pytest.mark.parametrize("config", sorted((ROOT / "examples" / "train").glob("*.yaml")), ids=_rel)
+def test_every_example_train_config_passes_check(config, tiny_model_dir, capsys):
+    """`harness train CONFIG --check` exits 0 on each example config: on the model it names when that is here (a
+    directory built, e.g. runs/tiny), else on the tiny model in its place, as the configs' comments suggest."""
+    from trainer.config import read_config
+
+    model = read_config(config).model.path
+    overrides = [] if model and Path(model).is_dir() else ["--set", f"model.path={tiny_model_dir}"]
+    code = main(["train", str(config), "--check", *overrides])
+    assert code == 0, capsys.readouterr().out
 
 
 PLANTED = """

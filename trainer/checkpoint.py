@@ -16,6 +16,10 @@ The model and optimizer go through `torch.distributed.checkpoint` with sharded s
 only its shards and a checkpoint can be loaded at another world size. RNG states are per rank: when the world
 size changes they cannot all be restored (a warning says so), and the resumed run is no longer bitwise
 identical. On several machines, `run_dir` must be on a filesystem they share.
+
+The training loops record in extra_state what kind of run wrote a checkpoint ("mode"), over which data ("plan")
+and for which model ("model": `model_fingerprint`); `check_resume` refuses to continue a checkpoint whose record
+differs from the run's, before any weight is loaded (`saved_state` reads the record alone).
 """
 
 from __future__ import annotations
@@ -32,9 +36,11 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
+    from trainer.config import TrainConfig
     from trainer.fsdp import Dist
 
-__all__ = ["ResumeError", "check_resume", "checkpoint_model", "save", "find_resume", "load", "save_hf"]
+__all__ = ["ResumeError", "check_resume", "checkpoint_model", "save", "find_resume", "load", "model_fingerprint",
+           "save_hf", "saved_state"]
 
 log = logging.getLogger(__name__)
 
@@ -106,17 +112,91 @@ def save(
 
 
 class ResumeError(ValueError):
-    """A checkpoint of another kind of run, or of other data; the message says what to do."""
+    """A checkpoint of another kind of run, of other data or of another model; the message says what to do."""
 
 
-def check_resume(state: dict[str, Any], path: str | Path, mode: str, plan: str | None = None) -> None:
-    """Refuse to continue, as a `mode` run over `plan` (a fingerprint of its data), a checkpoint that another kind of
-    run (`harness train`, `--from-run`, `harness sft` share runs/<experiment>/checkpoints) or other data wrote."""
+def check_resume(state: dict[str, Any], path: str | Path, mode: str, plan: str | None = None, *,
+                 model: dict[str, Any] | None = None, experiment: str | None = None) -> None:
+    """Refuse to continue, as a `mode` run of `model` (`model_fingerprint`) over `plan` (a fingerprint of its data),
+    a checkpoint that another kind of run (`harness train`, `--from-run`, `harness sft` share
+    runs/<experiment>/checkpoints), another model or other data wrote. `state` is the checkpoint's `saved_state`;
+    `experiment` (this run's experiment_name) is named in the way out. A checkpoint written before models were
+    recorded is continued, with a warning."""
     found = state.get("mode", "rl")  # checkpoints from before modes were recorded are the RL loop's
-    if found != mode or state.get("plan") != plan:
-        what = f"a {found} run" if found != mode else "a run over other data (or offline.epochs, batch_size, seed)"
-        raise ResumeError(f"the checkpoint {str(path)!r} was written by {what}; a {mode} run cannot continue it: "
-                          "start fresh with --set trainer.resume=disable, or give this run its own experiment_name")
+    if found != mode:
+        raise _refusal(path, f"a {found} run", mode)
+    _check_model(state.get("model"), model, Path(path), experiment)
+    if state.get("plan") != plan:  # after the model: another tokenizer makes other samples of the same data
+        raise _refusal(path, "a run over other data (or offline.epochs, batch_size, seed)", mode)
+
+
+def _refusal(path: str | Path, what: str, mode: str) -> ResumeError:
+    return ResumeError(f"the checkpoint {str(path)!r} was written by {what}; a {mode} run cannot continue it: "
+                       "start fresh with --set trainer.resume=disable, or give this run its own experiment_name")
+
+
+def model_fingerprint(cfg: TrainConfig) -> dict[str, Any]:
+    """The model a run trains, as its checkpoints record it: model.path (a Hub id and the snapshot's commit for a
+    model in the Hugging Face cache, else the absolute directory), the trainer's dtype, the LoRA settings (rank 0:
+    the whole model trains) and the tie of the embeddings (trainer/tied.py). JSON, keyed by the config keys."""
+    from trainer.tied import ties_embeddings
+
+    lora, full = cfg.trainer.lora, cfg.trainer.lora.rank == 0
+    path, revision = _model_of(cfg.model.path)
+    tied = ties_embeddings(cfg.model.path)
+    return {
+        "model.path": path,
+        "model.revision": revision,
+        "model.dtype": "float32" if cfg.model.dtype == "auto" else cfg.model.dtype,  # auto: float32 master weights
+        "trainer.lora.rank": lora.rank,
+        "trainer.lora.alpha": None if full else lora.alpha,
+        "trainer.lora.target_modules": None if full else sorted(lora.target_modules),
+        "tied_embeddings": tied,
+        "untied_engine_view": tied and full,  # the engines serve the untied view (trainer/rollout.py engine_model_dir)
+    }
+
+
+def _model_of(path: str) -> tuple[str, str | None]:
+    """model.path as a checkpoint records it, and its revision: the same model wherever the Hub cache lives."""
+    from harness.running.hub import hub_id_of
+
+    if hub := hub_id_of(path):
+        return hub, Path(path).name  # .../models--org--name/snapshots/<commit>
+    return (str(Path(path).resolve()) if Path(path).exists() else path), None
+
+
+# Settings of the model fingerprint that differ whenever those named here do: left out of the message then.
+_FOLLOWS = {"trainer.lora.alpha": ("trainer.lora.rank",), "trainer.lora.target_modules": ("trainer.lora.rank",),
+            "untied_engine_view": ("trainer.lora.rank", "tied_embeddings")}
+
+
+def _check_model(saved: dict[str, Any] | None, this: dict[str, Any] | None, path: Path,
+                 experiment: str | None) -> None:
+    """Refuse a checkpoint of another model, naming each setting that differs and what to do."""
+    if this is None:
+        return
+    if saved is None:
+        log.warning("checkpoint %s does not record its model (written before checkpoints did): continuing it as a "
+                    "checkpoint of %s", path, this["model.path"])
+        return
+    differs = [key for key in this if key in saved and saved[key] != this[key]]  # a key added later: unknown
+    if not differs:
+        return
+    differs = [key for key in differs if not set(_FOLLOWS.get(key, ())) & set(differs)]
+    experiment = experiment or path.parent.parent.name  # <run_dir>/<experiment>/checkpoints/step_<k>
+    what = "; ".join(f"{key} {saved[key]!r} in the checkpoint, {this[key]!r} in this run" for key in differs)
+    raise ResumeError(f"the checkpoint {str(path)!r} was written for another model ({what}), so this run cannot "
+                      f"continue it: give this run its own experiment with --set experiment_name="
+                      f"{_fresh_name(experiment, differs[0], this)}, or delete {str(path.parent)!r} to start "
+                      f"experiment {experiment!r} afresh")
+
+
+def _fresh_name(experiment: str, differs: str, this: dict[str, Any]) -> str:
+    """An experiment name for this run, from the first setting that differs (math-lora8, math-Qwen2.5-1.5B)."""
+    rank = this["trainer.lora.rank"]
+    tags = {"model.path": Path(this["model.path"]).name, "model.revision": (this["model.revision"] or "local")[:8],
+            "model.dtype": this["model.dtype"], "trainer.lora.rank": f"lora{rank}" if rank else "full"}
+    return f"{experiment}-{tags.get(differs, 'new')}"
 
 
 def find_resume(run_dir: str | Path, resume: str) -> Path | None:
@@ -160,11 +240,7 @@ def load(path: str | Path, model, optimizer, scheduler, dist: Dist) -> dict[str,
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     path = Path(path)
-    meta_path = path / _META
-    if not meta_path.is_file():
-        raise FileNotFoundError(f"load: {str(path)!r} is not a complete checkpoint (no {_META})")
-    meta = json.loads(meta_path.read_text())
-
+    meta = _meta(path, "load")
     options = _options(model)
     model_state, optim_state = get_state_dict(model, optimizer, options=options)
     state = {"model": model_state, "optim": optim_state}
@@ -187,6 +263,19 @@ def load(path: str | Path, model, optimizer, scheduler, dist: Dist) -> dict[str,
     else:
         _set_rng_state(torch.load(rng_path, weights_only=True), dist)
     return {**meta["extra_state"], "step": meta["step"]}
+
+
+def saved_state(path: str | Path) -> dict[str, Any]:
+    """What `load` returns of the checkpoint at `path` (its extra_state, with "step"), read without loading any
+    weight: what `check_resume` looks at before the model is built."""
+    meta = _meta(Path(path), "resume")
+    return {**meta["extra_state"], "step": meta["step"]}
+
+
+def _meta(path: Path, verb: str) -> dict[str, Any]:
+    if not (path / _META).is_file():
+        raise FileNotFoundError(f"{verb}: {str(path)!r} is not a complete checkpoint (no {_META})")
+    return json.loads((path / _META).read_text())
 
 
 def _options(model):

@@ -54,10 +54,10 @@ from trainer.config_keys import (
 )
 from trainer.config_reference import describe_config, iter_keys, key_name, optional_inner, type_text
 
-__all__ = ["ConfigError", "role_rules", "trains", "load_config", "config_to_dict", "save_resolved", "describe_config",
-           "run_dir", "iter_keys", "Mode", "TrainConfig", "ModelConfig", "DataConfig", "TaskJudgeConfig",
-           "RolloutConfig", "ValidationSampling", "EngineConfig", "TrainerConfig", "FsdpConfig", "LoggingConfig",
-           "DebugConfig", "ADV_ESTIMATORS", "LOSS_AGG_MODES", "KL_TYPES", "GROUP_ESTIMATORS"]
+__all__ = ["ConfigError", "role_rules", "trains", "load_config", "read_config", "config_to_dict", "save_resolved",
+           "describe_config", "run_dir", "iter_keys", "Mode", "TrainConfig", "ModelConfig", "DataConfig",
+           "TaskJudgeConfig", "RolloutConfig", "ValidationSampling", "EngineConfig", "TrainerConfig", "FsdpConfig",
+           "LoggingConfig", "DebugConfig", "ADV_ESTIMATORS", "LOSS_AGG_MODES", "KL_TYPES", "GROUP_ESTIMATORS"]
 
 RESOLVED_NAME = "config.resolved.yaml"
 
@@ -89,6 +89,15 @@ def load_config(path: str | Path, overrides: Sequence[str] = (), mode: Mode = "r
     downloaded when missing and online) or a ConfigError says why it can't: what a command that uses the model does
     first. Without it the model need not exist yet, so a config can be read, shown and checked on any machine.
     The memory plan is checked against `gpus`, by default the GPUs this process sees (harness/running/gpus.py)."""
+    cfg = read_config(path, overrides, locate_model=locate_model)
+    check(cfg, Path(path).name, "from_run" if mode == "rl" and cfg.offline.run else mode, gpus)
+    return cfg
+
+
+def read_config(path: str | Path, overrides: Sequence[str] = (), *, locate_model: bool = False) -> TrainConfig:
+    """The config in the YAML file at `path` with `overrides` applied, typed and its paths resolved, but not
+    checked (load_config checks it): what `harness train FILE --show-config` shows and `--check` checks. A
+    ConfigError names what can't be read: the file, an unknown key, a value of the wrong type."""
     path = Path(path)
     values = _walk(TrainConfig, _root(_read_yaml(path), path.name), "", path.resolve().parent, path.name)
     for item in overrides:
@@ -102,7 +111,6 @@ def load_config(path: str | Path, overrides: Sequence[str] = (), mode: Mode = "r
     if locate_model and cfg.model.path is not None:
         given_at = Path.cwd() if any(_sets_model_path(o) for o in overrides) else path.resolve().parent
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=_model_dir(cfg.model.path, given_at)))
-    check(cfg, path.name, "from_run" if mode == "rl" and cfg.offline.run else mode, gpus)
     return cfg
 
 

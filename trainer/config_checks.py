@@ -13,13 +13,21 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
 
+from harness.running.engine_args import check_engine_args, gpu_memory_share
 from harness.running.gpus import (
+    ENGINE_ASLEEP,
+    GIB,
+    GpuMemory,
     Gpus,
     Placement,
     PlacementError,
+    Shape,
+    TrainerMemory,
     count_parameters,
+    gpu_memory,
     lora_parameters,
     memory_problem,
+    model_shape,
     plan,
     this_machine,
     trainer_memory,
@@ -27,7 +35,7 @@ from harness.running.gpus import (
 from trainer.config_keys import GROUP_ESTIMATORS, TrainConfig
 from trainer.config_reference import in_range, key_name, range_text
 
-__all__ = ["ConfigError", "Mode", "check", "placement_of", "role_rules"]
+__all__ = ["ConfigError", "MemoryPlan", "Mode", "check", "memory_plan", "placement_of", "role_rules"]
 
 Mode = Literal["rl", "from_run", "sft"]
 
@@ -110,6 +118,7 @@ def check(cfg: TrainConfig, where: str, mode: Mode = "rl", gpus: Gpus | None = N
             LoraSpec(t.lora.rank, t.lora.alpha, tuple(t.lora.target_modules), t.lora.dropout)
         except ValueError as exc:
             raise ConfigError(f"trainer.lora: {exc}") from None
+    _check_engine_args(cfg)
     _check_tied(cfg, serves=online or cfg.data.validation is not None)
     _check_memory_plan(cfg, gpus, serves=online or cfg.data.validation is not None)
     from proxy.tool_parsers import check_reasoning_parser, check_tool_parser
@@ -120,6 +129,25 @@ def check(cfg: TrainConfig, where: str, mode: Mode = "rl", gpus: Gpus | None = N
     except ValueError as exc:
         raise ConfigError(f"rollout: {exc}") from None
     _check_roles(cfg)
+
+
+def _check_engine_args(cfg: TrainConfig) -> None:
+    """rollout.engine.extra_args as harness serve and run check --engine-args (harness/running/engine_args.py), for
+    an engine harness starts, and not said twice."""
+    e = cfg.rollout.engine
+    try:
+        check_engine_args(e.extra_args, "rollout.engine.extra_args")
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if e.extra_args and e.url is not None:
+        raise ConfigError(f"rollout.engine.extra_args {e.extra_args!r} go to the engines harness starts; with "
+                          f"rollout.engine.url {e.url} the engine is already running: start it with them yourself, "
+                          "or leave rollout.engine.url out")
+    said = gpu_memory_share(e.extra_args, "rollout.engine.extra_args")
+    if said is not None and e.gpu_memory_utilization is not None:
+        raise ConfigError(f"rollout.engine.gpu_memory_utilization {e.gpu_memory_utilization:g} and "
+                          f"--gpu-memory-utilization {said:g} in rollout.engine.extra_args both give the engine's "
+                          "share of its GPU: keep rollout.engine.gpu_memory_utilization alone")
 
 
 def _check_tied(cfg: TrainConfig, serves: bool) -> None:
@@ -151,21 +179,21 @@ def placement_of(cfg: TrainConfig, gpus: Gpus | None = None, serves: bool = True
         return None
     e, p = cfg.rollout.engine, cfg.placement
     share = e.gpu_memory_utilization
-    if share is None and "--gpu-memory-utilization" in e.extra_args[:-1]:  # an older config's way to say it
+    if share is None:  # an older config's way to say it: vLLM's own flag
         try:
-            share = float(e.extra_args[e.extra_args.index("--gpu-memory-utilization") + 1])
-        except ValueError:
-            raise ConfigError(f"rollout.engine.extra_args {e.extra_args!r}: --gpu-memory-utilization needs a "
-                              "number; better, set rollout.engine.gpu_memory_utilization") from None
+            share = gpu_memory_share(e.extra_args, "rollout.engine.extra_args")
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
     return plan(this_machine() if gpus is None else gpus, layout=p.layout, engines=cfg.rollout.engines,
                 nprocs=cfg.trainer.fsdp.nprocs, engine_gpus=p.engine_gpus, trainer_gpus=p.trainer_gpus,
                 share=share, attached=e.url is not None or not serves)
 
 
 def _check_memory_plan(cfg: TrainConfig, gpus: Gpus | None, serves: bool) -> None:
-    """Sleep mode where it can work, the GPU lists against the machine, and the engines' share plus the trainer's
-    estimate (gpus.trainer_memory) within a GPU's memory: refused here, with the numbers, rather than as an
-    out-of-memory error at the first update."""
+    """Sleep mode where it can work, the GPU lists against the machine, and the memory plan (`memory_plan`: the
+    engines' share, the trainer's weights, gradients and AdamW moments, and a micro-batch's activations) within a
+    GPU's memory: refused here, with the numbers and what would fit, rather than as an out-of-memory error at the
+    first update."""
     r, t, e = cfg.rollout, cfg.trainer, cfg.rollout.engine
     if e.sleep and r.async_.max_staleness > 0:
         raise ConfigError(f"rollout.engine.sleep {e.sleep} puts the engine to sleep while a step trains, but with "
@@ -177,32 +205,154 @@ def _check_memory_plan(cfg: TrainConfig, gpus: Gpus | None, serves: bool) -> Non
                           "back: use rollout.engine.sleep 1")
     if cfg.backbone != "harness":
         return
+    found = memory_plan(cfg, gpus, serves)
+    if e.sleep and serves and e.url is None and found.placement is None:
+        raise ConfigError(f"rollout.engine.sleep {e.sleep} needs the engine on a CUDA GPU (vLLM's sleep mode), and "
+                          "this machine has none visible: leave it 0 on CPU")
+    if found.problem is not None:
+        raise ConfigError(found.problem)
+
+
+# ---------------------------------------------------------------------------------------------- the memory plan
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+    """A config's memory plan on a machine: where engines and trainer ranks go, and what the busiest trainer GPU
+    holds while the engines generate and while the trainer updates. `harness train --check` prints it; `check`
+    refuses a plan with a problem."""
+
+    placement: Placement | None  # None: no GPU visible, or backbone verl (its own placement)
+    gpu_bytes: int | None  # each GPU's memory (the smallest's); None: unknown
+    shape: Shape | None  # the model's, from its config.json; None: model.path is not a local model directory
+    trainer: TrainerMemory | None  # per trainer GPU; None: no safetensors weights to count the parameters of
+    activations: int  # one micro-batch's, model.gradient_checkpointing as configured (0 without a shape)
+    activations_flipped: int  # the same with model.gradient_checkpointing the other way
+    gpu: GpuMemory | None  # the busiest trainer GPU; None without a placement, the GPU's memory or the trainer's
+    problem: str | None  # why it does not fit, with what would make it fit; None when it fits or can't be told
+
+
+def memory_plan(cfg: TrainConfig, gpus: Gpus | None = None, serves: bool = True) -> MemoryPlan:
+    """The memory plan of `cfg` on `gpus` (None: this machine's), for a run whose engines serve (`serves`: rl, or
+    validation with the agent). ConfigError for GPU lists that can't be used."""
     machine = this_machine() if gpus is None else gpus
     try:
         placement = placement_of(cfg, machine, serves)
     except PlacementError as exc:
         raise ConfigError(str(exc)) from None
-    if e.sleep and serves and e.url is None and placement is None:
-        raise ConfigError(f"rollout.engine.sleep {e.sleep} needs the engine on a CUDA GPU (vLLM's sleep mode), and "
-                          "this machine has none visible: leave it 0 on CPU")
-    if placement is None or machine.memory_bytes is None or not cfg.model.path:
-        return
-    parameters = count_parameters(cfg.model.path)
-    if parameters is None:  # a Hub id not fetched yet, or weights in another format: nothing to count
-        return
-    lora = t.lora.rank > 0
-    memory = trainer_memory(parameters, 2 if cfg.model.dtype in ("bfloat16", "float16") else 4,
-                            world=t.fsdp.nprocs, lora=lora,
-                            trainable=lora_parameters(cfg.model.path, t.lora.rank, t.lora.target_modules)
-                            if lora else None, reference=t.kl_coef > 0, critic=t.adv_estimator == "gae",
-                            offload=t.fsdp.param_offload or t.fsdp.optimizer_offload)
-    problem = memory_problem(memory, machine.memory_bytes, placement, sleep=bool(e.sleep))
-    if problem is not None:
-        raise ConfigError(f"the memory plan does not fit ({placement.describe()}; {parameters / 1e9:.2f}B "
-                          f"parameters, model.dtype {cfg.model.dtype}): {problem}. Lower "
-                          "rollout.engine.gpu_memory_utilization, set rollout.engine.sleep, train in bfloat16 "
-                          "(model.dtype) or with LoRA (trainer.lora.rank), offload (trainer.fsdp.param_offload), "
-                          "add ranks (trainer.fsdp.nprocs), or use placement.layout split")
+    path, m = cfg.model.path, cfg.model
+    shape = model_shape(path) if path else None
+    parameters = count_parameters(path) if path and cfg.backbone == "harness" else None
+    trainer = _trainer_memory(cfg, parameters) if parameters else None
+    gpu = _gpu_memory(cfg, machine, parameters, shape, serves) if trainer else None
+    problem = None
+    if gpu is not None and placement is not None and not gpu.fits:
+        what = memory_problem(gpu.trainer, gpu.total, placement, sleep=bool(cfg.rollout.engine.sleep),
+                              activations=gpu.activations)
+        problem = (f"the memory plan does not fit ({placement.describe()}; {parameters / 1e9:.2f}B parameters, "
+                   f"model.dtype {m.dtype}, trainer.micro_batch_tokens {cfg.trainer.micro_batch_tokens}, "
+                   f"model.gradient_checkpointing {str(m.gradient_checkpointing).lower()}): {what}. "
+                   f"{_fits_with(cfg, machine, parameters, shape, serves, gpu)}")
+    return MemoryPlan(placement, machine.memory_bytes, shape, trainer,
+                      _activations(cfg, shape, m.gradient_checkpointing),
+                      _activations(cfg, shape, not m.gradient_checkpointing), gpu, problem)
+
+
+_HALF = ("bfloat16", "float16")
+
+
+def _trainer_memory(cfg: TrainConfig, parameters: int) -> TrainerMemory:
+    t, lora = cfg.trainer, cfg.trainer.lora.rank > 0
+    return trainer_memory(parameters, 2 if cfg.model.dtype in _HALF else 4, world=t.fsdp.nprocs, lora=lora,
+                          trainable=lora_parameters(cfg.model.path, t.lora.rank, t.lora.target_modules)
+                          if lora else None, reference=t.kl_coef > 0, critic=t.adv_estimator == "gae",
+                          offload=t.fsdp.param_offload or t.fsdp.optimizer_offload)
+
+
+def _activations(cfg: TrainConfig, shape: Shape | None, checkpointing: bool) -> int:
+    """One micro-batch's activations, computed in bf16 with trainer.fsdp.mixed_precision or a bf16 model."""
+    if shape is None:
+        return 0
+    half = cfg.trainer.fsdp.mixed_precision or cfg.model.dtype in _HALF
+    return shape.activation_bytes(cfg.trainer.micro_batch_tokens, checkpointing, 2 if half else 4,
+                                  offload=cfg.model.activation_offload)
+
+
+def _gpu_memory(cfg: TrainConfig, machine: Gpus, parameters: int, shape: Shape | None,
+                serves: bool) -> GpuMemory | None:
+    placement = placement_of(cfg, machine, serves)
+    if placement is None or machine.memory_bytes is None:
+        return None
+    return gpu_memory(_trainer_memory(cfg, parameters), machine.memory_bytes, placement,
+                      sleep=bool(cfg.rollout.engine.sleep),
+                      activations=_activations(cfg, shape, cfg.model.gradient_checkpointing))
+
+
+def _fits_with(cfg: TrainConfig, machine: Gpus, parameters: int, shape: Shape | None, serves: bool,
+               now: GpuMemory) -> str:
+    """What would make a plan that does not fit fit, leaving out what is on already: each setting with what it
+    saves on the busiest GPU (the same plan recomputed with it), from the cheapest to try."""
+    t, m, e = cfg.trainer, cfg.model, cfg.rollout.engine
+    n = t.fsdp.nprocs
+    tries: list[dict[str, Any]] = []
+    if not m.gradient_checkpointing:
+        tries.append({"model.gradient_checkpointing": True})
+    if now.engines and not e.sleep and cfg.rollout.async_.max_staleness == 0:
+        tries.append({"rollout.engine.sleep": 1})
+    if t.micro_batch_tokens > 1:
+        tries.append({"trainer.micro_batch_tokens": t.micro_batch_tokens // 2})
+    if not m.activation_offload:
+        tries.append({"model.activation_offload": True})
+    if m.dtype not in _HALF:
+        tries.append({"model.dtype": "bfloat16"})
+    if t.lora.rank == 0:
+        tries.append({"trainer.lora.rank": 16} | ({"rollout.engine.sleep": 1} if e.sleep == 2 else {}))
+    if not (t.fsdp.param_offload or t.fsdp.optimizer_offload):
+        tries.append({"trainer.fsdp.param_offload": True})
+    if machine.count >= 2 * n and not cfg.placement.trainer_gpus:
+        tries.append({"trainer.fsdp.nprocs": 2 * n})
+    if now.engines and machine.count > n:
+        tries.append({"placement.layout": "split"})
+    ways = []
+    if (share := _fitting_share(now, bool(e.sleep), 2 * parameters)) is not None:
+        ways.append(f"rollout.engine.gpu_memory_utilization: {share:.2f} (then it fits, each engine keeping "
+                    f"~{share * now.total / GIB:.1f} GiB for its bf16 weights, ~{2 * parameters / GIB:.1f} GiB, and "
+                    "its KV cache)")
+    for changes in tries:
+        try:
+            after = _gpu_memory(_with(cfg, changes), machine, parameters, shape, serves)
+        except (ConfigError, PlacementError):
+            continue
+        if after is not None and after.worst < now.worst:
+            setting = " and ".join(f"{key}: {str(value).lower()}" for key, value in changes.items())
+            ways.append(f"{setting} (saves ~{(now.worst - after.worst) / GIB:.1f} GiB"
+                        f"{', then it fits' if after.fits else ''})")
+    if not ways:
+        return "No setting of this config makes it fit: a GPU with more memory, or a smaller model"
+    return "To fit, set one or more of: " + "; ".join(ways)
+
+
+def _fitting_share(now: GpuMemory, sleep: bool, engine_weights: int) -> float | None:
+    """The largest rollout.engine.gpu_memory_utilization below the present one with which the plan fits and each
+    engine still holds its weights and a GiB of KV cache; None when there is none."""
+    if not now.engines:
+        return None
+    total, per = now.total, now.engines * now.total
+    share = min((total - now.trainer.resident) / per,
+                (total - now.trainer.peak - now.activations) / (per * (ENGINE_ASLEEP if sleep else 1)))
+    share = int(share * 100) / 100
+    if share >= now.share or share * total < engine_weights + GIB:
+        return None
+    return share
+
+
+def _with(cfg: Any, changes: dict[str, Any]) -> Any:
+    """`cfg` with the dotted keys of `changes` (their field names) set."""
+    for dotted, value in changes.items():
+        head, _, rest = dotted.partition(".")
+        inner = _with(getattr(cfg, head), {rest: value}) if rest else value
+        cfg = dataclasses.replace(cfg, **{head: inner})
+    return cfg
 
 
 def _check_offline(cfg: TrainConfig, where: str, mode: Mode) -> None:

@@ -56,12 +56,12 @@ def type_text(tp: Any) -> str:
 def _default_text(f: dataclasses.Field) -> str:
     if f.metadata.get("required"):
         return "required"
-    default = f.default_factory() if f.default is dataclasses.MISSING else f.default
-    return json.dumps(default)
+    return json.dumps(_default(f))
 
 
-def describe_config(markdown: bool = False) -> str:
-    """Every key with its type, default, range and help: for `harness train --show-config` and docs/training.md."""
+def describe_config(markdown: bool = False, cfg: TrainConfig | None = None) -> str:
+    """Every key with its type, default, range and help: for `harness train --show-config` and docs/training.md.
+    With `cfg` (text only), each key's value in it first, as `harness train FILE --show-config` shows a file."""
     lines: list[str] = []
     for key, f, tp, section in [(ROOT, None, None, TrainConfig), *iter_keys()]:
         if section is not None:
@@ -74,9 +74,25 @@ def describe_config(markdown: bool = False) -> str:
         if markdown:
             cells = (f"`{key}`", kind, f"`{_default_text(f)}`", f.metadata["help"])
             lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+        elif cfg is not None:
+            value = _value_at(cfg, key)
+            default = ("required" if f.metadata.get("required") else "the default" if value == _default(f)
+                       else f"default {_default_text(f)}")
+            lines.append(f"{key} = {json.dumps(value)}  ({kind}; {default})\n    {f.metadata['help']}")
         else:
             lines.append(f"{key}  ({kind}; default {_default_text(f)})\n    {f.metadata['help']}")
     return "\n".join(lines).strip() + "\n"
+
+
+def _default(f: dataclasses.Field) -> Any:
+    return f.default_factory() if f.default is dataclasses.MISSING else f.default
+
+
+def _value_at(cfg: Any, key: str) -> Any:
+    """The value of the dotted YAML `key` in `cfg`."""
+    for part in key.split("."):
+        cfg = getattr(cfg, next(f.name for f in dataclasses.fields(cfg) if key_name(f) == part))
+    return cfg
 
 
 # ---------------------------------------------------------------------------------------------------------------

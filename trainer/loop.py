@@ -45,7 +45,7 @@ from harness.running.tasks import read_tasks
 from harness.running.vllm_server import EngineError
 from trainer import algorithms as algo
 from trainer.async_rollouts import RolloutsAhead, keep_fresh, plan_steps
-from trainer.checkpoint import check_resume, find_resume, load, save
+from trainer.checkpoint import check_resume, find_resume, load, model_fingerprint, save, saved_state
 from trainer.config import TrainConfig, run_dir, save_resolved
 from trainer.config_checks import placement_of
 from trainer.critic import Critic
@@ -106,6 +106,9 @@ def _train(cfg: TrainConfig, dist: Dist, placement: Placement | None) -> dict[st
     batch_size = min(cfg.rollout.batch_size, len(tasks))
     total_steps = t.total_steps or math.ceil(len(tasks) / batch_size)
 
+    this_model, checkpoint = model_fingerprint(cfg), find_resume(out, t.resume)
+    if checkpoint is not None:  # before the model loads: a checkpoint of another run or model is refused at once
+        check_resume(saved_state(checkpoint), checkpoint, "rl", model=this_model, experiment=cfg.experiment_name)
     model, optimizer, scheduler = policy_and_optimizer(cfg, dist, total_steps)
     lora = spec_of(t.lora)
     reference = None
@@ -116,10 +119,8 @@ def _train(cfg: TrainConfig, dist: Dist, placement: Placement | None) -> dict[st
     critic = Critic(cfg, dist, total_steps) if t.adv_estimator == "gae" else None  # the value model (GAE)
 
     start, data_pos, kl_coef = 0, 0, t.kl_coef
-    checkpoint = find_resume(out, t.resume)
     if checkpoint is not None:
         state = load(checkpoint, model, optimizer, scheduler, dist)
-        check_resume(state, checkpoint, "rl")
         start, data_pos, kl_coef = state["step"], state["data_pos"], state.get("kl_coef", t.kl_coef)
         if critic is not None:
             critic.load(checkpoint)
@@ -212,7 +213,7 @@ def _train(cfg: TrainConfig, dist: Dist, placement: Placement | None) -> dict[st
                     metrics.update(validate(rollouts, step, val_tasks, cfg) if dist.is_main else {})
             if (t.save_freq and step % t.save_freq == 0) or step == total_steps:
                 t0 = time.perf_counter()
-                resume_state = {"mode": "rl", "data_pos": data_pos, "kl_coef": kl_coef}
+                resume_state = {"mode": "rl", "model": this_model, "data_pos": data_pos, "kl_coef": kl_coef}
                 save(out, step, model, optimizer, scheduler, resume_state, dist, keep_last=t.keep_checkpoints)
                 if critic is not None:
                     critic.save(out, step, keep_last=t.keep_checkpoints)

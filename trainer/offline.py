@@ -39,7 +39,7 @@ from harness.running.tasks import read_tasks
 from harness.store.database import Store
 from trainer import algorithms as algo
 from trainer import loop_parts as parts
-from trainer.checkpoint import check_resume, find_resume, load, save
+from trainer.checkpoint import check_resume, find_resume, load, model_fingerprint, save, saved_state
 from trainer.config import Mode, TrainConfig, config_to_dict, run_dir, save_resolved
 from trainer.config_checks import placement_of
 from trainer.fsdp import Dist, init_distributed, metrics_over_ranks, most_over_ranks, shutdown
@@ -81,14 +81,16 @@ def _train(cfg: TrainConfig, mode: Mode, dist: Dist) -> dict[str, float]:
                            limit=cfg.data.validation_limit) if cfg.data.validation else []
     plan = _batches(len(samples), o.batch_size, o.epochs, t.seed)
     total_steps = len(plan)
+    fingerprint, this_model = _fingerprint(mode, samples, cfg), model_fingerprint(cfg)
+    checkpoint = find_resume(out, t.resume)
+    if checkpoint is not None:  # before the model loads: a checkpoint of another run, model or data is refused
+        check_resume(saved_state(checkpoint), checkpoint, mode, fingerprint, model=this_model,
+                     experiment=cfg.experiment_name)
     model, optimizer, scheduler = parts.policy_and_optimizer(cfg, dist, total_steps)
     pad_id = parts.pad_id_of(cfg.model.path, cfg.model.trust_remote_code)
-    start, fingerprint = 0, _fingerprint(mode, samples, cfg)
-    checkpoint = find_resume(out, t.resume)
+    start = 0
     if checkpoint is not None:
-        state = load(checkpoint, model, optimizer, scheduler, dist)
-        check_resume(state, checkpoint, mode, fingerprint)
-        start = state["step"]
+        start = load(checkpoint, model, optimizer, scheduler, dist)["step"]
         log.info("resumed from %s: continuing with step %d of %d", checkpoint, start + 1, total_steps)
 
     rollouts = sync = tracker = store = None
@@ -149,8 +151,8 @@ def _train(cfg: TrainConfig, mode: Mode, dist: Dist) -> dict[str, float]:
                 metrics.update(parts.push_weights(model, sync, dist, version=step))
                 metrics.update(parts.validate(rollouts, step, val_tasks, cfg) if dist.is_main else {})
             if (t.save_freq and step % t.save_freq == 0) or last:
-                save(out, step, model, optimizer, scheduler, {"mode": mode, "plan": fingerprint}, dist,
-                     keep_last=cfg.trainer.keep_checkpoints)
+                save(out, step, model, optimizer, scheduler, {"mode": mode, "model": this_model, "plan": fingerprint},
+                     dist, keep_last=cfg.trainer.keep_checkpoints)
             metrics["time/step_s"] = time.perf_counter() - started
             parts.log_metrics(tracker, step, metrics)
         parts.write_trained(model, cfg, out, dist)

@@ -28,7 +28,10 @@ harness/cli/doctor_render.py. transformers is imported inside `load_tokenizer`: 
 from __future__ import annotations
 
 import json
+import logging
 import textwrap
+from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -206,40 +209,124 @@ def check_history(template: Template, parser: Reader, reasoned: bool = False) ->
     return Check("history", OK, f"all {probes} kinds of reply come back exactly as the model wrote them"), notes
 
 
-def check_tool_parser(template: Template, parser: Reader, reasoned: Reader | None = None) -> Check:
-    """`reasoned`: the tool parser with the reasoning parser, as the engine reads a reply; it reads the turns the
-    template renders with a reasoning block (GLM's `<think></think>` in every turn), the tool parser alone the others
-    (a reasoning parser takes a turn without one for unfinished reasoning)."""
-    markers = reasoned.parsing.reasoning_markers if reasoned is not None else None
-    findings: list[Finding] = []
-    replies = 0
+@dataclass(frozen=True)
+class _Turn:
+    """An assistant turn of TOOL_USE as the template writes it and the engine hands it back."""
+
+    where: str
+    message: dict
+    text: str  # the turn's ids decoded, special tokens kept (vLLM does so with tools on)
+    bare: str | None  # the same turn rendered without its text before the calls (None: it has none)
+
+
+def _tool_turns(template: Template) -> list[_Turn]:
+    """Every assistant turn of TOOL_USE; a RenderError or Divergence when one cannot be rendered."""
+    def text_of(messages: list[dict]) -> str:
+        _, reply, _ = template.latest_turn(messages, TOOLS)
+        return template.tokenizer.decode(template.ids(reply), skip_special_tokens=False)
+
+    turns = []
     for i, message in enumerate(TOOL_USE):
         if message["role"] != "assistant":
             continue
-        where = f"tool calls and results, assistant message {i}"
-        try:
-            _, reply, _ = template.latest_turn(TOOL_USE[:i + 1], TOOLS)
-        except (Divergence, RenderError) as exc:
-            return Check("tool-parser", WARN, f"could not render an assistant turn to parse ({where}: {exc})")
-        # what the engine hands back: the reply's ids decoded, special tokens kept (vLLM does so with tools on)
-        text = template.tokenizer.decode(template.ids(reply), skip_special_tokens=False)
+        bare = (text_of([*TOOL_USE[:i], {**message, "content": ""}])
+                if message.get("tool_calls") and message["content"] else None)
+        turns.append(_Turn(f"tool calls and results, assistant message {i}", message, text_of(TOOL_USE[:i + 1]),
+                           bare))
+    return turns
+
+
+def _read(turn: _Turn, parser: Reader, reasoned: Reader | None) -> tuple[str, Finding | None]:
+    """How `parser` reads the turn: ("ok", None); ("limit", finding), it reads the calls only without the text
+    written before them, which the format has no place for; ("misread", finding), it reads other calls or content
+    than the template wrote."""
+    markers = reasoned.parsing.reasoning_markers if reasoned is not None else None
+
+    def parse(text: str):
         parsed = (reasoned if markers and markers[1] in text else parser).parse(text)
-        want = [(c["function"]["name"], c["function"]["arguments"]) for c in message.get("tool_calls", [])]
-        got = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in parsed.tool_calls]
-        replies += 1
-        if got != want:
-            findings.append(Finding(where, f"the template renders this turn as {show(text)}; the {parser.name} "
-                                    "parser reads other tool calls from it", expected=show(want), found=show(got)))
-        elif (parsed.content or "").strip() != (message["content"] or "").strip():
-            findings.append(Finding(where, "the parser returns other content than the template rendered",
-                                    expected=show(message["content"]), found=show(parsed.content)))
-    if findings:
-        return Check("tool-parser", FAIL, f"the {parser.name} parser does not read back {len(findings)} of "
-                     f"{replies} assistant turns the template renders", tuple(findings),
-                     "Agents would get wrong tool calls or content from what the model writes. Pick the parser "
-                     "for this model family with --tool-parser (vLLM's --tool-call-parser).")
+        return [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in parsed.tool_calls], parsed
+
+    message, name = turn.message, parser.name
+    want = [(c["function"]["name"], c["function"]["arguments"]) for c in message.get("tool_calls", [])]
+    got, parsed = parse(turn.text)
+    written = (message["content"] or "").strip()
+    rendered = written if written and written in turn.text else ""  # a template may leave it out (Mistral v3)
+    content = (parsed.content or "").strip()
+    if got == want and content == rendered:
+        return "ok", None
+    if turn.bare is not None and rendered and parse(turn.bare)[0] == want:
+        read = ("reads the calls and drops the text" if got == want else "reads no call, only text")
+        return "limit", Finding(turn.where, f"the template writes text before the calls: {show(turn.text)}; the "
+                                f"{name} parser {read} (as the engine does), and reads the same calls written alone: "
+                                "this format has calls open a reply", expected=show(want), found=show(got))
+    if got != want:
+        return "misread", Finding(turn.where, f"the template renders this turn as {show(turn.text)}; the {name} "
+                                  "parser reads other tool calls from it", expected=show(want), found=show(got))
+    return "misread", Finding(turn.where, f"the template renders this turn as {show(turn.text)}; the {name} parser "
+                              "returns other content", expected=show(rendered), found=show(parsed.content))
+
+
+def check_tool_parser(template: Template, parser: Reader, reasoned: Reader | None = None,
+                      others: Callable[[list[_Turn]], list[str]] | None = None) -> Check:
+    """`reasoned`: the tool parser with the reasoning parser, as the engine reads a reply; it reads the turns the
+    template renders with a reasoning block (GLM's `<think></think>` in every turn), the tool parser alone the others
+    (a reasoning parser takes a turn without one for unfinished reasoning). `others(turns)`: the other tool parsers
+    that read every turn, named when this one does not."""
+    try:
+        turns = _tool_turns(template)
+    except (Divergence, RenderError) as exc:
+        return Check("tool-parser", WARN, f"could not render an assistant turn to parse ({exc})")
+    read = [_read(turn, parser, reasoned) for turn in turns]
+    misread = [f for verdict, f in read if verdict == "misread"]
+    limits = [f for verdict, f in read if verdict == "limit"]
+    if misread:
+        fits = others(turns) if others is not None else []
+        which = (f"The tool parsers that read back every turn this template writes: {', '.join(fits)}; pass one with "
+                 "--tool-parser (vLLM's --tool-call-parser)." if fits else
+                 "No tool parser of vLLM's reads back every turn this template writes: check the template "
+                 "(--chat-template FILE) against the model family's published format.")
+        return Check("tool-parser", FAIL, f"the template writes {len(misread)} of {len(turns)} assistant turns in a "
+                     f"way the {parser.name} parser does not read back", tuple(misread + limits),
+                     f"Agents would get wrong tool calls or content from what the model writes. {which}")
+    if limits:
+        return Check("tool-parser", OK, f"the {parser.name} parser reads back the tool calls of all {len(turns)} "
+                     f"assistant turns the template renders; {len(limits)} of them has text before its calls, which "
+                     "this format has no place for (its calls open a reply): the parser reads it as the engine does",
+                     tuple(limits))
     return Check("tool-parser", OK, f"the {parser.name} parser reads back the names, arguments and content of all "
-                 f"{replies} assistant turns the template renders (one and two tool calls, text before calls)")
+                 f"{len(turns)} assistant turns the template renders (one and two tool calls, text before calls)")
+
+
+def other_readers(template: Template, model_dir: str | Path, tried: str, reasoning_parser: str | None):
+    """`others` for check_tool_parser: every tool parser of vLLM's that loads with this tokenizer and reads every
+    turn (a format limit allowed), as the engine would read them."""
+    def reads_all(name: str, turns: list[_Turn]) -> bool:
+        try:
+            parser = Reader(reply_parsing(name, None, str(model_dir)), template.tokenizer)
+            reasoned = (Reader(reply_parsing(name, reasoning_parser, str(model_dir)), template.tokenizer)
+                        if reasoning_parser is not None else None)
+            return all(_read(turn, parser, reasoned)[0] != "misread" for turn in turns)
+        except Exception:  # a parser that does not load with this tokenizer, or fails on this format
+            return False
+
+    def readers(turns: list[_Turn]) -> list[str]:
+        from proxy.tool_parsers import TOOL_PARSERS
+
+        other_ids = None  # the turns as agents send them back to a parser of the other kind of call ids
+
+        def turns_for(name: str) -> list[_Turn]:
+            nonlocal other_ids
+            if (name in NAMED_ID_PARSERS) == template.named_ids:
+                return turns
+            if other_ids is None:
+                other = Template(template.tokenizer, template.stop_ids, not template.named_ids)
+                other.close = template.close
+                other_ids = _tool_turns(other)
+            return other_ids
+
+        return [name for name in TOOL_PARSERS if name != tried and reads_all(name, turns_for(name))]
+
+    return readers
 
 
 _THOUGHT, _LATER_THOUGHT = "I should look up Paris first.", "The tool says 21 degrees."
@@ -259,14 +346,15 @@ def check_reasoning(template: Template, reasoning_parser: str | None) -> Check:
     except RenderError as exc:
         return Check("reasoning", WARN, f"could not render a reply with reasoning_content: {exc}")
     named = f"the {reasoning_parser} reasoning parser" if reasoning_parser else "a reasoning parser (none given)"
+    pick = ("Use reasoning_history as_rendered (the default): each call after a reply that reasoned starts a new "
+            "sample, trained on the history as the model is served it; keep would merge the episode into one sample "
+            "with the sampled reasoning in a context the model is never served.")
     if not latest and not in_loop:
-        return Check("reasoning", OK if reasoning_parser is None else WARN,
-                     "the template does not render a reply's reasoning (reasoning_content) at all", (),
-                     "" if reasoning_parser is None else
-                     f"With {named}, every call after a reply that reasoned sees no reasoning: with reasoning_history "
-                     "as_rendered (the default) each such call starts a new sample, trained on what the model is "
-                     "served; keep merges the episode into one sample, with the sampled reasoning in a context the "
-                     "model is never served.")
+        if reasoning_parser is None:
+            return Check("reasoning", OK, "the template does not render a reply's reasoning (reasoning_content) at all")
+        return Check("reasoning", WARN, f"the template does not render a reply's reasoning at all: with {named}, "
+                     "every call after a reply that reasoned sees none of it; reasoning_history as_rendered fits", (),
+                     pick)
     if in_loop and not after_user:
         return Check("reasoning", OK, "the template renders a reply's reasoning while its tool loop lasts and drops it "
                      "at the next user message (as Qwen3 does): reasoning_history as_rendered (the default) fits, "
@@ -274,12 +362,10 @@ def check_reasoning(template: Template, reasoning_parser: str | None) -> Check:
                      "episode, trained with earlier reasoning the model is not served with")
     if in_loop and after_user:
         return Check("reasoning", OK, "the template keeps every reply's reasoning in the history: both "
-                     "reasoning_history choices merge the whole episode into one sample")
+                     "reasoning_history choices merge the whole episode into one sample; keep the default, "
+                     "as_rendered")
     return Check("reasoning", WARN, "the template renders reasoning for the latest reply only and drops it as soon as "
-                 "another message follows", (),
-                 "With reasoning_history as_rendered (the default) each call after a reply that reasoned starts a new "
-                 "sample, trained on what the model is served; keep merges them, with the sampled reasoning in a "
-                 "context the model is never served.")
+                 "another message follows: reasoning_history as_rendered fits", (), pick)
 
 
 def check_close_token(template: Template) -> Check:
@@ -356,9 +442,27 @@ def _stop_ids(tokenizer, model_dir: Path) -> dict[int, str]:
     return stops
 
 
+@contextmanager
+def _quiet_vllm():
+    """vLLM's parsers log every reply they cannot read, with a traceback: doctor reports those as findings."""
+    vllm_log = logging.getLogger("vllm")
+    level = vllm_log.level
+    vllm_log.setLevel(logging.CRITICAL + 1)
+    try:
+        yield
+    finally:
+        vllm_log.setLevel(level)
+
+
 def diagnose(model_dir: str | Path, tool_parser: str = "hermes", chat_template: str | Path | None = None,
              reasoning_parser: str | None = None) -> Report:
     """Run the five checks on the model in `model_dir`; raises DoctorError on bad input."""
+    with _quiet_vllm():
+        return _diagnose(model_dir, tool_parser, chat_template, reasoning_parser)
+
+
+def _diagnose(model_dir: str | Path, tool_parser: str, chat_template: str | Path | None,
+              reasoning_parser: str | None) -> Report:
     tokenizer = load_tokenizer(model_dir, chat_template)
     try:  # tool calls are read by the tool parser alone (the reasoning check places the reasoning), but for turns
         # the template renders with a reasoning block (check_tool_parser)
@@ -372,7 +476,8 @@ def diagnose(model_dir: str | Path, tool_parser: str = "hermes", chat_template: 
     close_check = check_close_token(template)
     append_only, notes = check_append_only(template)
     history, history_notes = check_history(template, parser, reasoned=reasoning_parser is not None)
-    checks = (append_only, history, check_tool_parser(template, parser, reasoned),
+    others = other_readers(template, model_dir, tool_parser, reasoning_parser)
+    checks = (append_only, history, check_tool_parser(template, parser, reasoned, others),
               check_reasoning(template, reasoning_parser), close_check)
     source = str(chat_template) if chat_template is not None else "the model's own"
     return Report(str(model_dir), source, parser.name, checks, reasoning_parser=reasoning_parser,

@@ -164,7 +164,7 @@ def _retokenize_main(args) -> int:
     from harness.store.retokenize import retokenize_database
 
     try:
-        model = local_model(args.model, "--model")
+        model = local_model(args.model, "--model", files="tokenizer")  # retokenizing reads the tokenizer only
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -13,6 +14,7 @@ from harness.cli import options
 from harness.cli.export import add_parser as add_export_parser
 from harness.cli.export import add_retokenize_parser
 from harness.cli.models import add_model_parsers
+from harness.cli.parsers import add_parser as add_parsers_parser
 from harness.cli.serve import add_parser as add_serve_parser
 from harness.cli.train import add_sft_parser, add_train_parser
 from harness.running.limits import AGENT_MAX_PROCS, AGENT_MEMORY_MB
@@ -23,9 +25,14 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
-        return args.func(args)
+        status = args.func(args)
+        sys.stdout.flush()  # here, where a closed pipe is caught, not at exit
+        return status
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # `harness ... | head` closed the pipe: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit's flush does not raise again
+        return 141  # a shell's status for SIGPIPE
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -44,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_roles(verbs)
     add_model_parsers(verbs)
     _add_doctor(verbs)
+    add_parsers_parser(verbs)
     add_train_parser(verbs)
     add_sft_parser(verbs)
     add_view_parser(verbs)
@@ -118,6 +126,7 @@ def _run(args) -> int:
         return 2
     command = [sys.executable, str(args.agent.resolve())] if args.agent else shlex.split(args.cmd)
     try:
+        engine_args = options.engine_args(args)
         tasks = read_tasks(args.data, split=args.split, limit=args.limit)
         if not tasks:
             raise TaskError(f"{args.data!r} has no tasks in split {args.split!r}")
@@ -139,7 +148,7 @@ def _run(args) -> int:
         else:
             engine = start_or_attach(model=args.model, upstream=(args.upstream or [None])[0],
                                      run_dir=args.run_dir, max_model_len=args.max_model_len,
-                                     **options.parsers(args))
+                                     extra_args=engine_args, **options.parsers(args))
     except (TaskError, JudgeError, EngineError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -343,10 +352,13 @@ def _doctor(args) -> int:
     import json
 
     from harness.cli.doctor import DoctorError, diagnose, format_report
+    from harness.cli.parsers import quiet_vllm_info
     from harness.running.hub import ModelNotFoundError, local_model
 
+    quiet_vllm_info()
     try:
-        model = args.model if Path(args.model).exists() else local_model(args.model)  # a tokenizer is enough here
+        model = (args.model if Path(args.model).exists()  # a directory of tokenizer files is enough here
+                 else local_model(args.model, "--model", files="tokenizer"))  # a Hub id: those files, no weights
         report = diagnose(model, tool_parser=args.tool_parser, chat_template=args.chat_template,
                           reasoning_parser=args.reasoning_parser)
     except (DoctorError, ModelNotFoundError) as exc:

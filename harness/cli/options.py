@@ -125,6 +125,12 @@ def add_engine_args(p) -> None:
     p.add_argument("--max-model-len", type=int, default=4096,
                    help="context length of an engine started with --model, prompt and completion together, as "
                    "harness train's rollout.engine.max_model_len (default: %(default)s)")
+    p.add_argument("--engine-args", action="append", default=[], metavar="STRING",
+                   help="more vLLM command-line arguments for the engine started with --model, split like a shell "
+                   "splits them and appended to its command line, as harness train's rollout.engine.extra_args, e.g. "
+                   "--engine-args \"--gpu-memory-utilization 0.8 --tensor-parallel-size 2\"; repeatable. Write one "
+                   "flag alone as --engine-args=--enforce-eager. Flags harness sets itself (--model, --port, "
+                   "--max-model-len, --tool-call-parser, ...) are refused with the option to use instead")
     p.add_argument("--no-token-exact", action="store_true",
                    help="render every chat call with the engine's chat template instead of continuing conversations "
                    "from the recorded token ids (docs/proxy.md: token-exact continuity)")
@@ -142,6 +148,17 @@ def add_engine_args(p) -> None:
                    "a new user message): as_rendered starts a new sample on the history as rendered, so the model "
                    "is trained on what it is served; keep continues token-exactly with the sampled reasoning kept "
                    "(one sample per episode; docs/proxy.md) (default: %(default)s)")
+
+
+def engine_args(args) -> list[str]:
+    """The extra vLLM arguments --engine-args gives, checked as train's rollout.engine.extra_args are (a ValueError
+    names a flag harness sets itself, or engine arguments for an engine already running)."""
+    from harness.running.engine_args import check_engine_args, split_engine_args
+
+    if args.engine_args and args.upstream:
+        raise ValueError("--engine-args go to the engine harness starts with --model; with --upstream the engine "
+                         "is already running: start it with them yourself, or drop --engine-args")
+    return check_engine_args(split_engine_args(args.engine_args), "--engine-args")
 
 
 def parsers(args) -> dict:

@@ -43,6 +43,11 @@ def _serve(args) -> int:
     from harness.running.vllm_server import EngineError, start_or_attach
     from proxy import SamplingOverrides, serve_forever
 
+    try:
+        engine_args = options.engine_args(args)  # refused before anything starts, record-only included
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     args.run_dir.mkdir(parents=True, exist_ok=True)
     db = args.db or args.run_dir / "harness.duckdb"
     if args.record_only or args.upstream_key_env:
@@ -51,7 +56,8 @@ def _serve(args) -> int:
         sampling = SamplingOverrides(args.temperature, args.top_p, args.max_tokens_cap)
         limits = options.limits(args)  # before an engine starts
         engine = start_or_attach(model=args.model, upstream=(args.upstream or [None])[0], run_dir=args.run_dir,
-                                 max_model_len=args.max_model_len, **options.parsers(args))
+                                 max_model_len=args.max_model_len, extra_args=engine_args,
+                                 **options.parsers(args))
     except (EngineError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1 if isinstance(exc, EngineError) else 2  # the engine failed; else bad input

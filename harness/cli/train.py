@@ -3,14 +3,24 @@
     harness train config.yaml                     the closed RL loop (trainer/loop.py), or with verl on Ray
     harness train config.yaml --from-run RUN      train on a recorded run, no rollouts (trainer/offline.py)
     harness sft config.yaml                       supervised fine-tuning on chat records (trainer/offline.py)
+    harness train config.yaml --check             what the config amounts to, and what would stop it: nothing starts
+    harness train config.yaml --show-config       every key's value in the config, beside its default
 
-All three read one config file (docs/training.md); torch is imported only once a config checked out.
+All read one config file (docs/training.md); torch is imported only once a config checked out.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import sys
+from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from harness.running.gpus import Gpus
+    from trainer.config import TrainConfig
+    from trainer.config_checks import MemoryPlan
 
 
 def add_train_parser(verbs) -> None:
@@ -55,7 +65,12 @@ def _common(p) -> None:
     p.add_argument("config", nargs="?", type=Path, help="the YAML config (e.g. examples/train/terse.yaml)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key, e.g. --set trainer.lr=1e-5 (repeatable)")
-    p.add_argument("--show-config", action="store_true", help="print every config key with its default and help")
+    p.add_argument("--show-config", action="store_true", help="print every config key with its default and help; "
+                   "with a config file, each key's value in it (its --set values applied) beside its default")
+    p.add_argument("--check", action="store_true", help="check the config without training and print its plan: "
+                   "the model (a directory, or a Hub id in the local cache: nothing is downloaded), the reply parsers "
+                   "on its tokenizer, the GPU placement and memory plan; exit 0 when nothing stops it, 1 with the "
+                   "problems. Starts no engine, agent or trainer")
 
 
 def _train(args) -> int:
@@ -74,15 +89,18 @@ def _sft(args) -> int:
 
 
 def _launch(args, overrides: list[str], verb: str) -> int:
-    from trainer.config import ConfigError, describe_config, load_config
+    from trainer.config import ConfigError, load_config
 
     if args.show_config:
-        print(describe_config())
-        return 0
+        shown = _show_config(args.config, overrides, verb)
+        if shown or not args.check:
+            return shown
     if args.config is None:
         print(f"error: give a config file, e.g. harness {verb} examples/train/terse.yaml "
               f"(harness {verb} --show-config lists the keys)", file=sys.stderr)
         return 2
+    if args.check:
+        return run_check(args.config, overrides, verb)
     try:
         # rl with offline.run: from_run; model.path a local directory (a Hub id: the cache, else downloaded) first
         cfg = load_config(args.config, overrides, "sft" if verb == "sft" else "rl", locate_model=True)
@@ -127,3 +145,173 @@ def _launch(args, overrides: list[str], verb: str) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# --show-config and --check
+
+
+def _show_config(config: Path | None, overrides: Sequence[str], verb: str) -> int:
+    from trainer.config import ConfigError, describe_config, read_config
+
+    if config is None:
+        if overrides:
+            print(f"error: --set (and --from-run, --data) change a config file's values: give the file, e.g. "
+                  f"harness {verb} examples/train/math.yaml --show-config --set ...", file=sys.stderr)
+            return 2
+        print(describe_config())
+        return 0
+    try:
+        cfg = read_config(config, overrides)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"# {config}{' with ' + ' '.join(overrides) if overrides else ''}: every key's value (paths resolved), "
+          f"its type and default\n")
+    print(describe_config(cfg=cfg))
+    return 0
+
+
+def run_check(config: Path, overrides: Sequence[str], verb: str = "train", gpus: Gpus | None = None) -> int:
+    """`harness VERB CONFIG --check`: print what the config amounts to and its problems; 0 when there are none."""
+    lines, problems = check_config(config, overrides, verb, gpus)
+    print(f"harness {verb} {config} --check")
+    for line in lines:
+        print(f"  {line}")
+    if problems:
+        print(f"\n{len(problems)} problem(s):")
+        for problem in problems:
+            print(f"  - {problem}")
+        return 1
+    print("\nok: nothing found that would stop it (nothing was started)")
+    return 0
+
+
+def check_config(config: Path, overrides: Sequence[str], verb: str = "train",
+                 gpus: Gpus | None = None) -> tuple[list[str], list[str]]:
+    """What `--check` finds: (the plan, as lines; the problems). The config is read with its overrides and checked
+    as `harness VERB` would; the model located without downloading anything (a directory, or a Hub id's snapshot in
+    the local cache); the reply parsers built on its tokenizer as the proxy builds them; the placement and memory
+    plan computed on `gpus` (None: this machine's). Nothing is started."""
+    from harness.running.gpus import this_machine
+    from trainer.config import ConfigError, read_config
+    from trainer.config_checks import check, memory_plan
+
+    try:
+        cfg = read_config(config, overrides)
+    except ConfigError as exc:
+        return [], [str(exc)]
+    mode = "sft" if verb == "sft" else "from_run" if cfg.offline.run else "rl"
+    serves = mode == "rl" or cfg.data.validation is not None
+    lines = [f"config       {config}: harness {verb}{' --from-run' if mode == 'from_run' else ''}, experiment "
+             f"{cfg.experiment_name}, backbone {cfg.backbone}"]
+    problems: list[str] = []
+    located = None
+    if cfg.model.path:
+        try:
+            located = _located(cfg.model.path, verb)
+            cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=located))
+        except ConfigError as exc:
+            problems.append(str(exc))
+    machine = this_machine() if gpus is None else gpus
+    try:
+        check(cfg, config.name, mode, machine)
+    except ConfigError as exc:
+        problems.append(str(exc))
+    try:
+        found = memory_plan(cfg, machine, serves)
+    except ConfigError as exc:
+        found = None
+        if str(exc) not in problems:
+            problems.append(str(exc))
+    if found is not None and found.shape is not None:
+        s = found.shape
+        lines.append(f"model        {cfg.model.path}: {_count(s.parameters)} parameters, hidden {s.hidden}, {s.layers} "
+                     f"layers, MLP {s.intermediate}, KV {s.kv_dim}, vocabulary {s.vocab}")
+    if located is not None and serves:
+        lines.append(_parsers(cfg, located, problems))
+    if found is not None:
+        lines += _plan_lines(cfg, found)
+        if found.problem is not None and found.problem not in problems:
+            problems.append(found.problem)
+    return lines, problems
+
+
+def _located(reference: str, verb: str) -> str:
+    """model.path's directory, nothing downloaded: a model directory, or a Hub id's snapshot in the local cache."""
+    from harness.running.hub import ModelNotFoundError, resolve_model
+    from trainer.config import ConfigError
+
+    try:
+        return str(resolve_model(reference, "model.path", download=False))
+    except ModelNotFoundError as exc:
+        raise ConfigError(f"{exc} (harness {verb} downloads it when it starts; --check downloads nothing)") from None
+
+
+def _parsers(cfg: TrainConfig, model_dir: str, problems: list[str]) -> str:
+    """The reply parsers built as the proxy builds them, on the model's tokenizer: their line, or a problem."""
+    from proxy.parsing import reply_parsing
+
+    r = cfg.rollout
+    names = f"rollout.tool_parser {r.tool_parser}, rollout.reasoning_parser {r.reasoning_parser or 'null'}"
+    try:
+        reply_parsing(r.tool_parser, r.reasoning_parser, model_dir)
+    except (ValueError, TypeError, OSError) as exc:
+        problems.append(f"the reply parsers ({names}) do not work with the model's tokenizer: {exc}")
+        return f"parsers      {names}: do not work with the model's tokenizer"
+    return f"parsers      {names}: built on the model's tokenizer"
+
+
+def _plan_lines(cfg: TrainConfig, plan: MemoryPlan) -> list[str]:
+    """The memory plan as --check prints it."""
+    m, t, e = cfg.model, cfg.trainer, cfg.rollout.engine
+    lines = []
+    lora = f"LoRA rank {t.lora.rank} on {', '.join(t.lora.target_modules)}" if t.lora.rank else "LoRA off"
+    weights = "bf16" if m.dtype in ("bfloat16", "float16") else "float32"
+    lines.append(f"training     model.dtype {m.dtype} ({weights} weights, gradients and AdamW), {lora}, "
+                 f"{t.fsdp.nprocs} rank(s)" + (", offloaded to CPU memory" if t.fsdp.param_offload
+                                               or t.fsdp.optimizer_offload else ""))
+    if cfg.backbone != "harness":
+        return [*lines, "GPUs         backbone verl places its own workers (verl.*): no memory plan here"]
+    if plan.placement is None:
+        lines.append("GPUs         none visible on this machine: no placement and no GPU memory to check (run --check "
+                     "where it will train)")
+    else:
+        lines.append(f"placement    {plan.placement.describe()}")
+    if plan.trainer is None:
+        return [*lines, f"memory       model.path {m.path!r} has no safetensors weights here to count: the memory "
+                        "plan is not estimated"]
+    tm, ckpt = plan.trainer, m.gradient_checkpointing
+    lines.append(f"trainer      ~{_size(tm.peak)} per GPU: weights and AdamW ~{_size(tm.resident)}, gradients "
+                 f"~{_size(tm.update)}")
+    if plan.shape is not None:
+        lines.append(f"activations  ~{_size(plan.activations)} for trainer.micro_batch_tokens {t.micro_batch_tokens} "
+                     f"with model.gradient_checkpointing {str(ckpt).lower()} ({str(not ckpt).lower()}: "
+                     f"~{_size(plan.activations_flipped)})")
+    g = plan.gpu
+    if g is None:
+        if plan.placement is not None:
+            lines.append("GPU memory   unknown (nvidia-smi did not say): not checked")
+        return lines
+    if g.engines:
+        asleep = (f"asleep (rollout.engine.sleep {e.sleep}) ~{_size(g.engine_asleep)}" if e.sleep else
+                  "all of it while the trainer updates too (rollout.engine.sleep 0)")
+        kv = f" (bf16 weights ~{_size(2 * plan.shape.parameters)}, the rest KV cache)" if plan.shape else ""
+        lines.append(f"engines      {g.engines} on the busiest trainer GPU, {g.share} of it each: "
+                     f"~{_size(g.engine_awake)} while generating{kv}; {asleep}")
+    lines += [f"GPU memory   {_size(g.total)} per GPU; the busiest trainer GPU holds",
+              f"  while the engines generate  ~{_size(g.engine_awake)} engines + ~{_size(g.trainer.resident)} "
+              f"trainer weights and AdamW = ~{_size(g.generating)}",
+              f"  while the trainer updates   ~{_size(g.engine_asleep)} engines + ~{_size(g.trainer.peak)} trainer + "
+              f"~{_size(g.activations)} activations = ~{_size(g.updating)}",
+              f"  {'fits' if g.fits else 'does not fit'}: ~{_size(abs(g.total - g.worst))} "
+              f"{'to spare (CUDA contexts, ~0.5-1 GiB a process, come out of it)' if g.fits else 'over'}"]
+    return lines
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 10**9 else f"{n / 1e6:.1f}M"
+
+
+def _size(n: int | float) -> str:
+    return f"{n / 1024**3:.1f} GiB" if n >= 1024**3 else f"{n / 1024**2:.1f} MiB"

@@ -13,8 +13,12 @@ CUDA_VISIBLE_DEVICES set to the entry at its index, so `CUDA_VISIBLE_DEVICES=4,5
 engine on physical GPU 5. Everything here takes what it knows of the machine as an argument (`Gpus`), so the
 plan can be checked for any machine; `this_machine()` asks nvidia-smi once.
 
-The trainer's memory is estimated from its parameter count (read from the safetensors headers, no weights
-loaded), per GPU, before activations, as `trainer_memory` documents. Pure stdlib: no torch, no vllm.
+The memory of a trainer GPU is estimated in the two phases of a step (`gpu_memory`): while the engines generate,
+their share beside the trainer's weights and AdamW moments; while the trainer updates, what the engines keep
+(all of it, or little asleep) beside the trainer's weights, moments and gradients (`trainer_memory`, from the
+parameter count read from the safetensors headers, no weights loaded) and one micro-batch's activations
+(`Shape.activation_bytes`, from the model's config.json). harness/running/gpu_sizing.py prints the same arithmetic
+as docs/gpu.md's table. Pure stdlib: no torch, no vllm.
 """
 
 from __future__ import annotations
@@ -27,12 +31,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["Gpus", "Placement", "PlacementError", "TrainerMemory", "count_parameters", "lora_parameters",
-           "memory_problem", "plan", "this_machine", "trainer_memory", "visible_gpus", "COLOCATED_SHARE",
-           "SPLIT_SHARE"]
+__all__ = ["GpuMemory", "Gpus", "Placement", "PlacementError", "Shape", "TrainerMemory", "count_parameters",
+           "gpu_memory", "lora_parameters", "memory_problem", "model_shape", "plan", "this_machine", "trainer_memory",
+           "visible_gpus", "COLOCATED_SHARE", "ENGINE_ASLEEP", "LOGITS_CHUNK", "SPLIT_SHARE"]
 
 COLOCATED_SHARE = 0.5  # an engine's default share of a GPU it shares with trainer ranks (verl's default too)
 SPLIT_SHARE = 0.9  # an engine's default share of a GPU of its own (vLLM's default)
+ENGINE_ASLEEP = 0.1  # what a sleeping engine keeps of its share: vLLM's sleep mode frees "up to 90%" of it
+LOGITS_CHUNK = 1024  # positions the trainer runs the output layer on at a time (trainer/policy.py token_logprobs)
 GIB = 1024**3
 
 
@@ -172,7 +178,85 @@ def _split_engines(gpus: Gpus, trainer: tuple[int, ...], engine_gpus: Sequence[i
     return tuple(on_gpus[k % len(on_gpus)] for k in range(engines))
 
 
-# ---------------------------------------------------------------------------------------------- the trainer's part
+# ---------------------------------------------------------------------------------------------- the model's shape
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A decoder's shape, as its config.json gives it: what activations, adapters and the KV cache depend on."""
+
+    name: str
+    parameters: int  # all of them, embeddings included
+    hidden: int  # hidden_size
+    layers: int  # num_hidden_layers
+    intermediate: int  # intermediate_size: the MLP's width
+    kv_dim: int  # num_key_value_heads x head_dim
+    vocab: int  # vocab_size
+
+    @classmethod
+    def from_config(cls, name: str, config: Mapping, parameters: int | None = None) -> Shape:
+        """The shape a config.json describes (its text_config, for a multimodal model that has one). `parameters`
+        None: estimated from the shape (projections, q/k/v biases where the model has them, norms, embeddings, an
+        untied output layer). A ValueError names the key a decoder's config.json should have had."""
+        c = config.get("text_config") or config
+        for key in ("hidden_size", "num_hidden_layers", "intermediate_size", "vocab_size"):
+            if not isinstance(c.get(key), int):
+                raise ValueError(f"{name}: its config.json has no {key}, so it is not a decoder this estimate reads")
+        h, layers, i, vocab = c["hidden_size"], c["num_hidden_layers"], c["intermediate_size"], c["vocab_size"]
+        heads = c.get("num_attention_heads") or 1
+        head_dim = c.get("head_dim") or h // heads
+        kv = (c.get("num_key_value_heads") or heads) * head_dim
+        if parameters is None:
+            q = heads * head_dim
+            bias = q + 2 * kv if c.get("attention_bias", c.get("model_type") == "qwen2") else 0
+            per_layer = 2 * h * q + 2 * h * kv + bias + 3 * h * i + 2 * h
+            tied = config.get("tie_word_embeddings", c.get("tie_word_embeddings", False))
+            parameters = layers * per_layer + vocab * h * (1 if tied else 2) + h
+        return cls(name, parameters, h, layers, i, kv, vocab)
+
+    def lora_parameters(self, rank: int) -> int:
+        """Adapters of `rank` on every projection: rank x (in + out) each."""
+        h, kv, i = self.hidden, self.kv_dim, self.intermediate
+        per_layer = (h + h) + 2 * (h + kv) + (h + h) + 2 * (h + i) + (i + h)
+        return rank * per_layer * self.layers
+
+    def activation_bytes(self, tokens: int, checkpointing: bool, bytes_per_value: int = 2,
+                         offload: bool = False) -> int:
+        """The trainer's activations for one micro-batch of `tokens` (SDPA attention, no padding), in the compute
+        dtype (`bytes_per_value` 2: bf16, trainer.fsdp.mixed_precision). Each layer keeps the inputs of its norms
+        and projections, q/k/v and the MLP's four intermediate-wide tensors for the backward; with gradient
+        checkpointing only each layer's input, and one layer's worth while the backward recomputes it; with
+        `offload` (model.activation_offload) they wait in CPU memory and only the layer at work is on the GPU. The
+        output layer comes on top for at most LOGITS_CHUNK positions: trainer/policy.py runs it a chunk at a time,
+        checkpointed, so the float32 logits, their log-softmax and both gradients exist for one chunk only."""
+        layer = 6 * self.hidden + 2 * self.kv_dim + 4 * self.intermediate
+        if offload:
+            kept = layer
+        elif checkpointing:
+            kept = self.hidden * self.layers + layer
+        else:
+            kept = layer * self.layers
+        return tokens * kept * bytes_per_value + min(tokens, LOGITS_CHUNK) * self.vocab * 4 * 4
+
+    def kv_bytes(self, tokens: int) -> int:
+        """The engine's KV cache for `tokens` (bf16 keys and values in every layer)."""
+        return tokens * 2 * self.layers * self.kv_dim * 2
+
+
+def model_shape(model_dir: str | Path) -> Shape | None:
+    """The shape of the model at `model_dir` (its config.json; parameters counted from its safetensors headers,
+    else estimated); None when it has no config.json a decoder would have."""
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        return None
+    try:
+        return Shape.from_config(Path(model_dir).name, json.loads(path.read_text(encoding="utf-8")),
+                                 count_parameters(model_dir))
+    except (ValueError, AttributeError):
+        return None
+
+
+# ---------------------------------------------------------------------------------------------- one GPU's memory
 
 
 @dataclass(frozen=True)
@@ -194,8 +278,8 @@ def trainer_memory(parameters: int, bytes_per_value: int, *, world: int = 1, lor
     bf16) for the weights, the same again for the gradients and twice for AdamW's moments, of what trains (all of
     it, or with `lora` the adapters' `trainable` parameters, ~0 when unknown); a frozen reference model (kl_coef >
     0) adds its weights, a critic (gae) a whole second trained model. FSDP shards all of it over `world` ranks;
-    with `offload` (FSDP's CPUOffloadPolicy) it all lives in CPU memory. Activations, the gathered layer being
-    computed, and CUDA's own context come on top: leave a margin."""
+    with `offload` (FSDP's CPUOffloadPolicy) it all lives in CPU memory. Activations (`Shape.activation_bytes`)
+    come on top; the gathered layer being computed and CUDA's own context too: leave a margin."""
     if offload:
         return TrainerMemory(0, 0)
     trained = (trainable or 0) if lora else parameters
@@ -207,32 +291,70 @@ def trainer_memory(parameters: int, bytes_per_value: int, *, world: int = 1, lor
     return TrainerMemory(int((weights + moments) * shard), int(grads * shard))
 
 
-def memory_problem(memory: TrainerMemory, gpu_bytes: int | None, placement: Placement, *, sleep: bool) -> str | None:
-    """Why the plan does not fit one GPU's memory (with the numbers), or None. A colocated engine holds its share
-    while the trainer's resident part is there too (while it generates); during the update its share is freed only
-    with sleep. A split trainer has its GPUs to itself."""
+@dataclass(frozen=True)
+class GpuMemory:
+    """The estimated memory of the busiest GPU a trainer rank uses, in bytes, in the two phases of a step: the
+    engines generate (the trainer's weights and moments wait beside them), then the trainer updates."""
+
+    total: int  # the GPU's memory
+    engines: int  # engines started on this GPU (colocated); 0 when the trainer has it alone
+    share: float  # each engine's share of it (rollout.engine.gpu_memory_utilization)
+    engine_awake: int  # what the engines take while they generate: their share (weights, KV cache, CUDA graphs)
+    engine_asleep: int  # what they keep while the trainer updates: all of it, or with sleep mode what it leaves
+    trainer: TrainerMemory
+    activations: int  # one micro-batch's, during the update
+
+    @property
+    def generating(self) -> int:
+        return self.engine_awake + self.trainer.resident
+
+    @property
+    def updating(self) -> int:
+        return self.engine_asleep + self.trainer.peak + self.activations
+
+    @property
+    def worst(self) -> int:
+        return max(self.generating, self.updating)
+
+    @property
+    def fits(self) -> bool:
+        return self.worst <= self.total
+
+
+def gpu_memory(memory: TrainerMemory, gpu_bytes: int, placement: Placement, *, sleep: bool,
+               activations: int = 0) -> GpuMemory:
+    """The trainer's GPU with the most engines beside it: colocated engines hold their share while they generate,
+    and with `sleep` only ENGINE_ASLEEP of it while the trainer updates (vLLM's sleep mode moves the weights to CPU
+    memory or drops them, and drops the KV cache; the CUDA context and graphs stay). A split trainer has its GPUs
+    to itself."""
+    share = placement.share or 0.0
+    engines = max((placement.engine_gpus.count(i) for i in placement.trainer_gpus), default=0) if share else 0
+    awake = int(engines * share * gpu_bytes)
+    asleep = int(awake * ENGINE_ASLEEP) if sleep else awake
+    return GpuMemory(gpu_bytes, engines, share, awake, asleep, memory, activations)
+
+
+def memory_problem(memory: TrainerMemory, gpu_bytes: int | None, placement: Placement, *, sleep: bool,
+                   activations: int = 0) -> str | None:
+    """Why the plan does not fit one GPU's memory (`gpu_memory`), with the numbers, or None (also when the GPU's
+    memory is unknown)."""
     if gpu_bytes is None:
         return None
-    total = _gib(gpu_bytes)
-    if memory.peak > gpu_bytes:
-        return (f"the trainer needs ~{_gib(memory.peak)} GiB per GPU (weights and AdamW ~{_gib(memory.resident)} "
-                f"GiB, gradients ~{_gib(memory.update)} GiB, before activations) but a GPU has {total} GiB")
-    if placement.layout != "colocated" or placement.share is None:
+    m = gpu_memory(memory, gpu_bytes, placement, sleep=sleep, activations=activations)
+    if m.fits:
         return None
-    per_gpu = max((placement.engine_gpus.count(i) for i in set(placement.engine_gpus)), default=0)
-    engine = int(per_gpu * placement.share * gpu_bytes)
-    while_generating = engine + memory.resident
-    while_updating = memory.peak + (0 if sleep else engine)
-    worst = max(while_generating, while_updating)
-    if worst <= gpu_bytes:
-        return None
-    engines = f"{per_gpu} engine(s) x {placement.share} of {total} GiB = {_gib(engine)} GiB"
-    if while_updating >= while_generating:
-        what = (f"{engines} + the trainer's ~{_gib(memory.peak)} GiB while it updates (weights and AdamW "
-                f"~{_gib(memory.resident)} GiB, gradients ~{_gib(memory.update)} GiB, before activations)")
-    else:
-        what = f"{engines} + the trainer's weights and AdamW ~{_gib(memory.resident)} GiB while the engine generates"
-    return f"{what} = {_gib(worst)} GiB, over the GPU's {total} GiB"
+    total, t = _gib(m.total), m.trainer
+    trainer = (f"the trainer's ~{_gib(t.peak)} GiB while it updates (weights and AdamW ~{_gib(t.resident)} GiB, "
+               f"gradients ~{_gib(t.update)} GiB) + its activations ~{_gib(m.activations)} GiB")
+    if not m.engines:
+        return f"{trainer} = {_gib(m.updating)} GiB per GPU, over the GPU's {total} GiB"
+    engines = f"{m.engines} engine(s) x {m.share} of {total} GiB = {_gib(m.engine_awake)} GiB"
+    if m.updating < m.generating:
+        return (f"{engines} + the trainer's weights and AdamW ~{_gib(t.resident)} GiB while the engines generate = "
+                f"{_gib(m.generating)} GiB, over the GPU's {total} GiB")
+    if sleep:
+        engines = f"{m.engines} engine(s) asleep ~{_gib(m.engine_asleep)} GiB (of their {_gib(m.engine_awake)} GiB)"
+    return f"{engines} + {trainer} = {_gib(m.updating)} GiB, over the GPU's {total} GiB"
 
 
 def count_parameters(model_dir: str | Path) -> int | None:

@@ -11,21 +11,33 @@ An id is looked up in the local Hugging Face cache first (HF_HUB_CACHE, else HF_
 no network at all; only a model that is not cached is downloaded, and offline (HF_HUB_OFFLINE=1, or no network) the
 error names the command that fetches it. The engine is then started on the snapshot directory, never on the id.
 
+A use that needs only part of a model asks for that part (`files`): "tokenizer" (what a tokenizer and its chat
+template are read from: `harness doctor`, retokenizing) or "config" (a model's shape), so no weights are fetched
+for it. The cache then holds a snapshot of that commit without weights, and so may a tokenizer that transformers or
+vLLM fetched by id: a full use ("all") takes a cached snapshot only when its weights are there, and otherwise fetches
+them (offline, it says so and names the command).
+
 huggingface_hub comes with transformers and vLLM, not with the core install: it is imported only for an id.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
 import sys
 from pathlib import Path
+from typing import Literal
 
 from harness import install_hint
 
-__all__ = ["ModelNotFoundError", "hub_cache", "hub_id_of", "is_hub_id", "local_model", "model_name", "model_reference",
-           "resolve_model"]
+__all__ = ["ModelFiles", "ModelNotFoundError", "hub_cache", "hub_id_of", "is_hub_id", "local_model", "model_name",
+           "model_reference", "resolve_model"]
+
+ModelFiles = Literal["all", "tokenizer", "config"]
+"""Which files of a Hub model a use needs: "all" (to serve or train it), "tokenizer" (its tokenizer, chat template
+and configs), "config" (config.json and generation_config.json: its shape)."""
 
 # The Hub's own rule (huggingface_hub.utils.validate_repo_id) for org/name: letters, digits, -, _ and .; neither
 # part starts or ends with - or .; no -- or ..; at most 96 characters each.
@@ -35,6 +47,17 @@ _TRUE = ("1", "ON", "YES", "TRUE")
 # Files no loader here reads, left out of a download: other frameworks' weights, and Meta's original checkpoints
 # that some repositories ship beside the transformers ones (as large again).
 _IGNORED = ["*.gguf", "*.onnx", "onnx/*", "*.msgpack", "*.h5", "*.tflite", "*.ot", "coreml/*", "original/*"]
+_CONFIG = ["config.json", "generation_config.json"]
+# Every file transformers' AutoTokenizer reads (tokenization_utils_base and utils/hub.py: the tokenizer config, the
+# files its tokenizer classes name in vocab_files_names, special and added tokens, the chat templates) and vLLM's
+# get_tokenizer besides (Mistral's tekken.json, tokenizer.model.v*, params.json; Kimi's tiktoken.model). Never remote
+# code (tokenization_*.py): nothing here trusts it.
+_TOKENIZER = [*_CONFIG, "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+              "chat_template.jinja", "chat_template.json", "additional_chat_templates/*", "vocab.json", "merges.txt",
+              "vocab.txt", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model", "*.tiktoken", "tiktoken.model",
+              "tekken.json", "tokenizer.model.v*", "params.json"]
+_PARTS: dict[str, list[str] | None] = {"all": None, "tokenizer": _TOKENIZER, "config": _CONFIG}
+_WEIGHTS = ("*.safetensors", "*.bin", "*.pt", "*.pth")  # what vLLM and transformers load a model's weights from
 
 
 class ModelNotFoundError(ValueError):
@@ -62,19 +85,24 @@ def model_reference(value: str | Path, base: str | Path) -> str:
     return text
 
 
-def resolve_model(reference: str | Path, what: str = "--model", looked_in: str | Path | None = None) -> Path:
+def resolve_model(reference: str | Path, what: str = "--model", looked_in: str | Path | None = None, *,
+                  files: ModelFiles = "all", download: bool = True) -> Path:
     """The model directory of `reference` (as `model_reference` makes it): an absolute path, checked to be a model
     directory, or a Hub id, looked up in the cache and else downloaded.
 
     `what` names where it was given ("--model", "model.path") in the errors, and `looked_in` the folder
-    `model_reference` found no such directory in (an id may be a mistyped path). Raises ModelNotFoundError, with one
-    line that says what to do, for a path that is not a model directory (no config.json) and for an id that is
-    neither cached nor downloadable.
+    `model_reference` found no such directory in (an id may be a mistyped path). `files` is what the caller will
+    read of a Hub model: "tokenizer" or "config" fetch only those files (the directory may then hold nothing else),
+    "all" a snapshot with its weights. `download` False: the cache only, as offline (a check that fetches nothing).
+    Raises ModelNotFoundError, with one line that says what to do, for a path that
+    is not a model directory (no config.json) and for an id that is neither cached nor downloadable.
     """
+    if files not in _PARTS:
+        raise ValueError(f"files {files!r} is none of {', '.join(map(repr, _PARTS))}")
     text = str(reference)
     if Path(text).is_absolute() or not is_hub_id(text):
         return _checked(Path(text).expanduser().absolute(), text, what)
-    return _checked(Path(_snapshot(text, what, looked_in)), text, what)
+    return _checked(Path(_snapshot(text, what, looked_in, files, download)), text, what)
 
 
 def hub_cache() -> Path:
@@ -85,10 +113,11 @@ def hub_cache() -> Path:
     return Path(os.path.expandvars(os.path.expanduser(cache)))
 
 
-def local_model(given: str | Path, what: str = "--model") -> Path:
+def local_model(given: str | Path, what: str = "--model", *, files: ModelFiles = "all") -> Path:
     """The model directory a command-line value names (a path from the current directory, or a Hugging Face id);
-    a ModelNotFoundError that names `what` when there is none."""
-    return resolve_model(model_reference(given, Path.cwd()), what, Path.cwd())
+    a ModelNotFoundError that names `what` when there is none. `files` as in `resolve_model`: a command that reads
+    only a tokenizer passes "tokenizer", and a Hub model's weights are not fetched for it."""
+    return resolve_model(model_reference(given, Path.cwd()), what, Path.cwd(), files=files)
 
 
 def hub_id_of(model_dir: str | Path) -> str | None:
@@ -129,8 +158,27 @@ def _hub_cli() -> str:
     return "hf" if importlib.util.find_spec("huggingface_hub.cli.hf") else "huggingface-cli"
 
 
-def _snapshot(repo_id: str, what: str, looked_in: str | Path | None) -> str:
-    """The cached snapshot of `repo_id`, downloaded first when it is not cached and the machine is online."""
+def _weight_files(snapshot: Path) -> list[Path]:
+    return [path for pattern in _WEIGHTS for path in snapshot.glob(pattern) if path.is_file()]
+
+
+def _has_weights(snapshot: Path) -> bool:
+    """Whether `snapshot` holds a model's weights: a weights file, and every shard its index (*.index.json) names."""
+    if not _weight_files(snapshot):
+        return False
+    for index in snapshot.glob("*.index.json"):
+        try:
+            shards = set(json.loads(index.read_text()).get("weight_map", {}).values())
+        except (OSError, ValueError, AttributeError):
+            return False
+        if not all((snapshot / shard).is_file() for shard in shards):
+            return False
+    return True
+
+
+def _snapshot(repo_id: str, what: str, looked_in: str | Path | None, files: str, download: bool = True) -> str:
+    """The cached snapshot of `repo_id` (holding `files`), downloaded first when it is not cached and the machine is
+    online. A snapshot without weights is not cached for "all": a tokenizer fetched alone leaves one behind."""
     try:
         from huggingface_hub import constants, snapshot_download
         from huggingface_hub.utils import (  # where every version since 0.20 exports them
@@ -143,23 +191,34 @@ def _snapshot(repo_id: str, what: str, looked_in: str | Path | None) -> str:
         raise ModelNotFoundError(f"{what} {repo_id!r} is a Hugging Face id, and huggingface_hub is not installed: "
                                  f"{install_hint('train')}, or give a model directory") from None
     cache, fetch = hub_cache(), f"`{_hub_cli()} download {repo_id}`"
+    wanted = {"allow_patterns": _PARTS[files], "ignore_patterns": _IGNORED}
     partial = None
     try:  # the cache first: no network for a model already here
-        return snapshot_download(repo_id, cache_dir=cache, local_files_only=True, ignore_patterns=_IGNORED)
+        found = snapshot_download(repo_id, cache_dir=cache, local_files_only=True, **wanted)
+        if files != "all" or _has_weights(Path(found)):
+            return found
+        partial = found
     except LocalEntryNotFoundError as exc:  # huggingface_hub >= 1.x: an interrupted download is incomplete, absent
         partial = getattr(exc, "snapshot_path", None)
     folder = f"no folder in {str(looked_in)!r}" if looked_in is not None else "not a local directory"
     neither = f"is {folder}, nor in the Hugging Face cache {str(cache)!r}"
-    if _offline() or constants.HF_HUB_OFFLINE:
+    if not download or _offline() or constants.HF_HUB_OFFLINE:
+        offline = "HF_HUB_OFFLINE is set" if download else "nothing is downloaded here"
+        online = "on a machine that is online (or unset HF_HUB_OFFLINE)" if download else "first"
+        if partial and files == "all" and not _weight_files(Path(partial)):
+            raise ModelNotFoundError(f"{what} {repo_id!r} is in the Hugging Face cache without its weights ({partial} "
+                                     f"holds only some of its files, such as its tokenizer), and {offline}: fetch it "
+                                     f"with {fetch} {online}")
         if partial:
             raise ModelNotFoundError(f"{what} {repo_id!r} is only partly in the Hugging Face cache ({partial}: its "
-                                     "download was interrupted), and HF_HUB_OFFLINE is set: complete it with "
-                                     f"{fetch} on a machine that is online (or unset HF_HUB_OFFLINE)")
-        raise ModelNotFoundError(f"{what} {repo_id!r} {neither}, and HF_HUB_OFFLINE is set: fetch it with {fetch} "
-                                 "on a machine that is online (or unset HF_HUB_OFFLINE), or give a model directory")
-    print(f"downloading {repo_id} from the Hugging Face Hub into {cache} ...", file=sys.stderr, flush=True)
+                                     f"download was interrupted), and {offline}: complete it with {fetch} "
+                                     + online)
+        raise ModelNotFoundError(f"{what} {repo_id!r} {neither}, and {offline}: fetch it with {fetch} "
+                                 f"{online}, or give a model directory")
+    part = "" if files == "all" else f"'s {files} files"
+    print(f"downloading {repo_id}{part} from the Hugging Face Hub into {cache} ...", file=sys.stderr, flush=True)
     try:
-        return snapshot_download(repo_id, cache_dir=cache, ignore_patterns=_IGNORED)
+        found = snapshot_download(repo_id, cache_dir=cache, **wanted)
     except GatedRepoError:
         raise ModelNotFoundError(f"{what} {repo_id!r} is gated on the Hugging Face Hub: accept its terms on its "
                                  "page, log in with `hf auth login`, then fetch it with " + fetch) from None
@@ -170,3 +229,8 @@ def _snapshot(repo_id: str, what: str, looked_in: str | Path | None) -> str:
         why = str(exc).strip().splitlines()[0].removeprefix("Got: ")[:200] if str(exc).strip() else type(exc).__name__
         raise ModelNotFoundError(f"{what} {repo_id!r} {neither}, and downloading it failed ({why}): fetch it with "
                                  f"{fetch}, or give a model directory") from None
+    if files == "all" and not _has_weights(Path(found)):  # huggingface_hub < 1.0 falls back to the cache unreached
+        raise ModelNotFoundError(f"{what} {repo_id!r} has no weights (*.safetensors, *.bin) in {found} after its "
+                                 f"download: the Hub was not reached, or the model has none; fetch it with {fetch}, or "
+                                 "give a model directory")
+    return found

@@ -113,7 +113,8 @@ def start_vllm(
 
     Without a CUDA GPU, the CPU recipe is applied (float32, eager, one process, 1 GiB KV cache). `env` is
     merged over os.environ and the recipe; `extra_args` are appended to the command line, so they can override
-    any flag set here. `share=(k, n)` starts engine k of n that run side by side on this machine: it gets its
+    any flag set here (a user's go through engine_args.check_engine_args first, which refuses the flags harness
+    relies on). `share=(k, n)` starts engine k of n that run side by side on this machine: it gets its
     own GPU, or on CPU its own cores (`placement`). On a GPU machine, `gpu` (a CUDA_VISIBLE_DEVICES entry) names
     the GPU it runs on, `gpu_memory_utilization` its share of that GPU's memory, and `sleep_mode` lets `sleep`
     free it (engine_command).
@@ -395,16 +396,18 @@ def _request(url: str, body: dict | None, timeout_s: float, api_key: str | None)
 
 def start_or_attach(*, model: str | Path | None, upstream: str | None, run_dir: str | Path,
                     max_model_len: int = 2048, tool_parser: str = "hermes",
-                    reasoning_parser: str | None = None) -> Engine:
+                    reasoning_parser: str | None = None, extra_args: Sequence[str] = ()) -> Engine:
     """The engine a command asked for: vLLM started on `model` (a directory, relative to the current one, or a
-    Hugging Face id), or the server already running at `upstream`. A model that can't be found raises
-    hub.ModelNotFoundError (a ValueError) before anything starts."""
+    Hugging Face id) with `extra_args` appended to its command line, or the server already running at `upstream`.
+    A model that can't be found raises hub.ModelNotFoundError (a ValueError) before anything starts."""
     if (model is None) == (upstream is None):
         raise EngineError("give exactly one of a model directory (--model) or an engine URL (--upstream)")
     if upstream is not None:
+        if extra_args:
+            raise ValueError("engine arguments go to an engine harness starts; the one at --upstream is running")
         return attach(upstream, tool_parser=tool_parser, reasoning_parser=reasoning_parser)
     model_dir = resolve_model(model_reference(model, Path.cwd()), "--model", Path.cwd())
     shown = model_dir if str(model_dir) == str(model) else f"{model} ({model_dir})"
     print(f"starting vLLM on {shown} (log: {Path(run_dir) / 'engine.log'}) ...", file=sys.stderr, flush=True)
     return start_vllm(model_dir, run_dir, max_model_len=max_model_len, tool_parser=tool_parser,
-                      reasoning_parser=reasoning_parser)
+                      reasoning_parser=reasoning_parser, extra_args=extra_args)

@@ -161,7 +161,7 @@ def test_sql_errors_are_clear(tmp_path):
 
 def test_help_answers():
     for verb in ([], ["serve"], ["run"], ["judge"], ["merge"], ["sql"], ["roles"], ["tiny-model"], ["doctor"],
-                 ["train"], ["sft"], ["view"], ["export"], ["retokenize"]):
+                 ["parsers"], ["train"], ["sft"], ["view"], ["export"], ["retokenize"]):
         out = subprocess.run(HARNESS + verb + ["--help"], capture_output=True, text=True)
         assert out.returncode == 0 and "usage: harness" in out.stdout
 

@@ -211,28 +211,71 @@ def test_doctor_takes_a_cached_hub_id(tiny_model_dir, tmp_path, monkeypatch, cap
     assert err.startswith("error: ") and "org/not-cached" in err and "hf download" in err and len(err.splitlines()) == 1
 
 
-def test_every_family_passes_with_its_own_parsers(tmp_path):
-    """Each model family of the engine tests (tests/families): its parser reads back every tool call its template
-    renders; a wrong parser for the template fails. Llama's and Mistral v3's formats have no place for text before a
-    call (vLLM's llama3_json and pythonic parsers read calls only at the start of a reply; Mistral v3's template
-    writes a call turn without its text), which doctor names, at that turn."""
+# Formats whose calls open a reply (vLLM's llama3_json and pythonic parsers read them only there): a turn with text
+# before its calls is read as the engine reads it, and doctor says so without failing the parser.
+CALLS_OPEN_A_REPLY = {"llama3.1", "llama3.2-pythonic"}
+
+
+def _wrong_parser(right: str) -> str:
+    return "hermes" if right == "pythonic" else "pythonic"
+
+
+@pytest.fixture(scope="module")
+def family_models(tmp_path_factory):
     from tests.families import FAMILIES
 
-    no_text_before_calls = {"llama3.1", "llama3.2-pythonic", "mistral"}
-    for name, family in FAMILIES.items():
-        model = family.build(tmp_path / name)
-        report = diagnose(model, tool_parser=family.tool_parser, reasoning_parser=family.reasoning_parser)
-        checks = _checks(report)
-        if name in no_text_before_calls:
-            assert [f.where for f in checks["tool-parser"].findings] == [
-                "tool calls and results, assistant message 4"], (name, format_report(report))
-        else:
-            assert checks["tool-parser"].status == OK, (name, format_report(report))
-        assert checks["close-token"].status == OK, (name, format_report(report))
+    root = tmp_path_factory.mktemp("families")
+    return {name: (family, family.build(root / name)) for name, family in FAMILIES.items()}
+
+
+def test_the_tool_parser_verdict_per_family(family_models):
+    """The verdict table, for every model family of the engine tests (tests/families): the family's own parser reads
+    back every turn its template writes (ok, exit 0 as far as this check goes), also where the format has no place
+    for text before a call (the turn is named, read as the engine reads it) and where the template leaves that text
+    out (Mistral v3); a wrong parser FAILs, naming the turns, what it read, and the family's parser among those
+    that do read them."""
+    table = {}
+    for name, (family, model) in family_models.items():
+        right = _checks(diagnose(model, tool_parser=family.tool_parser, reasoning_parser=family.reasoning_parser))
+        wrong_name = _wrong_parser(family.tool_parser)
+        wrong = _checks(diagnose(model, tool_parser=wrong_name, reasoning_parser=family.reasoning_parser))
+        table[name] = (right["tool-parser"].status, wrong["tool-parser"].status)
+        assert right["tool-parser"].status == OK, (name, right["tool-parser"])
+        limits = [f.where for f in right["tool-parser"].findings]
+        assert limits == (["tool calls and results, assistant message 4"] if name in CALLS_OPEN_A_REPLY else []), name
+        assert wrong["tool-parser"].status == FAIL, (name, wrong_name, wrong["tool-parser"])
+        assert wrong["tool-parser"].findings and all(f.found is not None for f in wrong["tool-parser"].findings)
+        named = wrong["tool-parser"].advice.split("every turn this template writes: ")[1].split(";")[0].split(", ")
+        assert family.tool_parser in named and wrong_name not in named, (name, wrong["tool-parser"].advice)
+        assert right["close-token"].status == OK, name
         # every family's template only appends, but Mistral v3's, which moves the tool list to the last user
         # message; templates that leave a turn open (GLM's) continue with the stop token the model sampled
-        assert (checks["append-only"].status == OK) == (name != "mistral"), (name, format_report(report))
-    qwen = FAMILIES["qwen2.5"].build(tmp_path / "wrong")
-    assert _checks(diagnose(qwen, tool_parser="pythonic"))["tool-parser"].status == FAIL
-    with pytest.raises(DoctorError, match=r"llama3_json cannot be used with the tokenizer.*<\|python_tag\|>"):
+        assert (right["append-only"].status == OK) == (name != "mistral"), name
+    assert set(table.values()) == {(OK, FAIL)} and len(table) >= 10
+
+
+def test_a_parser_the_tokenizer_cannot_load_names_the_model_and_the_ones_that_load(family_models):
+    qwen = family_models["qwen2.5"][1]
+    with pytest.raises(DoctorError, match=r"llama3_json' cannot be used with the tokenizer.*<\|python_tag\|>") as exc:
         diagnose(qwen, tool_parser="llama3_json")  # vLLM refuses a parser whose tokens the vocabulary lacks
+    message = str(exc.value)
+    assert repr(str(qwen)) in message and "None" not in message
+    loading = message.split("load with this tokenizer: ")[1].split(";")[0].split(", ")
+    assert "hermes" in loading and "llama3_json" not in loading
+    assert "--tool-parser" in message and "harness parsers" in message
+
+
+def test_a_reasoning_parser_always_gets_a_reasoning_history_to_use(tiny_model_dir, family_models):
+    """Whatever the template does with reasoning, a reasoning parser gets one reasoning_history named: the tiny
+    model's template renders none (which left both choices described and neither picked), the families' their own."""
+    never = _checks(diagnose(tiny_model_dir, reasoning_parser="qwen3"))["reasoning"]
+    assert never.status == WARN and "does not render" in never.summary and "as_rendered fits" in never.summary
+    assert never.advice.startswith("Use reasoning_history as_rendered")
+    reasoning = [(name, model, family.reasoning_parser) for name, (family, model) in family_models.items()
+                 if family.reasoning_parser]
+    assert len(reasoning) >= 2
+    for name, model, parser in reasoning:
+        check = _checks(diagnose(model, tool_parser=family_models[name][0].tool_parser,
+                                 reasoning_parser=parser))["reasoning"]
+        assert "as_rendered" in check.summary and ("fits" in check.summary or "keep the default" in check.summary), (
+            name, check)

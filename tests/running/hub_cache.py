@@ -12,6 +12,9 @@ from pathlib import Path
 from huggingface_hub.file_download import repo_folder_name
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"  # the shape of a git commit hash, as refs/main holds one
+# A safetensors file that holds no tensor (its header's size, then the header "{}"): weights enough for a cached model
+# that a full use takes (harness/running/hub.py looks for them), where a test needs only its config.
+NO_TENSORS = b"\x02\x00\x00\x00\x00\x00\x00\x00{}"
 
 
 def cache_model(cache: Path, repo_id: str, files: dict[str, bytes] | Path, commit: str = COMMIT) -> Path:

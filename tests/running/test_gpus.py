@@ -1,29 +1,42 @@
 """The memory plan on paper: which GPUs engines and trainer ranks get on machines of 1, 2, 4 and 8 GPUs (with and
-without CUDA_VISIBLE_DEVICES), the trainer's memory estimate, the engine's command line on a GPU machine, and vLLM's
-sleep routes against the scripted engine. No GPU needed: the machine is an argument (`Gpus`)."""
+without CUDA_VISIBLE_DEVICES), the trainer's memory estimate and one GPU's in both phases of a step, the model's
+shape and activations read from config.json, `python -m harness.running.gpu_sizing`, the engine's command line on a
+GPU machine, and vLLM's sleep routes against the scripted engine. No GPU needed: the machine is an argument
+(`Gpus`)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
+from harness.running.gpu_sizing import QWEN25, main, sizing_table
 from harness.running.gpus import (
+    ENGINE_ASLEEP,
     GIB,
+    LOGITS_CHUNK,
     Gpus,
     PlacementError,
+    Shape,
     count_parameters,
+    gpu_memory,
     lora_parameters,
     memory_problem,
+    model_shape,
     plan,
     trainer_memory,
     visible_gpus,
 )
 from harness.running.vllm_server import EngineError, engine_command, is_sleeping, sleep, wake_up
 from proxy.scripted_engine import Script
+from tests.shaped_model import QWEN25_1_5B
 from tests.support import ScriptedUpstream
 
 H100 = 80 * 1024  # MiB, as nvidia-smi reports memory.total
+LLAMA32_1B = {"model_type": "llama", "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
+              "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64, "vocab_size": 128256,
+              "tie_word_embeddings": True}  # meta-llama/Llama-3.2-1B's config.json, the keys of the shape
 
 
 def machine(n: int, cuda_visible_devices: str | None = None) -> Gpus:
@@ -130,24 +143,67 @@ def test_the_trainer_estimate_counts_weights_gradients_and_adam_by_dtype():
     assert trainer_memory(4 * billion, 4, offload=True).peak == 0
 
 
-def test_the_engine_share_and_the_trainer_must_fit_one_gpu_and_sleep_frees_the_share_for_the_update():
+def test_one_gpu_must_hold_the_engine_share_the_trainer_and_its_activations_and_sleep_frees_most_of_the_share():
     gpu = 80 * GIB
     colocated = plan(machine(1), layout="colocated", engines=1, nprocs=1)
     fits = trainer_memory(1_500_000_000, 4)  # 1.5B float32: ~22 GiB
     assert memory_problem(fits, gpu, colocated, sleep=False) is None
+    assert memory_problem(fits, gpu, colocated, sleep=False, activations=20 * GIB) is not None  # activations count
     big = trainer_memory(4 * 10**9, 4)  # 4B float32: ~60 GiB
-    problem = memory_problem(big, gpu, colocated, sleep=False)
+    problem = memory_problem(big, gpu, colocated, sleep=False, activations=2 * GIB)
     assert problem == ("1 engine(s) x 0.5 of 80.0 GiB = 40.0 GiB + the trainer's ~59.6 GiB while it updates "
-                       "(weights and AdamW ~44.7 GiB, gradients ~14.9 GiB, before activations) = 99.6 GiB, over the "
-                       "GPU's 80.0 GiB")
+                       "(weights and AdamW ~44.7 GiB, gradients ~14.9 GiB) + its activations ~2.0 GiB = 101.6 GiB, "
+                       "over the GPU's 80.0 GiB")
     tight = trainer_memory(3 * 10**9, 4)  # ~44.7 GiB: fits only while the engine sleeps
     assert memory_problem(tight, gpu, colocated, sleep=False) is not None
     assert memory_problem(tight, gpu, colocated, sleep=True) is None
-    assert "while the engine generates" in memory_problem(big, gpu, colocated, sleep=True)
+    asleep = gpu_memory(tight, gpu, colocated, sleep=True, activations=GIB)
+    assert asleep.engine_awake == 40 * GIB and asleep.engine_asleep == int(40 * GIB * ENGINE_ASLEEP)  # what stays
+    assert asleep.generating == 40 * GIB + tight.resident
+    assert asleep.updating == asleep.engine_asleep + tight.peak + GIB
+    assert "1 engine(s) asleep ~4.0 GiB (of their 40.0 GiB) + the trainer's" in memory_problem(
+        tight, gpu, colocated, sleep=True, activations=35 * GIB)
+    assert "while the engines generate" in memory_problem(big, gpu, colocated, sleep=True)
     split = plan(machine(2), layout="split", engines=1, nprocs=1)
     assert memory_problem(big, gpu, split, sleep=False) is None  # the trainer has its GPU alone
-    assert "a GPU has 80.0 GiB" in memory_problem(trainer_memory(7 * 10**9, 4), gpu, split, sleep=False)
+    assert gpu_memory(big, gpu, split, sleep=False).engines == 0
+    assert "= 104.3 GiB per GPU, over the GPU's 80.0 GiB" in memory_problem(trainer_memory(7 * 10**9, 4), gpu, split,
+                                                                            sleep=False)
     assert memory_problem(big, None, colocated, sleep=False) is None  # memory unknown: nothing to check
+
+
+# ---------------------------------------------------------------------------------------------- the model's shape
+
+
+def test_the_shape_and_parameters_come_from_config_json_as_published():
+    one_five = Shape.from_config("Qwen2.5-1.5B", QWEN25_1_5B)  # no weights: the parameters estimated from the shape
+    assert one_five == next(s for s in QWEN25 if s.name == "Qwen2.5-1.5B")
+    llama = Shape.from_config("Llama-3.2-1B", LLAMA32_1B)
+    assert (llama.parameters, llama.kv_dim) == (1_235_814_400, 512)  # its published count: tied, no biases
+    gemma_like = Shape.from_config("m", {"text_config": LLAMA32_1B})  # a multimodal config's text part
+    assert gemma_like.hidden == 2048 and Shape.from_config("m", QWEN25_1_5B, parameters=7).parameters == 7
+    with pytest.raises(ValueError, match="config.json has no hidden_size"):
+        Shape.from_config("bert", {"model_type": "bert"})
+
+
+def test_the_shape_of_a_model_directory_counts_its_weights(tiny_model_dir):
+    shape = model_shape(tiny_model_dir)
+    assert shape.parameters == count_parameters(tiny_model_dir)
+    assert shape.parameters == Shape.from_config("tiny", json.loads((Path(tiny_model_dir) / "config.json")
+                                                                    .read_text())).parameters  # the estimate agrees
+    assert model_shape(Path(tiny_model_dir) / "nowhere") is None
+
+
+def test_activations_grow_with_the_micro_batch_and_checkpointing_keeps_one_input_per_layer():
+    s = next(s for s in QWEN25 if s.name == "Qwen2.5-1.5B")
+    layer = 6 * s.hidden + 2 * s.kv_dim + 4 * s.intermediate  # values per token one layer keeps for the backward
+    logits = LOGITS_CHUNK * s.vocab * 16  # one chunk of float32 logits, log-softmax and both gradients
+    assert s.activation_bytes(8192, False) == 8192 * layer * s.layers * 2 + logits
+    assert s.activation_bytes(8192, True) == 8192 * (s.hidden * s.layers + layer) * 2 + logits
+    assert s.activation_bytes(8192, False, bytes_per_value=4) - logits == 2 * (s.activation_bytes(8192, False) - logits)
+    assert s.activation_bytes(8192, True, offload=True) == 8192 * layer * 2 + logits  # the rest waits in CPU memory
+    assert s.activation_bytes(100, False) == 100 * layer * s.layers * 2 + 100 * s.vocab * 16  # shorter than a chunk
+    assert round(s.activation_bytes(8192, False) / GIB, 1) == 21.8  # docs/gpu.md's table
 
 
 def test_parameters_are_counted_from_the_safetensors_headers(tiny_model_dir):
@@ -222,9 +278,54 @@ def test_a_failed_wake_names_the_engine_url_and_its_status():
 def test_docs_gpu_md_holds_the_sizing_table_as_computed():
     """docs/gpu.md's table is `python -m harness.running.gpu_sizing`'s output, and its numbers are the memory plan's
     own estimate (a full bf16 1.5B: 8 bytes a parameter)."""
-    from harness.running.gpu_sizing import QWEN25, sizing_table
-
     doc = (Path(__file__).resolve().parents[2] / "docs" / "gpu.md").read_text(encoding="utf-8")
     assert f"<!-- sizing:start -->\n{sizing_table()}<!-- sizing:end -->" in doc
-    one_five = next(s for s in QWEN25 if s.name == "1.5B")
+    one_five = next(s for s in QWEN25 if s.name == "Qwen2.5-1.5B")
     assert trainer_memory(one_five.parameters, 2).peak == 8 * one_five.parameters
+
+
+# ---------------------------------------------------------------------------------------------- python -m gpu_sizing
+
+
+def test_gpu_sizing_prints_the_qwen_table_without_arguments_and_a_row_per_model_given(tmp_path, tiny_model_dir,
+                                                                                       capsys):
+    assert main([]) == 0
+    assert capsys.readouterr().out == sizing_table()
+    llama = tmp_path / "llama-3.2-1b"
+    llama.mkdir()
+    (llama / "config.json").write_text(json.dumps(LLAMA32_1B))  # a config.json, no weights
+    assert main([str(llama), str(tiny_model_dir)]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith(f"| {tmp_path}") or line.startswith("| /")]
+    assert [row.split(" | ")[0] for row in rows] == [f"| {llama}", f"| {tiny_model_dir}"]
+    assert rows[0] == sizing_table([Shape.from_config(str(llama), LLAMA32_1B)]).splitlines()[2]
+    assert "Qwen2.5" not in out
+    assert f"parameters estimated from config.json (no safetensors weights here): {llama}" in out
+
+
+def test_gpu_sizing_reads_a_hub_id_from_the_local_cache_only(tmp_path, monkeypatch, capsys):
+    snapshot = tmp_path / "hub" / "models--meta-llama--Llama-3.2-1B" / "snapshots" / "0123abcd"
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text(json.dumps(LLAMA32_1B))
+    (snapshot.parents[1] / "refs").mkdir()
+    (snapshot.parents[1] / "refs" / "main").write_text("0123abcd")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    assert main(["meta-llama/Llama-3.2-1B"]) == 0
+    assert "| meta-llama/Llama-3.2-1B | 18.4 GiB | 9.2 GiB |" in capsys.readouterr().out
+    assert main(["meta-llama/Llama-3.2-3B"]) == 2  # not cached: nothing is downloaded
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "nor in the Hugging Face cache" in err and "hf download" in err
+
+
+@pytest.mark.parametrize("argument", ["no such dir", "/nowhere/at/all", "a/b/c"])
+def test_gpu_sizing_says_in_one_line_what_is_wrong_with_an_argument(argument, capsys):
+    assert main([argument]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and len(captured.err.strip().splitlines()) == 1
+    assert captured.err.startswith(f"error: {argument!r} is neither a model directory nor a Hugging Face id")
+
+
+def test_gpu_sizing_answers_help(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["--help"])
+    assert info.value.code == 0 and "MODEL" in capsys.readouterr().out

@@ -24,12 +24,13 @@ from harness.running.hub import (
     model_reference,
     resolve_model,
 )
-from tests.running.hub_cache import COMMIT, cache_model
+from tests.running.hub_cache import COMMIT, NO_TENSORS, cache_model
 
 huggingface_hub = pytest.importorskip("huggingface_hub")
 
 QWEN = "Qwen/Qwen2.5-1.5B-Instruct"
 CONFIG = {"config.json": b'{"model_type": "qwen2"}', "tokenizer_config.json": b"{}"}
+MODEL = {**CONFIG, "model.safetensors": NO_TENSORS}  # what a full use takes for a model: a config and weights
 
 
 @pytest.fixture
@@ -103,7 +104,7 @@ def test_hub_ids_follow_the_hubs_own_validation():
 
 
 def test_a_cached_hub_id_resolves_to_its_snapshot_directory(cache, tmp_path, monkeypatch):
-    snapshot = cache_model(cache, QWEN, CONFIG)
+    snapshot = cache_model(cache, QWEN, MODEL)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # the cache is enough: no network wanted
     assert resolve_model(QWEN) == snapshot
     assert (snapshot / "config.json").read_bytes() == CONFIG["config.json"]  # through the blob symlink
@@ -129,7 +130,7 @@ def test_a_model_under_hf_home_resolves_offline(tmp_path, monkeypatch):
     monkeypatch.delenv("HUGGINGFACE_HUB_CACHE", raising=False)
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    snapshot = cache_model(tmp_path / "hf" / "hub", "HuggingFaceTB/SmolLM2-135M-Instruct", CONFIG, commit="f" * 40)
+    snapshot = cache_model(tmp_path / "hf" / "hub", "HuggingFaceTB/SmolLM2-135M-Instruct", MODEL, commit="f" * 40)
     assert resolve_model("HuggingFaceTB/SmolLM2-135M-Instruct") == snapshot
 
 
@@ -158,9 +159,10 @@ def test_an_interrupted_download_offline_is_named_as_partly_cached(cache, monkey
     """huggingface_hub keeps the file list of a download it began (trees/<commit>.json); a snapshot that lacks some
     of them is not taken for the model (vLLM would fail on it later, or load half of it)."""
     tree_cache = pytest.importorskip("huggingface_hub._tree_cache")  # huggingface_hub 1.x and later
-    snapshot = cache_model(cache, QWEN, CONFIG)
+    shards = {f"model-0000{i}-of-00002.safetensors": NO_TENSORS for i in (1, 2)}
+    snapshot = cache_model(cache, QWEN, {**CONFIG, "model-00001-of-00002.safetensors": NO_TENSORS})
     entries = {name: tree_cache.TreeCacheEntry(size=len(data), blob_id="0" * 40) for name, data in
-               {**CONFIG, "model.safetensors": b"weights"}.items()}
+               {**CONFIG, **shards}.items()}
     tree_cache.write_tree_cache(str(snapshot.parent.parent), COMMIT, entries)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(ModelNotFoundError) as exc:
@@ -168,7 +170,7 @@ def test_an_interrupted_download_offline_is_named_as_partly_cached(cache, monkey
     assert _one_line(exc) == (f"--model {QWEN!r} is only partly in the Hugging Face cache ({snapshot}: its download "
                               f"was interrupted), and HF_HUB_OFFLINE is set: complete it with `hf download {QWEN}` on "
                               "a machine that is online (or unset HF_HUB_OFFLINE)")
-    (snapshot / "model.safetensors").write_bytes(b"weights")  # the rest arrives: the model is there
+    (snapshot / "model-00002-of-00002.safetensors").write_bytes(NO_TENSORS)  # the rest arrives: the model is there
     assert resolve_model(QWEN) == snapshot
 
 
@@ -265,3 +267,115 @@ def test_retokenize_takes_a_cached_hub_id_as_its_model(tiny_model_dir, tmp_path)
                     env={"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path / "hf-cache")})
     assert done.returncode == 0, done.stderr
     assert f"with {tmp_path / 'hf-cache' / 'models--org--tiny' / 'snapshots' / COMMIT}" in done.stderr
+
+
+# ---------------------------------------------------------------------------------------------- part of a model
+# A use that reads only a tokenizer (harness doctor) or a config fetches only those files (`files`); a full use is
+# not fooled by the snapshot without weights that this leaves in the cache. "The Hub" is a real server on
+# 127.0.0.1 (tests/running/hub_server.py) that HF_ENDPOINT points a subprocess at: huggingface_hub reads it at
+# import, and the download code runs as it is.
+
+TOKENIZER_FILES = {"chat_template.jinja", "config.json", "generation_config.json", "tokenizer.json",
+                   "tokenizer_config.json"}  # the tiny model's files that a tokenizer is read from
+
+_FETCH = """import sys
+from harness.running.hub import ModelNotFoundError, local_model
+try:
+    print(local_model(sys.argv[1], files=sys.argv[2]))
+except ModelNotFoundError as exc:
+    sys.exit(f"error: {exc}")
+"""
+
+
+@pytest.fixture
+def fake_hub(tiny_model_dir):
+    """The Hub with one repository, org/tiny: the tiny model's files and a README (weights: model.safetensors)."""
+    from tests.running.hub_server import FakeHub
+
+    with FakeHub() as hub:
+        hub.add("org/tiny", {**{p.name: p.read_bytes() for p in tiny_model_dir.iterdir()}, "README.md": b"# tiny"})
+        yield hub
+
+
+def _fetch(hub, cache: Path, files: str, offline: bool = False, repo_id: str = "org/tiny"):
+    """`local_model(repo_id, files=files)` in a fresh interpreter whose HF_ENDPOINT is the fake Hub."""
+    env = {**os.environ, "HF_ENDPOINT": hub.url, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1" if offline else "0",
+           "HF_HUB_DISABLE_TELEMETRY": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+    env.pop("TRANSFORMERS_OFFLINE", None)
+    return subprocess.run([sys.executable, "-c", _FETCH, repo_id, files], capture_output=True, text=True,
+                          timeout=120, env=env, cwd=cache.parent)
+
+
+def test_a_tokenizer_only_fetch_downloads_no_weights_and_its_tokenizer_loads(fake_hub, tiny_model_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    done = _fetch(fake_hub, tmp_path / "hf-cache", "tokenizer")
+    assert done.returncode == 0, done.stderr
+    assert sorted(fake_hub.downloads("org/tiny")) == sorted(TOKENIZER_FILES)  # no weights, no README
+    snapshot = Path(done.stdout.strip())
+    assert snapshot == tmp_path / "hf-cache" / "models--org--tiny" / "snapshots" / COMMIT
+    messages = [{"role": "user", "content": "hi"}]
+    fetched, built = AutoTokenizer.from_pretrained(snapshot), AutoTokenizer.from_pretrained(tiny_model_dir)
+    assert fetched.apply_chat_template(messages) == built.apply_chat_template(messages)
+    assert "'s tokenizer files from the Hugging Face Hub" in done.stderr
+
+    done = _fetch(fake_hub, tmp_path / "other-cache", "config")  # a model's shape: its two configs only
+    assert done.returncode == 0, done.stderr
+    assert sorted(fake_hub.downloads("org/tiny")[len(TOKENIZER_FILES):]) == ["config.json", "generation_config.json"]
+
+
+def test_after_a_tokenizer_only_fetch_a_full_use_offline_says_the_weights_are_missing_and_online_fetches_them(
+        fake_hub, tmp_path):
+    cache = tmp_path / "hf-cache"
+    assert _fetch(fake_hub, cache, "tokenizer").returncode == 0
+    snapshot = cache / "models--org--tiny" / "snapshots" / COMMIT
+    done = _fetch(fake_hub, cache, "tokenizer", offline=True)  # the tokenizer is cached: no network wanted
+    assert done.returncode == 0 and done.stdout.strip() == str(snapshot), done.stderr
+
+    done = _fetch(fake_hub, cache, "all", offline=True)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 1 and len(lines) == 1, done.stderr
+    assert lines[0] == (f"error: --model 'org/tiny' is in the Hugging Face cache without its weights ({snapshot} "
+                        "holds only some of its files, such as its tokenizer), and HF_HUB_OFFLINE is set: fetch it "
+                        "with `hf download org/tiny` on a machine that is online (or unset HF_HUB_OFFLINE)")
+
+    done = _fetch(fake_hub, cache, "all")
+    assert done.returncode == 0 and done.stdout.strip() == str(snapshot), done.stderr
+    assert sorted(fake_hub.downloads("org/tiny")[len(TOKENIZER_FILES):]) == ["README.md", "model.safetensors"]
+    assert (snapshot / "model.safetensors").read_bytes() == fake_hub.repos["org/tiny"]["model.safetensors"]
+
+
+def test_a_snapshot_without_weights_or_a_file_list_is_not_taken_for_the_model(fake_hub, tiny_model_dir, tmp_path,
+                                                                               cache, monkeypatch):
+    """A tokenizer fetched file by file (transformers' AutoTokenizer given an id, or huggingface_hub before 1.0)
+    leaves a snapshot with no list of the repository's files: the weights are looked for in the snapshot itself."""
+    snapshot = cache_model(cache, "org/tiny", {name: (tiny_model_dir / name).read_bytes() for name in TOKENIZER_FILES})
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert resolve_model("org/tiny", files="tokenizer") == snapshot
+    assert resolve_model("org/tiny", files="config") == snapshot
+    with pytest.raises(ModelNotFoundError) as exc:
+        resolve_model("org/tiny")
+    assert _one_line(exc).startswith(f"--model 'org/tiny' is in the Hugging Face cache without its weights ({snapshot}")
+
+    done = _fetch(fake_hub, cache, "all")  # online: the weights are fetched into the same snapshot
+    assert done.returncode == 0 and done.stdout.strip() == str(snapshot), done.stderr
+    assert "model.safetensors" in fake_hub.downloads("org/tiny")
+    assert not TOKENIZER_FILES & set(fake_hub.downloads("org/tiny"))  # what is cached is not fetched again
+
+
+def test_a_sharded_model_missing_a_shard_is_only_partly_cached(cache, monkeypatch):
+    index = b'{"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}'
+    snapshot = cache_model(cache, QWEN, {**CONFIG, "model.safetensors.index.json": index,
+                                         "model-00001-of-00002.safetensors": NO_TENSORS})
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ModelNotFoundError) as exc:
+        resolve_model(QWEN)
+    assert _one_line(exc).startswith(f"--model {QWEN!r} is only partly in the Hugging Face cache ({snapshot}: its "
+                                     "download was interrupted)")
+    (snapshot / "model-00002-of-00002.safetensors").write_bytes(NO_TENSORS)
+    assert resolve_model(QWEN) == snapshot
+
+
+def test_an_unknown_part_is_refused():
+    with pytest.raises(ValueError, match="files 'weights' is none of 'all', 'tokenizer', 'config'"):
+        resolve_model(QWEN, files="weights")

@@ -1,44 +1,87 @@
 """The memory plan of `harness train`: settings that cannot fit are refused at config load with the numbers, and
 with rollout.engine.sleep the loop puts the engine to sleep after each step's episodes and wakes it before the
 push, read from the request log of the scripted engine (a real HTTP server answering like vLLM, its sleep routes
-included). The machine's GPUs are an argument of load_config (`Gpus`), so no GPU is needed."""
+included). The machine's GPUs are an argument of load_config (`Gpus`), so no GPU is needed; a model of
+Qwen2.5-1.5B's shape without weights (tests/shaped_model.py) stands for the real one."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
 
-from harness.running.gpus import GIB, Gpus, count_parameters
+from harness.running.gpus import GIB, Gpus
+from tests.shaped_model import QWEN25_1_5B, shaped_model
 from tests.support import ScriptedUpstream, db_rows
-from trainer.config import ConfigError, load_config
+from trainer.config import ConfigError, load_config, read_config
+from trainer.config_checks import memory_plan
 
 TERSE_YAML = Path(__file__).resolve().parents[2] / "examples" / "train" / "terse.yaml"
+MATH_YAML = TERSE_YAML.with_name("math.yaml")
 ONE_GPU_80G = Gpus(("0",), 80 * GIB)
+
+
+@pytest.fixture(scope="module")
+def qwen25_1_5b(tmp_path_factory, tiny_model_dir):
+    """A model directory of Qwen2.5-1.5B's shape and parameter count, without weights (tests/shaped_model.py)."""
+    return shaped_model(tmp_path_factory.mktemp("models") / "qwen2.5-1.5b-shaped", QWEN25_1_5B, tiny_model_dir)
 
 
 def _load(tiny_model_dir, *overrides: str, gpus: Gpus = ONE_GPU_80G):
     return load_config(TERSE_YAML, [f"model.path={tiny_model_dir}", *overrides], gpus=gpus)
 
 
-def test_engine_share_and_trainer_over_the_gpu_memory_are_refused_with_the_numbers(tiny_model_dir):
-    parameters = count_parameters(tiny_model_dir)
-    gpu = Gpus(("0",), 24 * parameters)  # float32 AdamW: 12 bytes a parameter kept, 4 more while updating
+def test_engine_share_trainer_and_activations_over_the_gpu_memory_are_refused_with_what_would_fit(tiny_model_dir):
+    found = memory_plan(read_config(TERSE_YAML, [f"model.path={tiny_model_dir}"]), ONE_GPU_80G)
+    gpu = Gpus(("0",), int(1.5 * (found.trainer.peak + found.activations)))  # over beside a 0.5 share; fits asleep
     with pytest.raises(ConfigError) as info:
         _load(tiny_model_dir, gpus=gpu)
     message = str(info.value)
     assert message.startswith("the memory plan does not fit (layout colocated: trainer ranks on GPUs [0]; engine 0 "
                               "on GPU 0 (CUDA id 0), each engine takes 50% of its GPU;")
     assert "1 engine(s) x 0.5 of" in message and "while it updates" in message and "over the GPU's" in message
-    assert "set rollout.engine.sleep" in message
-    assert _load(tiny_model_dir, "rollout.engine.sleep=1", gpus=gpu).rollout.engine.sleep == 1  # freed to update
+    assert "+ its activations ~" in message and "trainer.micro_batch_tokens 4096" in message
+    fitting = re.findall(r"([\w.]+): (\S+) \((?:saves ~[\d.]+ GiB, )?then it fits", message)
+    assert ("rollout.engine.sleep", "1") in fitting
+    for key, value in fitting:  # each setting the refusal says makes it fit does
+        assert _load(tiny_model_dir, f"{key}={value}", gpus=gpu)
     assert _load(tiny_model_dir, "rollout.engine.gpu_memory_utilization=0.25", gpus=gpu)
-    assert _load(tiny_model_dir, "model.dtype=bfloat16", gpus=gpu)
-    assert _load(tiny_model_dir, "trainer.lora.rank=8", gpus=gpu)  # only the adapter trains
     # the share as an older config gives it, in vLLM's own flag, counts the same
     assert _load(tiny_model_dir, "rollout.engine.extra_args=[--gpu-memory-utilization, '0.25']", gpus=gpu)
     with pytest.raises(ConfigError, match="1 engine\\(s\\) x 0.7 of"):
         _load(tiny_model_dir, "rollout.engine.extra_args=[--gpu-memory-utilization, '0.7']", gpus=gpu)
+
+
+def test_a_1_5b_model_with_8k_micro_batches_beside_half_an_80_gib_gpu_is_refused_for_its_activations(qwen25_1_5b):
+    """docs/gpu.md's own numbers: the engine's 40 GiB + the float32 trainer's 23.0 GiB + 21.8 GiB of activations."""
+    given = [f"model.path={qwen25_1_5b}", "trainer.micro_batch_tokens=8192"]
+    with pytest.raises(ConfigError) as info:
+        load_config(MATH_YAML, given, gpus=ONE_GPU_80G)
+    message = str(info.value)
+    assert "1.54B parameters, model.dtype auto, trainer.micro_batch_tokens 8192" in message
+    assert ("1 engine(s) x 0.5 of 80.0 GiB = 40.0 GiB + the trainer's ~23.0 GiB while it updates (weights and AdamW "
+            "~17.3 GiB, gradients ~5.8 GiB) + its activations ~21.8 GiB = 84.8 GiB, over the GPU's 80.0 GiB") in message
+    assert "model.gradient_checkpointing: true (saves ~18.1 GiB, then it fits)" in message
+    assert load_config(MATH_YAML, [*given, "rollout.engine.sleep=1"], gpus=ONE_GPU_80G)
+    assert load_config(MATH_YAML, [*given, "model.gradient_checkpointing=true"], gpus=ONE_GPU_80G)
+    assert load_config(MATH_YAML, [f"model.path={qwen25_1_5b}"], gpus=ONE_GPU_80G)  # math.yaml's 4096 tokens fit
+
+
+@pytest.mark.parametrize(("settings", "on_already"), [
+    (["rollout.engine.sleep=1", "trainer.micro_batch_tokens=65536"], ["rollout.engine.sleep"]),
+    (["rollout.engine.sleep=1", "model.dtype=bfloat16", "model.gradient_checkpointing=true",
+      "trainer.micro_batch_tokens=600000"], ["rollout.engine.sleep", "model.dtype", "model.gradient_checkpointing"]),
+    (["trainer.lora.rank=8", "model.activation_offload=true", "trainer.fsdp.param_offload=true",
+      "trainer.micro_batch_tokens=524288"], ["trainer.lora.rank", "model.activation_offload",
+                                                      "trainer.fsdp.param_offload"]),
+])  # fmt: skip
+def test_the_refusal_advises_only_settings_not_on_yet_each_with_what_it_saves(qwen25_1_5b, settings, on_already):
+    with pytest.raises(ConfigError) as info:
+        load_config(MATH_YAML, [f"model.path={qwen25_1_5b}", *settings], gpus=ONE_GPU_80G)
+    advice = str(info.value).split("To fit, set one or more of: ")[1].split("; ")
+    assert advice and all(re.search(r"\((saves ~[\d.]+ GiB|then it fits)", item) for item in advice)
+    assert not [item for item in advice if item.startswith(tuple(on_already))]
 
 
 @pytest.mark.parametrize(("overrides", "message"), [

@@ -426,9 +426,9 @@ def test_a_hub_id_in_model_path_is_kept_as_written_not_joined_to_the_config_fold
 
 def test_locate_model_makes_a_cached_hub_id_its_snapshot_and_the_resolved_config_names_both(tmp_path, hf_cache,
                                                                                               monkeypatch):
-    from tests.running.hub_cache import COMMIT, cache_model
+    from tests.running.hub_cache import COMMIT, NO_TENSORS, cache_model
 
-    snapshot = cache_model(hf_cache, QWEN, {"config.json": b'{"model_type": "qwen2"}'})
+    snapshot = cache_model(hf_cache, QWEN, {"config.json": b'{"model_type": "qwen2"}', "model.safetensors": NO_TENSORS})
     config = write_config(tmp_path, {"model": {"path": QWEN}})
     assert load_config(config).model.path == QWEN  # only reading the config: the model is not looked for
     cfg = load_config(config, locate_model=True)
@@ -464,9 +464,10 @@ def test_locate_model_refuses_what_names_no_model_in_one_line(tmp_path, hf_cache
 def test_a_tied_hub_model_on_an_engine_the_user_started_is_refused_once_located(tmp_path, hf_cache):
     """The checks see the model's own config.json once the id is located: the tie check of the test above holds
     for a model given by id."""
-    from tests.running.hub_cache import cache_model
+    from tests.running.hub_cache import NO_TENSORS, cache_model
 
-    cache_model(hf_cache, "org/tied", {"config.json": b'{"model_type": "llama", "tie_word_embeddings": true}'})
+    cache_model(hf_cache, "org/tied", {"config.json": b'{"model_type": "llama", "tie_word_embeddings": true}',
+                                       "model.safetensors": NO_TENSORS})
     config = write_config(tmp_path, {"model": {"path": "org/tied"}, "rollout": {"engine": {"url": "http://x:1"}}})
     load_config(config)  # not located: nothing to check against yet
     with pytest.raises(ConfigError, match="ties its input and output embeddings"):
