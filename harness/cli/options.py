@@ -34,7 +34,8 @@ def role_rules(args):
 
 
 def add_limit_args(p) -> None:
-    g = p.add_argument_group("limits and the degenerate-output guard (docs/training.md; findings: the flags view)")
+    g = p.add_argument_group("limits, the degenerate-output guard (docs/training.md; findings: the flags view) and "
+                             "hosted tools")
     g.add_argument("--max-turns", type=int, metavar="N",
                    help="LLM calls an episode may make: the next gets a 400 (episode_ended) and the cut is recorded")
     g.add_argument("--guard", action="store_true",
@@ -42,17 +43,22 @@ def add_limit_args(p) -> None:
                    "or more) as degenerate")
     g.add_argument("--guard-end-episode", action="store_true",
                    help="with --guard: a degenerate completion ends its episode (its later calls get a 400)")
+    g.add_argument("--hosted-tools", choices=("leave_out", "refuse"), default="leave_out",
+                   help="hosted tools a Responses call offers (web_search, file_search, ...; the engine runs none): "
+                   "leave_out serves the call without them and records which (calls.extra.tools_left_out); refuse "
+                   "answers 501 naming the tool (default: %(default)s)")
 
 
 def limits(args) -> dict:
-    """ProxyConfig's max_turns and guard from add_limit_args' options (ValueError for bad values)."""
+    """ProxyConfig's max_turns, guard and hosted_tools from add_limit_args' options (ValueError for bad values)."""
     from proxy.guard import GuardConfig
 
     if args.max_turns is not None and args.max_turns < 1:
         raise ValueError(f"--max-turns {args.max_turns} must be a positive number of calls per episode")
     if args.guard_end_episode and not args.guard:
         raise ValueError("--guard-end-episode acts on what the guard finds: add --guard")
-    return {"max_turns": args.max_turns, "guard": GuardConfig(enabled=args.guard, end_episode=args.guard_end_episode)}
+    return {"max_turns": args.max_turns, "guard": GuardConfig(enabled=args.guard, end_episode=args.guard_end_episode),
+            "hosted_tools": args.hosted_tools}
 
 
 def add_record_only_args(p) -> None:

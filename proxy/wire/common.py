@@ -97,6 +97,7 @@ class Wire:
 
     name = ""
     forwards_query = True  # record-only mode: the agent's query string goes on to the upstream's chat endpoint
+    notes: dict | None = None  # what the translation left out or changed, for the call's record (calls.extra)
 
     def translate(self, body: dict) -> dict:
         """The request (parsed once, proxy/app.py) as a chat request; checked for depth as a body as sent is."""

@@ -119,9 +119,9 @@ async def test_responses_request_becomes_the_chat_request(proxy, upstream):
     ({"model": "m", "input": "x", "text": {"format": {"type": "json_schema", "name": "n"}}}, 400,
      "text.format.schema"),
     ({"model": "m", "input": "x", "previous_response_id": "resp_never"}, 400, "previous_response_id"),
-    ({"model": "m", "input": "x", "tools": [{"type": "web_search"}]}, 501, "tools[0]"),
-    ({"model": "m", "input": "x", "tools": [{"type": "file_search", "vector_store_ids": ["v"]}]}, 501, "tools[0]"),
-    ({"model": "m", "input": "x", "tools": [{"type": "computer_use_preview"}]}, 501, "tools[0]"),
+    ({"model": "m", "input": "x", "tools": [{"type": "namespace", "name": "n"}]}, 400, "tools[0].tools"),
+    ({"model": "m", "input": "x", "tools": [{"type": "custom"}]}, 400, "tools[0].name"),
+    ({"model": "m", "input": [{"type": "custom_tool_call", "call_id": "c", "name": "t"}]}, 400, "input[0].input"),
     ({"model": "m", "input": "x", "background": True}, 501, "background"),
     ({"model": "m", "input": [{"type": "web_search_call", "id": "w"}]}, 501, "input[0]"),
 ])
