@@ -2,7 +2,8 @@
 
 Offered: `system` (a string or text blocks), `messages` with string or block content (text, image, tool_use,
 tool_result with string or text-block content; an assistant's thinking blocks become its `reasoning`,
-redacted_thinking blocks are skipped), `tools` (name, description, input_schema), `tool_choice` (auto, any, tool,
+redacted_thinking blocks are skipped; a `system` message among them, as Claude Code sends one each turn, stays a
+system message where it stands), `tools` (name, description, input_schema), `tool_choice` (auto, any, tool,
 none; disable_parallel_tool_use), `max_tokens` (required), `stop_sequences`, `temperature`, `top_p`, `top_k`,
 `output_config.format` (json_schema), `stream`. `metadata`, `thinking`, `cache_control`, `service_tier` and the
 like are accepted and ignored. Server tools (web search, code execution, computer use...), MCP servers and
@@ -77,8 +78,10 @@ def _message(message, i: int) -> list[dict]:
     if not isinstance(message, dict):
         raise bad(where, f"must be a message object, got {short(message)}")
     role = message.get("role")
+    if role == "system":  # a system message mid-conversation (Claude Code's environment, each turn): as it stands
+        return [{"role": "system", "content": _text_blocks(message.get("content"), f"{where}.content")}]
     if role not in ("user", "assistant"):
-        raise bad(f"{where}.role", f"must be user or assistant, got {short(role)}")
+        raise bad(f"{where}.role", f"must be user, assistant or system, got {short(role)}")
     content = message.get("content")
     if isinstance(content, str):
         return [{"role": role, "content": content}]

@@ -268,6 +268,7 @@ async def test_messages_request_becomes_the_chat_request(proxy, upstream):
             {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1",
                                           "content": [{"type": "text", "text": "a small animal"}]},
                                          {"type": "text", "text": "and?"}]},
+            {"role": "system", "content": [{"type": "text", "text": "Now 12:00."}]},  # as Claude Code sends one
         ],
     }
     status, raw = await _raw(proxy.url + "/v1/messages", body)
@@ -280,6 +281,7 @@ async def test_messages_request_becomes_the_chat_request(proxy, upstream):
             {"id": "t1", "type": "function", "function": {"name": "lookup", "arguments": '{"word":"cat"}'}}]},
         {"role": "tool", "tool_call_id": "t1", "content": "a small animal"},
         {"role": "user", "content": "and?"},
+        {"role": "system", "content": "Now 12:00."},
     ]
     assert sent["tools"] == [{"type": "function", "function": {"name": "lookup", "parameters": AN_TOOL[
         "input_schema"], "description": "Look a word up."}}]
@@ -297,7 +299,8 @@ async def test_messages_request_becomes_the_chat_request(proxy, upstream):
     ({"model": "m", "messages": [{"role": "user", "content": "x"}]}, 400, "max_tokens"),
     ({"model": "m", "max_tokens": 0, "messages": [{"role": "user", "content": "x"}]}, 400, "max_tokens"),
     ({"model": "m", "max_tokens": 5, "messages": []}, 400, "messages"),
-    ({"model": "m", "max_tokens": 5, "messages": [{"role": "system", "content": "x"}]}, 400, "messages[0].role"),
+    ({"model": "m", "max_tokens": 5, "messages": [{"role": "robot", "content": "x"}]}, 400, "messages[0].role"),
+    ({"model": "m", "max_tokens": 5, "messages": [{"role": "system", "content": 7}]}, 400, "messages[0].content"),
     ({"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "tool_use", "id": "t",
                                                                                 "name": "f", "input": {}}]}]},
      400, "messages[0].content[0].type"),
