@@ -42,16 +42,18 @@ from harness.cli.doctor_render import (
     NAMED_ID_PARSERS,
     NEXT_USER,
     SYSTEM,
-    TOOL_USE,
     TOOLS,
     Divergence,
     Finding,
     Reader,
     RenderError,
     Template,
+    ToolTurn,
     assistant,
+    read_turn,
     show,
     tool_result,
+    tool_turns,
     user,
 )
 from proxy.parsing import reply_parsing
@@ -209,74 +211,17 @@ def check_history(template: Template, parser: Reader, reasoned: bool = False) ->
     return Check("history", OK, f"all {probes} kinds of reply come back exactly as the model wrote them"), notes
 
 
-@dataclass(frozen=True)
-class _Turn:
-    """An assistant turn of TOOL_USE as the template writes it and the engine hands it back."""
-
-    where: str
-    message: dict
-    text: str  # the turn's ids decoded, special tokens kept (vLLM does so with tools on)
-    bare: str | None  # the same turn rendered without its text before the calls (None: it has none)
-
-
-def _tool_turns(template: Template) -> list[_Turn]:
-    """Every assistant turn of TOOL_USE; a RenderError or Divergence when one cannot be rendered."""
-    def text_of(messages: list[dict]) -> str:
-        _, reply, _ = template.latest_turn(messages, TOOLS)
-        return template.tokenizer.decode(template.ids(reply), skip_special_tokens=False)
-
-    turns = []
-    for i, message in enumerate(TOOL_USE):
-        if message["role"] != "assistant":
-            continue
-        bare = (text_of([*TOOL_USE[:i], {**message, "content": ""}])
-                if message.get("tool_calls") and message["content"] else None)
-        turns.append(_Turn(f"tool calls and results, assistant message {i}", message, text_of(TOOL_USE[:i + 1]),
-                           bare))
-    return turns
-
-
-def _read(turn: _Turn, parser: Reader, reasoned: Reader | None) -> tuple[str, Finding | None]:
-    """How `parser` reads the turn: ("ok", None); ("limit", finding), it reads the calls only without the text
-    written before them, which the format has no place for; ("misread", finding), it reads other calls or content
-    than the template wrote."""
-    markers = reasoned.parsing.reasoning_markers if reasoned is not None else None
-
-    def parse(text: str):
-        parsed = (reasoned if markers and markers[1] in text else parser).parse(text)
-        return [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in parsed.tool_calls], parsed
-
-    message, name = turn.message, parser.name
-    want = [(c["function"]["name"], c["function"]["arguments"]) for c in message.get("tool_calls", [])]
-    got, parsed = parse(turn.text)
-    written = (message["content"] or "").strip()
-    rendered = written if written and written in turn.text else ""  # a template may leave it out (Mistral v3)
-    content = (parsed.content or "").strip()
-    if got == want and content == rendered:
-        return "ok", None
-    if turn.bare is not None and rendered and parse(turn.bare)[0] == want:
-        read = ("reads the calls and drops the text" if got == want else "reads no call, only text")
-        return "limit", Finding(turn.where, f"the template writes text before the calls: {show(turn.text)}; the "
-                                f"{name} parser {read} (as the engine does), and reads the same calls written alone: "
-                                "this format has calls open a reply", expected=show(want), found=show(got))
-    if got != want:
-        return "misread", Finding(turn.where, f"the template renders this turn as {show(turn.text)}; the {name} "
-                                  "parser reads other tool calls from it", expected=show(want), found=show(got))
-    return "misread", Finding(turn.where, f"the template renders this turn as {show(turn.text)}; the {name} parser "
-                              "returns other content", expected=show(rendered), found=show(parsed.content))
-
-
 def check_tool_parser(template: Template, parser: Reader, reasoned: Reader | None = None,
-                      others: Callable[[list[_Turn]], list[str]] | None = None) -> Check:
+                      others: Callable[[list[ToolTurn]], list[str]] | None = None) -> Check:
     """`reasoned`: the tool parser with the reasoning parser, as the engine reads a reply; it reads the turns the
     template renders with a reasoning block (GLM's `<think></think>` in every turn), the tool parser alone the others
     (a reasoning parser takes a turn without one for unfinished reasoning). `others(turns)`: the other tool parsers
     that read every turn, named when this one does not."""
     try:
-        turns = _tool_turns(template)
+        turns = tool_turns(template)
     except (Divergence, RenderError) as exc:
         return Check("tool-parser", WARN, f"could not render an assistant turn to parse ({exc})")
-    read = [_read(turn, parser, reasoned) for turn in turns]
+    read = [read_turn(turn, parser, reasoned) for turn in turns]
     misread = [f for verdict, f in read if verdict == "misread"]
     limits = [f for verdict, f in read if verdict == "limit"]
     if misread:
@@ -300,28 +245,28 @@ def check_tool_parser(template: Template, parser: Reader, reasoned: Reader | Non
 def other_readers(template: Template, model_dir: str | Path, tried: str, reasoning_parser: str | None):
     """`others` for check_tool_parser: every tool parser of vLLM's that loads with this tokenizer and reads every
     turn (a format limit allowed), as the engine would read them."""
-    def reads_all(name: str, turns: list[_Turn]) -> bool:
+    def reads_all(name: str, turns: list[ToolTurn]) -> bool:
         try:
             parser = Reader(reply_parsing(name, None, str(model_dir)), template.tokenizer)
             reasoned = (Reader(reply_parsing(name, reasoning_parser, str(model_dir)), template.tokenizer)
                         if reasoning_parser is not None else None)
-            return all(_read(turn, parser, reasoned)[0] != "misread" for turn in turns)
+            return all(read_turn(turn, parser, reasoned)[0] != "misread" for turn in turns)
         except Exception:  # a parser that does not load with this tokenizer, or fails on this format
             return False
 
-    def readers(turns: list[_Turn]) -> list[str]:
+    def readers(turns: list[ToolTurn]) -> list[str]:
         from proxy.tool_parsers import TOOL_PARSERS
 
         other_ids = None  # the turns as agents send them back to a parser of the other kind of call ids
 
-        def turns_for(name: str) -> list[_Turn]:
+        def turns_for(name: str) -> list[ToolTurn]:
             nonlocal other_ids
             if (name in NAMED_ID_PARSERS) == template.named_ids:
                 return turns
             if other_ids is None:
                 other = Template(template.tokenizer, template.stop_ids, not template.named_ids)
                 other.close = template.close
-                other_ids = _tool_turns(other)
+                other_ids = tool_turns(other)
             return other_ids
 
         return [name for name in TOOL_PARSERS if name != tried and reads_all(name, turns_for(name))]

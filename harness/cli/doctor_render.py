@@ -201,3 +201,62 @@ class Reader:
     def parse(self, text: str) -> Parsed:
         ids = self.tokenizer.encode(text, add_special_tokens=False)
         return self._request.whole(text, ids, None)
+
+
+# --- tool-call turns, as the template writes them and a parser reads them ------------------------------------------
+
+@dataclass(frozen=True)
+class ToolTurn:
+    """An assistant turn of TOOL_USE as the template writes it and the engine hands it back."""
+
+    where: str
+    message: dict
+    text: str  # the turn's ids decoded, special tokens kept (vLLM does so with tools on)
+    bare: str | None  # the same turn rendered without its text before the calls (None: it has none)
+
+
+def tool_turns(template: Template) -> list[ToolTurn]:
+    """Every assistant turn of TOOL_USE; a RenderError or Divergence when one cannot be rendered."""
+    def text_of(messages: list[dict]) -> str:
+        _, reply, _ = template.latest_turn(messages, TOOLS)
+        return template.tokenizer.decode(template.ids(reply), skip_special_tokens=False)
+
+    turns = []
+    for i, message in enumerate(TOOL_USE):
+        if message["role"] != "assistant":
+            continue
+        bare = (text_of([*TOOL_USE[:i], {**message, "content": ""}])
+                if message.get("tool_calls") and message["content"] else None)
+        turns.append(ToolTurn(f"tool calls and results, assistant message {i}", message, text_of(TOOL_USE[:i + 1]),
+                           bare))
+    return turns
+
+
+def read_turn(turn: ToolTurn, parser: Reader, reasoned: Reader | None) -> tuple[str, Finding | None]:
+    """How `parser` reads the turn: ("ok", None); ("limit", finding), it reads the calls only without the text
+    written before them, which the format has no place for; ("misread", finding), it reads other calls or content
+    than the template wrote."""
+    markers = reasoned.parsing.reasoning_markers if reasoned is not None else None
+
+    def parse(text: str):
+        parsed = (reasoned if markers and markers[1] in text else parser).parse(text)
+        return [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in parsed.tool_calls], parsed
+
+    message, name = turn.message, parser.name
+    want = [(c["function"]["name"], c["function"]["arguments"]) for c in message.get("tool_calls", [])]
+    got, parsed = parse(turn.text)
+    written = (message["content"] or "").strip()
+    rendered = written if written and written in turn.text else ""  # a template may leave it out (Mistral v3)
+    content = (parsed.content or "").strip()
+    if got == want and content == rendered:
+        return "ok", None
+    if turn.bare is not None and rendered and parse(turn.bare)[0] == want:
+        read = ("reads the calls and drops the text" if got == want else "reads no call, only text")
+        return "limit", Finding(turn.where, f"the template writes text before the calls: {show(turn.text)}; the "
+                                f"{name} parser {read} (as the engine does), and reads the same calls written alone: "
+                                "this format has calls open a reply", expected=show(want), found=show(got))
+    if got != want:
+        return "misread", Finding(turn.where, f"the template renders this turn as {show(turn.text)}; the {name} "
+                                  "parser reads other tool calls from it", expected=show(want), found=show(got))
+    return "misread", Finding(turn.where, f"the template renders this turn as {show(turn.text)}; the {name} parser "
+                              "returns other content", expected=show(rendered), found=show(parsed.content))

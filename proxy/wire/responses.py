@@ -7,13 +7,9 @@ string or text-part content; `function_call` and `function_call_output` items; a
 `stream`, and `previous_response_id` over the proxy's memory of its latest responses. `store`, `metadata`,
 `user`, `include`, `reasoning`, `truncation`, `prompt_cache_key`, `client_metadata` are accepted and ignored.
 
-Tools, as coding agents send them (Codex CLI): `function` tools as they are; a `namespace` tool's functions offered
-to the model as `<namespace>__<name>` and answered as `function_call` items with `name` and `namespace` (and read
-back from them); a `custom` (free-form) tool offered as a function of one string argument, `input`, and answered
-as a `custom_tool_call` with that input (read back from `custom_tool_call` / `custom_tool_call_output` items).
-Hosted tools the engine cannot run (`web_search`, `file_search`, `code_interpreter`, `tool_search`, ...) are left
-out of the prompt, and the call records which (`calls.extra.tools_left_out`); with `hosted_tools: refuse` they
-are a 501 instead. `background`, `conversation` and prompt templates are 501.
+Tools as coding agents send them (Codex CLI: function, namespace, custom and hosted tools) are in
+proxy/wire/responses_tools.py: hosted ones are left out of the prompt and recorded (`calls.extra.tools_left_out`),
+or refused with `hosted_tools: refuse`. `background`, `conversation` and prompt templates are 501.
 
 Output: a `reasoning` item (reasoning_text) when the engine's answer has reasoning (a reasoning parser split it
 out), then a `message` item (output_text) and `function_call` (or `custom_tool_call`) items; status `incomplete`
@@ -24,9 +20,7 @@ out), then a `message` item (output_text) and `function_call` (or `custom_tool_c
 
 from __future__ import annotations
 
-import json
 import time
-from dataclasses import dataclass, field
 
 from proxy.http_json import ApiError
 from proxy.wire.common import (
@@ -41,6 +35,7 @@ from proxy.wire.common import (
     short,
     sse,
 )
+from proxy.wire.responses_tools import Tools, history_call, to_chat_tools
 
 RESPONSES = "responses"
 _TEXT_PARTS = ("input_text", "output_text", "text", "refusal")
@@ -102,21 +97,6 @@ def _add_reasoning(message: dict, reasoning: str | None) -> None:
         message["reasoning"] = f"{message['reasoning']}\n\n{reasoning}" if message.get("reasoning") else reasoning
 
 
-def _history_call(item: dict, kind: str, where: str) -> dict:
-    """A function_call or custom_tool_call item as the chat tool call the model wrote: a namespace's function under
-    its offered name, a custom tool's input as its one argument."""
-    name = check(item.get("name"), (str,), f"{where}.name", "a string", required=True)
-    if kind == "custom_tool_call":
-        text = check(item.get("input"), (str,), f"{where}.input", "a string", required=True)
-        arguments = json.dumps({_CUSTOM_INPUT: text}, ensure_ascii=False)
-    else:
-        arguments = check(item.get("arguments"), (str,), f"{where}.arguments", "a string", required=True)
-        namespace = check(item.get("namespace"), (str,), f"{where}.namespace", "a string")
-        name = f"{namespace}{NAMESPACE_SEP}{name}" if namespace else name
-    return {"id": check(item.get("call_id"), (str,), f"{where}.call_id", "a string", required=True),
-            "type": "function", "function": {"name": name, "arguments": arguments}}
-
-
 def input_messages(items, field: str = "input") -> list[dict]:
     """Responses input (a string or a list of items) -> chat messages. An assistant message and the function
     calls that follow it become one assistant message with tool_calls, as a chat agent would send it; the
@@ -146,7 +126,7 @@ def input_messages(items, field: str = "input") -> list[dict]:
             if role == "assistant":
                 _add_reasoning(out[-1], reasoning)
         elif kind in ("function_call", "custom_tool_call"):
-            call = _history_call(item, kind, where)
+            call = history_call(item, kind, where)
             if not (out and out[-1]["role"] == "assistant"):
                 out.append({"role": "assistant", "content": None})
             _add_reasoning(out[-1], reasoning)
@@ -167,84 +147,6 @@ def input_messages(items, field: str = "input") -> list[dict]:
         else:
             raise bad(f"{where}.type", f"must be message, function_call, function_call_output or reasoning, "
                       f"got {short(kind)}")
-    return out
-
-
-NAMESPACE_SEP = "__"  # a namespace's function as the model sees it: <namespace>__<name> (any template, any parser)
-_CUSTOM_INPUT = "input"  # the one argument a custom (free-form) tool is offered with
-
-
-@dataclass
-class Tools:
-    """What the request's tools became: the chat tools, how each offered name maps back to the agent's tool, and
-    the hosted tools left out."""
-
-    chat: list[dict] = field(default_factory=list)
-    namespaced: dict[str, tuple[str, str]] = field(default_factory=dict)  # offered name -> (namespace, name)
-    custom: set[str] = field(default_factory=set)  # names of custom tools
-    left_out: list[str] = field(default_factory=list)  # hosted tool types, in request order
-
-    def offered(self, name: str, namespace: str | None) -> str:
-        """The name a call of the agent's tool `name` (in `namespace`) has in the chat history."""
-        return f"{namespace}{NAMESPACE_SEP}{name}" if namespace else name
-
-
-def _function(tool: dict, where: str, name: str | None = None) -> dict:
-    fn = {"name": name or check(tool.get("name"), (str,), f"{where}.name", "a string", required=True)}
-    for key, types in (("description", (str,)), ("parameters", (dict,)), ("strict", (bool,))):
-        if tool.get(key) is not None:
-            fn[key] = check(tool[key], types, f"{where}.{key}", types[0].__name__)
-    return {"type": "function", "function": fn}
-
-
-def _custom(tool: dict, where: str) -> dict:
-    """A free-form tool as a function of one string: its format (a grammar, say) is told in the description, not
-    enforced."""
-    name = check(tool.get("name"), (str,), f"{where}.name", "a string", required=True)
-    fmt = tool.get("format") if isinstance(tool.get("format"), dict) else {}
-    told = f" Its input follows this {fmt.get('syntax') or fmt.get('type')}:\n{fmt['definition']}" \
-        if isinstance(fmt.get("definition"), str) else ""
-    description = (tool.get("description") or "") + told
-    return {"type": "function", "function": {
-        "name": name, "description": description.strip(),
-        "parameters": {"type": "object", "properties": {_CUSTOM_INPUT: {"type": "string"}},
-                       "required": [_CUSTOM_INPUT]}}}
-
-
-def _tools(tools, hosted: str = "leave_out") -> Tools:
-    """The request's tools as chat tools (see the module's docstring); `hosted` "refuse" makes a hosted tool a
-    501 instead of leaving it out."""
-    out = Tools()
-    if tools is None:
-        return out
-    if not isinstance(tools, list):
-        raise bad("tools", f"must be a list of tool objects, got {short(tools)}")
-    for i, tool in enumerate(tools):
-        where = f"tools[{i}]"
-        kind = tool.get("type") if isinstance(tool, dict) else None
-        if not isinstance(kind, str):
-            raise bad(f"{where}.type", f"must be 'function', 'namespace', 'custom' or a hosted tool's, got "
-                      f"{short(kind)}")
-        if kind == "function":
-            out.chat.append(_function(tool, where))
-        elif kind == "custom":
-            out.chat.append(_custom(tool, where))
-            out.custom.add(out.chat[-1]["function"]["name"])
-        elif kind == "namespace":
-            namespace = check(tool.get("name"), (str,), f"{where}.name", "a string", required=True)
-            inner = check(tool.get("tools"), (list,), f"{where}.tools", "a list", required=True)
-            for j, fn in enumerate(inner):
-                at = f"{where}.tools[{j}]"
-                if not isinstance(fn, dict) or fn.get("type", "function") != "function":
-                    raise not_offered(at, "a namespace's tools must be function tools here")
-                name = check(fn.get("name"), (str,), f"{at}.name", "a string", required=True)
-                out.chat.append(_function(fn, at, out.offered(name, namespace)))
-                out.namespaced[out.chat[-1]["function"]["name"]] = (namespace, name)
-        elif hosted == "refuse":
-            raise not_offered(where, f"tool type '{kind}' is not offered: the engine runs no hosted tools (serve "
-                              "with --hosted-tools leave_out to leave them out of the prompt instead)")
-        else:  # web_search, file_search, code_interpreter, tool_search, mcp...: nothing here can run them
-            out.left_out.append(kind)
     return out
 
 
@@ -303,7 +205,7 @@ def to_chat(body: dict, history: list[dict] | None = None,
     chat: dict = {"messages": [*system, *conversation]}
     if body.get("model") is not None:
         chat["model"] = body["model"]
-    tools = _tools(body.get("tools"), hosted)
+    tools = to_chat_tools(body.get("tools"), hosted)
     if tools.chat:
         chat["tools"] = tools.chat
     if body.get("tool_choice") is not None:
@@ -396,30 +298,12 @@ class ResponsesWire(Wire):
             self.notes = {"tools_left_out": self.tools.left_out}
         return chat
 
-    def _shown(self, item: dict) -> dict:
-        """An output item as the agent gets it: a call of a namespace's function under its name and namespace, a
-        custom tool's call with its input (the chat history keeps the names and arguments the model wrote)."""
-        name = item.get("name")
-        if item["type"] != "function_call" or not name:
-            return dict(item)
-        if name in self.tools.namespaced:
-            namespace, fn = self.tools.namespaced[name]
-            return {**item, "name": fn, "namespace": namespace}
-        if name in self.tools.custom:
-            try:
-                text = json.loads(item["arguments"])[_CUSTOM_INPUT]
-            except (ValueError, TypeError, KeyError):  # not (yet) the one argument: what the model wrote so far
-                text = item["arguments"]
-            return {"type": "custom_tool_call", "id": item["id"], "call_id": item["call_id"], "name": name,
-                    "input": text if isinstance(text, str) else json.dumps(text), "status": item["status"]}
-        return dict(item)
-
     def _response(self, status: str, output: list[dict], usage: dict | None, **more) -> dict:
         b = self.body
         return {"id": self.id, "object": "response", "created_at": self.created, "status": status, "error": None,
                 "incomplete_details": None, "instructions": b.get("instructions"),
                 "max_output_tokens": b.get("max_output_tokens"), "model": b.get("model"),
-                "output": [self._shown(item) for item in output],
+                "output": [self.tools.as_sent(item) for item in output],
                 "parallel_tool_calls": b.get("parallel_tool_calls", True),
                 "previous_response_id": b.get("previous_response_id"), "reasoning": None,
                 "store": b.get("store", True), "temperature": b.get("temperature"),
@@ -479,7 +363,7 @@ class ResponsesWire(Wire):
         out = self._close()
         self._open = len(self._items)
         self._items.append(item)
-        out.append(self._event("response.output_item.added", output_index=self._open, item=self._shown(item)))
+        out.append(self._event("response.output_item.added", output_index=self._open, item=self.tools.as_sent(item)))
         if item["type"] in ("message", "reasoning"):
             self._texts[self._open] = ""
             part = ({"type": "output_text", "text": "", "annotations": [], "logprobs": []} if item["type"] == "message"
@@ -513,11 +397,11 @@ class ResponsesWire(Wire):
             item["content"] = [part]
         elif item["name"] in self.tools.custom:
             out.append(self._event("response.custom_tool_call_input.done", item_id=item["id"], output_index=index,
-                                   input=self._shown(item)["input"]))
+                                   input=self.tools.as_sent(item)["input"]))
         else:
             out.append(self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
                                    arguments=item["arguments"]))
-        out.append(self._event("response.output_item.done", output_index=index, item=self._shown(item)))
+        out.append(self._event("response.output_item.done", output_index=index, item=self.tools.as_sent(item)))
         return out
 
     def chunk(self, chunk: dict, prompt_tokens: int | None = None) -> bytes:
