@@ -95,7 +95,7 @@ def _add_run(verbs) -> None:
                    help="address-space cap of each agent process in MB; 0: none (default: %(default)s)")
     p.add_argument("--agent-max-procs", type=int, default=AGENT_MAX_PROCS,
                    help="processes and threads of each agent with all it starts; 0: none (default: %(default)s)")
-    p.add_argument("--temperature", type=float, help="training-time override of the agents' temperature")
+    options.add_sampling_args(p)
     p.add_argument("--debug", action="store_true",
                    help="one episode at a time, the agent on this terminal (stdin, stdout and stderr; its task only in "
                    "HARNESS_TASK), the judge in this process, no timeouts: breakpoints in agent or judge code work")
@@ -116,7 +116,6 @@ def _run(args) -> int:
     from harness.running.runner import RunConfig
     from harness.running.tasks import TaskError, read_tasks
     from harness.running.vllm_server import Engine, EngineError, start_or_attach
-    from proxy import SamplingOverrides
 
     if (args.agent is None) == (args.cmd is None):
         print("error: give the agent's Python file, or --cmd \"COMMAND\", not both", file=sys.stderr)
@@ -134,7 +133,7 @@ def _run(args) -> int:
                            timeout_s=args.timeout, retries=args.retries, judge_timeout_s=args.judge_timeout,
                            debug=args.debug, memory_mb=args.agent_memory_mb or None,
                            max_procs=args.agent_max_procs or None)
-        sampling = SamplingOverrides(temperature=args.temperature)
+        sampling = options.sampling(args)
         if args.judge:
             from harness.running.judges import load_judge
 

@@ -11,6 +11,20 @@ from proxy.tool_parsers import check_reasoning_parser, check_tool_parser
 DEFAULT_RUN_DIR = Path("runs")
 
 
+def add_sampling_args(p) -> None:
+    p.add_argument("--temperature", type=float, help="training-time override of the agents' temperature")
+    p.add_argument("--top-p", type=float, help="training-time override of the agents' top_p")
+    p.add_argument("--max-tokens-cap", type=int, help="cap on the agents' max_tokens (Claude Code asks for 128000: "
+                   "cap it so the engine's context holds the prompt and the reply)")
+
+
+def sampling(args):
+    """The proxy's SamplingOverrides from add_sampling_args' options (ValueError for bad values)."""
+    from proxy import SamplingOverrides
+
+    return SamplingOverrides(args.temperature, args.top_p, args.max_tokens_cap)
+
+
 def add_role_args(p) -> None:
     g = p.add_argument_group("roles (multi-agent apps: name roles, send frozen ones to a fixed model)")
     g.add_argument("--role", action="append", default=[], metavar="NAME=MATCH",

@@ -29,9 +29,7 @@ def add_parser(verbs) -> None:
                    help="DuckDB's memory cap in the proxy: recorded rows stay cached up to it (default: %(default)s)")
     p.add_argument("--strict-episodes", action="store_true",
                    help="refuse /e/<episode>/v1 calls for episodes not opened via POST /harness/episodes")
-    p.add_argument("--temperature", type=float, help="training-time override of the agents' temperature")
-    p.add_argument("--top-p", type=float, help="training-time override of the agents' top_p")
-    p.add_argument("--max-tokens-cap", type=int, help="cap on the agents' max_tokens")
+    options.add_sampling_args(p)
     options.add_record_only_args(p)
     options.add_role_args(p)
     options.add_transparent_args(p)
@@ -41,7 +39,7 @@ def add_parser(verbs) -> None:
 
 def _serve(args) -> int:
     from harness.running.vllm_server import EngineError, start_or_attach
-    from proxy import SamplingOverrides, serve_forever
+    from proxy import serve_forever
 
     try:
         engine_args = options.engine_args(args)  # refused before anything starts, record-only included
@@ -53,7 +51,7 @@ def _serve(args) -> int:
     if args.record_only or args.upstream_key_env:
         return _record_only(args, db)
     try:
-        sampling = SamplingOverrides(args.temperature, args.top_p, args.max_tokens_cap)
+        sampling = options.sampling(args)
         limits = options.limits(args)  # before an engine starts
         engine = start_or_attach(model=args.model, upstream=(args.upstream or [None])[0], run_dir=args.run_dir,
                                  max_model_len=args.max_model_len, extra_args=engine_args,

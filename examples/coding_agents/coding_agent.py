@@ -1,0 +1,125 @@
+"""A coding task done by a coding agent as it ships (Codex CLI or Claude Code), unmodified, for `harness run`.
+
+The task (`{"id", "prompt", "files": {path: text}, "check": "a shell command", "answer": "pass"}`) comes in
+HARNESS_TASK (else on stdin). This wrapper makes a scratch git repository holding the task's files, runs the CLI
+there on the prompt, pointed at the proxy by the CLI's own settings (made from the OPENAI_BASE_URL and
+OPENAI_API_KEY that `harness run` gives each episode), then runs the task's check in the repository and prints
+`{"answer": "pass"}` or `{"answer": "fail"}` last, for the judge (exact_match against the task's answer). The CLI's
+own output goes to stderr, with the check's. The repository is removed afterwards (HARNESS_KEEP_SCRATCH=1 keeps it).
+
+    harness run examples/coding_agents/coding_agent.py --data examples/coding_agents/tasks.jsonl \\
+        --judge exact_match --model runs/tiny                    # Codex CLI (the default)
+    harness run --cmd "python examples/coding_agents/coding_agent.py claude" --data ... # Claude Code
+
+The CLIs come from examples/coding_agents/node_modules (`make install`), else from PATH. No harness imports: an
+agent is any program.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+MODEL = {"codex": "gpt-5-codex", "claude": "claude-sonnet-4-5"}  # the models these CLIs are written for
+CHECK_TIMEOUT_S = 60
+
+
+def read_task() -> dict:
+    text = os.environ.get("HARNESS_TASK") or sys.stdin.read()
+    task = json.loads(text)
+    for key in ("prompt", "check"):
+        if not isinstance(task.get(key), str) or not task[key]:
+            raise SystemExit(f"coding_agent: the task has no {key!r} string: {text[:200]}")
+    return task
+
+
+def cli(name: str) -> str:
+    local = HERE / "node_modules" / ".bin" / name
+    found = str(local) if local.exists() else shutil.which(name)
+    if found is None:
+        raise SystemExit(f"coding_agent: no {name} here: run `make install` (npm ci in {HERE}) or put it on PATH")
+    return found
+
+
+def scratch_repo(files: dict[str, str]) -> Path:
+    """A git repository with the task's files committed: what a coding agent expects to work in."""
+    repo = Path(tempfile.mkdtemp(prefix="harness-task-"))
+    for name, text in files.items():
+        path = (repo / name).resolve()
+        if repo.resolve() not in path.parents:
+            raise SystemExit(f"coding_agent: the task's file {name!r} is outside its repository")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    git = ["git", "-c", "user.name=harness", "-c", "user.email=harness@localhost", "-c", "init.defaultBranch=main"]
+    for args in (["init", "-q"], ["add", "-A"], ["commit", "-q", "--allow-empty", "-m", "the task"]):
+        subprocess.run([*git, *args], cwd=repo, check=True, stdout=sys.stderr)
+    return repo
+
+
+def codex(prompt: str, repo: Path, home: Path, base_url: str, api_key: str) -> list[str]:
+    """`codex exec` with a provider at the proxy (Codex 0.171 reads no OPENAI_BASE_URL: its config says where)."""
+    (home / "config.toml").write_text(f'''model = "{MODEL['codex']}"
+model_provider = "harness"
+check_for_update_on_startup = false
+
+[model_providers.harness]
+name = "harness proxy"
+base_url = "{base_url}"
+env_key = "OPENAI_API_KEY"
+wire_api = "responses"
+
+[analytics]
+enabled = false
+
+[feedback]
+enabled = false
+''')
+    os.environ.update({"CODEX_HOME": str(home), "OPENAI_API_KEY": api_key})
+    return [cli("codex"), "exec", "--skip-git-repo-check", "--dangerously-bypass-approvals-and-sandbox",
+            "--disable", "plugins", prompt]
+
+
+def claude(prompt: str, repo: Path, home: Path, base_url: str, api_key: str) -> list[str]:
+    """`claude -p` at the proxy's Anthropic Messages route (its base URL has no /v1: Claude Code adds it)."""
+    os.environ.update({"HOME": str(home), "ANTHROPIC_BASE_URL": base_url.removesuffix("/").removesuffix("/v1"),
+                       "ANTHROPIC_API_KEY": api_key, "ANTHROPIC_MODEL": MODEL["claude"],
+                       "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_AUTOUPDATER": "1"})
+    if os.geteuid() == 0:  # as root, Claude Code skips its permission prompts only inside a sandbox it is told of
+        os.environ["IS_SANDBOX"] = "1"
+    return [cli("claude"), "-p", prompt, "--dangerously-skip-permissions"]
+
+
+def main() -> int:
+    which = sys.argv[1] if len(sys.argv) > 1 else "codex"
+    if which not in MODEL:
+        raise SystemExit(f"coding_agent: unknown agent {which!r}: codex or claude")
+    task = read_task()
+    base_url, api_key = os.environ.get("OPENAI_BASE_URL"), os.environ.get("OPENAI_API_KEY", "none")
+    if not base_url:
+        raise SystemExit("coding_agent: OPENAI_BASE_URL is not set: run me under harness run (or set it to the proxy)")
+    repo = scratch_repo(task.get("files") or {})
+    home = Path(tempfile.mkdtemp(prefix="harness-home-"))
+    try:
+        command = (codex if which == "codex" else claude)(task["prompt"], repo, home, base_url, api_key)
+        ran = subprocess.run(command, cwd=repo, stdin=subprocess.DEVNULL, stdout=sys.stderr, stderr=sys.stderr)
+        print(f"coding_agent: {which} exited {ran.returncode}", file=sys.stderr)
+        check = subprocess.run(task["check"], shell=True, cwd=repo, capture_output=True, text=True,
+                               timeout=CHECK_TIMEOUT_S)
+        print(f"coding_agent: check {task['check']!r} exited {check.returncode}\n{check.stdout}{check.stderr}",
+              file=sys.stderr)
+        print(json.dumps({"answer": "pass" if check.returncode == 0 else "fail"}))
+        return 0
+    finally:
+        if os.environ.get("HARNESS_KEEP_SCRATCH") != "1":
+            shutil.rmtree(repo, ignore_errors=True)
+        shutil.rmtree(home, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
