@@ -26,7 +26,8 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-MODEL = {"codex": "gpt-5-codex", "claude": "claude-sonnet-4-5"}  # the models these CLIs are written for
+AGENTS = ("codex", "claude")
+CODEX_MODEL = "gpt-5-codex"  # any name: the proxy serves its policy under it (Claude Code keeps its default model)
 CHECK_TIMEOUT_S = 60
 
 
@@ -64,7 +65,7 @@ def scratch_repo(files: dict[str, str]) -> Path:
 
 def codex(prompt: str, repo: Path, home: Path, base_url: str, api_key: str) -> list[str]:
     """`codex exec` with a provider at the proxy (Codex 0.171 reads no OPENAI_BASE_URL: its config says where)."""
-    (home / "config.toml").write_text(f'''model = "{MODEL['codex']}"
+    (home / "config.toml").write_text(f'''model = "{CODEX_MODEL}"
 model_provider = "harness"
 check_for_update_on_startup = false
 
@@ -88,7 +89,7 @@ enabled = false
 def claude(prompt: str, repo: Path, home: Path, base_url: str, api_key: str) -> list[str]:
     """`claude -p` at the proxy's Anthropic Messages route (its base URL has no /v1: Claude Code adds it)."""
     os.environ.update({"HOME": str(home), "ANTHROPIC_BASE_URL": base_url.removesuffix("/").removesuffix("/v1"),
-                       "ANTHROPIC_API_KEY": api_key, "ANTHROPIC_MODEL": MODEL["claude"],
+                       "ANTHROPIC_API_KEY": api_key,
                        "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_AUTOUPDATER": "1"})
     if os.geteuid() == 0:  # as root, Claude Code skips its permission prompts only inside a sandbox it is told of
         os.environ["IS_SANDBOX"] = "1"
@@ -97,7 +98,7 @@ def claude(prompt: str, repo: Path, home: Path, base_url: str, api_key: str) -> 
 
 def main() -> int:
     which = sys.argv[1] if len(sys.argv) > 1 else "codex"
-    if which not in MODEL:
+    if which not in AGENTS:
         raise SystemExit(f"coding_agent: unknown agent {which!r}: codex or claude")
     task = read_task()
     base_url, api_key = os.environ.get("OPENAI_BASE_URL"), os.environ.get("OPENAI_API_KEY", "none")

@@ -10,7 +10,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import orjson
@@ -133,55 +132,3 @@ def test_claude_code_runs_a_bash_tool_loop_through_the_proxy(upstream, proxy, tm
     rows = _episode(proxy, "claude-1")
     assert [(i, s) for i, s, _ in rows] == [(0, "ok"), (1, "ok"), (2, "ok")]
     assert all(orjson.loads(extra)["wire"] == "messages" for *_, extra in rows)
-
-
-# ---------------------------------------------------------------------------------------------- harness run, train
-
-TASKS = CODING_AGENTS / "tasks.jsonl"
-TERSE_YAML = Path(__file__).resolve().parents[2] / "examples" / "train" / "terse.yaml"
-# What the scripted model does for each task, in the file's order: two shell commands, then a closing word. The last
-# task's edit is wrong on purpose, so its check fails and its judgement is 0.
-SOLUTIONS = {"hello-file": ["echo hello > out.txt", "cat out.txt"],
-             "fix-greeting": ["sed -i s/helo/hello/ greet.py", "python3 greet.py"],
-             "count-lines": ["wc -l < data.txt > count.txt", "cat count.txt"],
-             "add-function": ["printf 'def add(a, b):\\n    return a - b\\n' >> calc.py", "cat calc.py"]}
-
-
-@pytest.mark.parametrize("agent", ["codex", "claude"])
-def test_harness_run_scores_a_coding_agent_on_tasks_and_trains_on_the_run(agent, upstream, tiny_model_dir,
-                                                                           tmp_path):
-    """`harness run` with the CLI as the agent over the four tasks of examples/coding_agents (each in its own
-    scratch git repository, the task's check run there), judged; then one `--from-run` update on the passing
-    episodes. One episode at a time, so the scripted model's calls follow the tasks' order."""
-    _installed(agent)
-    step = _exec_command if agent == "codex" else _bash
-    probe = {"tool_arguments": None, "content": None}  # harness run's first chat call: it probes the engine
-    upstream.script.then = [probe, *(s for commands in SOLUTIONS.values() for s in (
-        *(step(c) for c in commands), {"tool_arguments": None, "content": "done", "text_finish": "stop"}))]
-    run_dir = tmp_path / "run"
-    done = subprocess.run([sys.executable, "-m", "harness.cli", "run", "--cmd",
-                           f"{sys.executable} {CODING_AGENTS / 'coding_agent.py'} {agent}", "--data", str(TASKS),
-                           "--judge", "exact_match", "--upstream", upstream.url, "--concurrency", "1",
-                           "--timeout", "120", "--run-dir", str(run_dir)],
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-4000:]
-    assert not upstream.script.then and len(upstream.engine.requests) == 1 + 12
-    db = run_dir / "harness.duckdb"
-    rewards = dict(db_rows(db, "SELECT e.task_id, j.reward FROM episode_outcomes e JOIN judgements j USING "
-                           "(episode_id)"))
-    assert rewards == {"hello-file": 1.0, "fix-greeting": 1.0, "count-lines": 1.0, "add-function": 0.0}
-    calls = db_rows(db, "SELECT e.task_id, count(*), bool_and(c.status = 'ok'), any_value(c.extra->>'wire') FROM "
-                    "calls c JOIN episode_outcomes e USING (episode_id) GROUP BY 1")
-    wire = "responses" if agent == "codex" else "messages"
-    assert sorted(calls) == sorted((task, 3, True, wire) for task in SOLUTIONS)
-    (run_id,), = db_rows(db, "SELECT DISTINCT run_id FROM episode_outcomes")
-    trained = subprocess.run([sys.executable, "-m", "harness.cli", "train", str(TERSE_YAML),
-                              f"--set=model.path={tiny_model_dir}", f"--set=logging.run_dir={tmp_path / 'train'}",
-                              "--set=experiment_name=coding", "--set=logging.console=false",
-                              "--set=logging.curve_png=false", f"--from-run={run_id}", f"--db={db}",
-                              "--where=reward >= 1", "--set=offline.batch_size=3"],
-                             capture_output=True, text=True, timeout=600)
-    assert trained.returncode == 0, trained.stderr[-3000:]
-    episodes = db_rows(tmp_path / "train" / "coding" / "harness.duckdb",
-                       "SELECT value FROM metrics WHERE name = 'offline/episodes'")
-    assert episodes == [(3.0,)]  # the three passing episodes, the failing one left out
