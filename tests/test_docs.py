@@ -21,7 +21,8 @@ from harness.cli.main import build_parser, main
 from trainer.config_reference import iter_keys
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = sorted([ROOT / "README.md", *(ROOT / "docs").glob("*.md"), *(ROOT / "examples").glob("**/README.md")])
+DOCS = sorted([ROOT / "README.md", *(ROOT / "docs").glob("*.md"),  # ours: not the READMEs npm installed
+               *(p for p in (ROOT / "examples").glob("**/README.md") if "node_modules" not in p.parts)])
 KEYS = {name for name, *_ in iter_keys()}
 SECTIONS = {name for name in KEYS if "." not in name}
 HARNESS = re.compile(r"^(?:\S*/)?harness$")  # harness, .venv/bin/harness
@@ -244,3 +245,12 @@ def test_the_checker_finds_planted_mistakes_and_passes_the_rest():
     assert [p.split(" (")[0] for n in key_names(PLANTED) if (p := _key_problem(n))] == [
         "no config key 'rollout.engine.not_a_key'"]  # and `trainer.lr` is one
     assert [p.split(" (")[0] for p in yaml_key_problems(PLANTED)] == ["no config key 'trainer.not_a_key'"]
+
+
+@pytest.mark.parametrize("doc", [d for d in DOCS if d.name != "BENCHMARKS.md"], ids=_rel)
+def test_the_docs_cite_no_internal_issue_and_use_the_readmes_model_folders(doc):
+    """Users cannot see the project's issue numbers (BENCHMARKS.md keeps its measurement history); model
+    directories are where the README builds them (runs/tiny, runs/smollm2), not a models/ folder nothing makes."""
+    text = doc.read_text(encoding="utf-8")
+    assert not re.findall(r"\bissue \d+", text), _rel(doc)
+    assert not re.findall(r"--model models/", text), _rel(doc)
