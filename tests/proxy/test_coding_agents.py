@@ -73,7 +73,8 @@ def _episode(proxy: RunningProxy, episode: str) -> list[tuple]:
 
 def test_codex_exec_runs_a_shell_tool_loop_through_the_proxy(upstream, proxy, tmp_path):
     codex = _installed("codex")
-    upstream.script.then = [_exec_command("echo hello > out.txt"), _exec_command("cat out.txt"),
+    upstream.script.then = [{**_exec_command("echo hello > out.txt"), "reasoning": "Write the file first."},
+                            {**_exec_command("cat out.txt"), "reasoning": None},
                             {"tool_arguments": None, "content": "done: out.txt says hello", "text_finish": "stop"}]
     scratch = tmp_path / "scratch"
     scratch.mkdir()
@@ -92,6 +93,9 @@ def test_codex_exec_runs_a_shell_tool_loop_through_the_proxy(upstream, proxy, tm
     assert "exec_command" in offered and "multi_agent_v1__spawn_agent" in offered
     outputs = [m["content"] for m in requests[2]["messages"] if m["role"] == "tool"]
     assert len(outputs) == 2 and "hello" in outputs[1]  # what `cat out.txt` printed reached the model
+    # the reasoning item it got (include: reasoning.encrypted_content asked for) came back with the call it preceded
+    first = next(m for m in requests[1]["messages"] if m["role"] == "assistant")
+    assert first.get("reasoning") == "Write the file first." and first["tool_calls"]
     rows = _episode(proxy, "codex-1")
     assert [(i, s) for i, s, _ in rows] == [(0, "ok"), (1, "ok"), (2, "ok")]
     for *_, extra in rows:
@@ -108,7 +112,8 @@ def test_claude_code_runs_a_bash_tool_loop_through_the_proxy(upstream, proxy, tm
     """Claude Code 2.1.332 (`claude -p`), streamed Anthropic Messages with a system message among the messages each
     turn, tool_use and tool_result blocks, thinking and cache_control settings, max_tokens 128000."""
     claude = _installed("claude")
-    upstream.script.then = [_bash("echo hello > out.txt"), _bash("cat out.txt"),
+    upstream.script.then = [{**_bash("echo hello > out.txt"), "reasoning": "Write the file first."},
+                            {**_bash("cat out.txt"), "reasoning": None},
                             {"tool_arguments": None, "content": "done: out.txt says hello", "text_finish": "stop"}]
     scratch, home = tmp_path / "scratch", tmp_path / "home"
     scratch.mkdir()
@@ -129,6 +134,9 @@ def test_claude_code_runs_a_bash_tool_loop_through_the_proxy(upstream, proxy, tm
     roles = [m["role"] for m in requests[2]["messages"]]
     assert roles.count("system") >= 2 and roles[-4:] == ["assistant", "tool", "assistant", "tool"]
     assert requests[2]["messages"][-1]["content"] == "hello"  # what `cat out.txt` printed reached the model
+    # the thinking block it got came back with the tool_use it preceded
+    first = next(m for m in requests[1]["messages"] if m["role"] == "assistant")
+    assert first.get("reasoning") == "Write the file first." and first["tool_calls"]
     rows = _episode(proxy, "claude-1")
     assert [(i, s) for i, s, _ in rows] == [(0, "ok"), (1, "ok"), (2, "ok")]
     assert all(orjson.loads(extra)["wire"] == "messages" for *_, extra in rows)
