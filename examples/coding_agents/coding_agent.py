@@ -63,16 +63,17 @@ def scratch_repo(files: dict[str, str]) -> Path:
     return repo
 
 
-def codex(prompt: str, repo: Path, home: Path, base_url: str, api_key: str) -> list[str]:
-    """`codex exec` with a provider at the proxy (Codex 0.171 reads no OPENAI_BASE_URL: its config says where)."""
-    (home / "config.toml").write_text(f'''model = "{CODEX_MODEL}"
+def codex_config(base_url: str, key_env: str = "OPENAI_API_KEY") -> str:
+    """Codex's config.toml for a provider at `base_url` (the proxy), its api key in the variable `key_env`: what a
+    user writes into ~/.codex/config.toml (Codex 0.171 reads no OPENAI_BASE_URL)."""
+    return f'''model = "{CODEX_MODEL}"
 model_provider = "harness"
 check_for_update_on_startup = false
 
 [model_providers.harness]
 name = "harness proxy"
 base_url = "{base_url}"
-env_key = "OPENAI_API_KEY"
+env_key = "{key_env}"
 wire_api = "responses"
 
 [analytics]
@@ -80,7 +81,12 @@ enabled = false
 
 [feedback]
 enabled = false
-''')
+'''
+
+
+def codex(prompt: str, repo: Path, home: Path, base_url: str, api_key: str) -> list[str]:
+    """`codex exec` with a provider at the proxy, its settings in a CODEX_HOME of its own."""
+    (home / "config.toml").write_text(codex_config(base_url))
     os.environ.update({"CODEX_HOME": str(home), "OPENAI_API_KEY": api_key})
     return [cli("codex"), "exec", "--skip-git-repo-check", "--dangerously-bypass-approvals-and-sandbox",
             "--disable", "plugins", prompt]

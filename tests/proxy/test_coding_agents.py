@@ -6,6 +6,7 @@ in a scratch directory, gets the outputs back to the model, and finishes with ex
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -21,28 +22,19 @@ CODING_AGENTS = Path(__file__).resolve().parents[2] / "examples" / "coding_agent
 BIN = CODING_AGENTS / "node_modules" / ".bin"
 
 
+def _coding_agent():
+    """examples/coding_agents/coding_agent.py as a module: the settings it gives each CLI are the ones tested here."""
+    spec = importlib.util.spec_from_file_location("coding_agent", CODING_AGENTS / "coding_agent.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def _codex_home(tmp_path: Path, base_url: str) -> Path:
     """Codex's settings for a provider at `base_url`, as a user writes them into ~/.codex/config.toml."""
     home = tmp_path / "codex-home"
     home.mkdir()
-    (home / "config.toml").write_text(f'''model = "gpt-5-codex"
-model_provider = "harness"
-check_for_update_on_startup = false
-
-[model_providers.harness]
-name = "harness proxy"
-base_url = "{base_url}"
-env_key = "HARNESS_KEY"
-wire_api = "responses"
-request_max_retries = 0
-stream_max_retries = 0
-
-[analytics]
-enabled = false
-
-[feedback]
-enabled = false
-''')
+    (home / "config.toml").write_text(_coding_agent().codex_config(base_url, "HARNESS_KEY"))
     return home
 
 
