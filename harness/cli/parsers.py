@@ -69,11 +69,13 @@ def _loading(model: str) -> tuple[list[str], list[str]]:
     return loading_parsers(directory)
 
 
+def _no_vllm_info(record: logging.LogRecord) -> bool:
+    return record.levelno >= logging.WARNING or not record.name.startswith("vllm")
+
+
 def quiet_vllm_info() -> None:
     """Leave vLLM's INFO lines out of this command's log (importing it on CPU says Triton is missing; loading a tool
-    parser says auto tool choice is on): they say nothing to someone checking parsers or a template."""
-    def keep(record: logging.LogRecord) -> bool:
-        return record.levelno >= logging.WARNING or not record.name.startswith("vllm")
-
+    parser says auto tool choice is on): they say nothing to someone checking parsers or a template. One filter
+    object, so calling this again (main() in one process, as the tests do) adds nothing."""
     for handler in logging.getLogger().handlers:
-        handler.addFilter(keep)
+        handler.addFilter(_no_vllm_info)
