@@ -221,6 +221,16 @@ def check_tool_parser(template: Template, parser: Reader, reasoned: Reader | Non
         turns = tool_turns(template)
     except (Divergence, RenderError) as exc:
         return Check("tool-parser", WARN, f"could not render an assistant turn to parse ({exc})")
+    calling = [t for t in turns if t.message.get("tool_calls")]
+    written = [word for t in calling for c in t.message["tool_calls"]  # what any tool-call format writes down
+               for word in (c["function"]["name"], *c["function"]["arguments"]) if word in t.text]
+    if calling and not written:
+        return Check("tool-parser", FAIL, "the template writes no tool calls at all: it has no tool-call format, so "
+                     "no parser can read one back", tuple(Finding(t.where, f"the template renders this turn as "
+                                                                           f"{show(t.text)}") for t in calling),
+                     "Agents that use tools cannot work with this template. Serve the model with a "
+                     "template that writes tool calls in the format its parser reads (vLLM --chat-template FILE; "
+                     "check it with `harness doctor --chat-template FILE`), or use a model with tool support.")
     read = [read_turn(turn, parser, reasoned) for turn in turns]
     misread = [f for verdict, f in read if verdict == "misread"]
     limits = [f for verdict, f in read if verdict == "limit"]

@@ -92,3 +92,16 @@ def test_the_command_names_a_missing_gguf_and_its_help_the_model(tmp_path: Path)
     assert bad.returncode == 2 and "error: no GGUF file at" in bad.stderr and "Traceback" not in bad.stderr
     assert not (tmp_path / "m").exists()
     assert "SmolLM2-135M-Instruct" in subprocess.run([*harness, "--help"], capture_output=True, text=True).stdout
+
+
+def test_doctor_says_its_template_writes_no_tool_calls(smollm2_dir: Path):
+    """A real model whose template has no tool format (SmolLM2-135M-Instruct's drops tool calls): doctor says so,
+    not that the parser misread them, and tries no other parser, since none could read what is not written."""
+    from harness.cli.doctor import FAIL, OK, diagnose
+
+    checks = {c.name: c for c in diagnose(smollm2_dir).checks}
+    parser = checks["tool-parser"]
+    assert parser.status == FAIL and "writes no tool calls at all" in parser.summary, parser
+    assert [f.where for f in parser.findings] == [f"tool calls and results, assistant message {i}" for i in (2, 4, 9)]
+    assert "Serve the model with a template" in parser.advice and "read back every turn" not in parser.advice
+    assert all(checks[name].status == OK for name in ("append-only", "close-token")), checks
