@@ -141,7 +141,7 @@ def _run(args) -> int:
         if problem := options.record_only_error(args):
             raise ValueError(problem)
         interceptor, roles = options.interceptor(args, args.run_dir), options.role_rules(args)
-        limits = options.limits(args)
+        settings = options.proxy_settings(args)
         if args.record_only:  # a hosted API: nothing to probe (it may want a key), every call goes on as sent
             engine = Engine(args.upstream[0].rstrip("/").removesuffix("/v1"), "", returns_token_ids=False)
         else:
@@ -160,7 +160,7 @@ def _run(args) -> int:
                                                  progress=not args.debug, interceptor=interceptor, roles=roles,
                                                  more_upstreams=tuple((args.upstream or [])[1:]),
                                                  record_only=args.record_only,
-                                                 upstream_key_env=args.upstream_key_env, limits=limits))
+                                                 upstream_key_env=args.upstream_key_env, proxy_settings=settings))
     except options.hop_errors(interceptor) as exc:  # the transparent hop could not start
         print(f"error: {exc}", file=sys.stderr)
         return 1

@@ -63,7 +63,7 @@ def add_limit_args(p) -> None:
                    "answers 501 naming the tool (default: %(default)s)")
 
 
-def limits(args) -> dict:
+def proxy_settings(args) -> dict:
     """ProxyConfig's max_turns, guard and hosted_tools from add_limit_args' options (ValueError for bad values)."""
     from proxy.guard import GuardConfig
 

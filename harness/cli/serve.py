@@ -52,7 +52,7 @@ def _serve(args) -> int:
         return _record_only(args, db)
     try:
         sampling = options.sampling(args)
-        limits = options.limits(args)  # before an engine starts
+        settings = options.proxy_settings(args)  # before an engine starts
         engine = start_or_attach(model=args.model, upstream=(args.upstream or [None])[0], run_dir=args.run_dir,
                                  max_model_len=args.max_model_len, extra_args=engine_args,
                                  **options.parsers(args))
@@ -68,7 +68,7 @@ def _serve(args) -> int:
             auth_token=args.auth_token, auto_episodes=not args.strict_episodes, sampling=sampling,
             token_exact=not args.no_token_exact, **engine_parsing(engine), roles=options.role_rules(args),
             reasoning_history=args.reasoning_history,
-            more_upstreams=tuple((args.upstream or [])[1:]), db_memory_mb=args.db_memory_mb, **limits,
+            more_upstreams=tuple((args.upstream or [])[1:]), db_memory_mb=args.db_memory_mb, **settings,
         )
 
         interceptor = options.interceptor(args, args.run_dir)
@@ -117,7 +117,7 @@ def _record_only(args, db: Path) -> int:
             upstream_url=args.upstream[0], db_path=db, returns_token_ids=False, token_exact=False,
             host=args.host, port=args.port, auth_token=args.auth_token, auto_episodes=not args.strict_episodes,
             db_memory_mb=args.db_memory_mb, roles=options.role_rules(args), record_only=True,
-            upstream_key_env=args.upstream_key_env, **options.limits(args))
+            upstream_key_env=args.upstream_key_env, **options.proxy_settings(args))
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -36,18 +36,18 @@ async def run_dataset(tasks: list[Task], config: RunConfig, engine: Engine, run_
                       token_exact: bool = True, reasoning_history: str = "as_rendered",
                       progress: bool = True, interceptor=None, roles: tuple = (),
                       more_upstreams: tuple[str, ...] = (), record_only: bool = False,
-                      upstream_key_env: str | None = None, limits: dict | None = None) -> tuple[str, dict]:
+                      upstream_key_env: str | None = None, proxy_settings: dict | None = None) -> tuple[str, dict]:
     """Run every task `config.repeat` times through a fresh proxy; returns (run_id, report). With an
     `interceptor` (proxy.transparent.Interceptor, transparent mode), it is started in front of the proxy and
     each agent gets its environment too. `record_only`: the engine is any API, every call goes on as the agent
     sent it, with the key in `upstream_key_env` (agents carry episode tokens; that variable is hidden from them).
-    `limits`: ProxyConfig's max_turns and guard (harness/cli/options.py's limits)."""
+    `proxy_settings`: ProxyConfig's max_turns, guard and hosted_tools (harness/cli/options.py's proxy_settings)."""
     # A typo in the judge fails here, before any agent runs; judgements carry the judge's normalised name.
     judge_name = load_judge(config.judge).name if config.judge else "none"
     run_dir.mkdir(parents=True, exist_ok=True)
     proxy = proxy_config(engine, run_dir, sampling=sampling or SamplingOverrides(), token_exact=token_exact,
                          reasoning_history=reasoning_history, roles=roles, more_upstreams=more_upstreams,
-                         record_only=record_only, upstream_key_env=upstream_key_env, **(limits or {}))
+                         record_only=record_only, upstream_key_env=upstream_key_env, **(proxy_settings or {}))
     server = ProxyServer(proxy)
     url = await server.start()
     try:
