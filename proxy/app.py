@@ -107,8 +107,9 @@ async def _resources(app: web.Application):
     app[STORE], app[RECORDER], app[SESSION] = store, recorder, session
     app[EPISODES] = Episodes(state.run_id, auto_open=config.auto_episodes, store=store, recorder=recorder,
                              max_states=config.max_episodes, guard_ends=config.guard.end_episode)
-    if state.served_model is None and not config.record_only:
-        state.served_model = await _discover_model(session, config)
+    if not config.record_only:
+        served, state.max_model_len = await _discover_model(session, config, quiet=state.served_model is not None)
+        state.served_model = state.served_model or served
     try:
         yield
     finally:
@@ -118,15 +119,21 @@ async def _resources(app: web.Application):
         store.close()
 
 
-async def _discover_model(session: aiohttp.ClientSession, config: ProxyConfig) -> str | None:
+async def _discover_model(session: aiohttp.ClientSession, config: ProxyConfig, *,
+                          quiet: bool) -> tuple[str | None, int | None]:
+    """The model the engine serves and its context (vLLM's `max_model_len`), as its /v1/models says; None for what
+    it does not say. `quiet`: the model name is known already, so an engine not up yet is not worth a warning."""
     url = config.upstream_base + "/v1/models"
     try:
         async with session.get(url, timeout=aiohttp.ClientTimeout(total=5)) as resp:
-            data = await resp.json()
-        return data["data"][0]["id"]
+            card = (await resp.json())["data"][0]
+        length = card.get("max_model_len")
+        return card["id"], length if isinstance(length, int) and not isinstance(length, bool) and length > 0 else None
     except Exception as exc:  # the engine may come up later; calls then keep the model name they asked for
-        log.warning("could not ask %s which model it serves (%s); requests keep the model name they send", url, exc)
-        return None
+        if not quiet:
+            log.warning("could not ask %s which model it serves (%s); requests keep the model name they send", url,
+                        exc)
+        return None, None
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -255,7 +262,8 @@ def _prepare(request: web.Request, endpoint: str, wire: Wire | None, raw: bytes,
         return as_sent(agent, role.upstream_model), role
     if config.record_only:
         return as_sent(agent, None), role
-    return for_engine(agent, config, state.served_model, state.sampling, seed=seed), role
+    return for_engine(agent, config, state.served_model, state.sampling, seed=seed,
+                      max_model_len=state.max_model_len), role
 
 
 async def _plan_call(app: web.Application, prepared: Prepared, episode_id: str, call_index: int, endpoint: str,

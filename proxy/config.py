@@ -64,7 +64,7 @@ class ProxyConfig:
     # "as_rendered" starts a new timeline on the rendered history, "keep" continues with the sampled reasoning.
     reasoning_history: str = "as_rendered"
     # Hosted tools in a Responses call (web_search, file_search, ...: the engine runs none): "leave_out" serves the
-    # call without them and records which (calls.extra.tools_left_out); "refuse" answers 501 naming the tool.
+    # call without them and records which (calls.extra.tools_left_out); "refuse" answers 400 naming the tool.
     hosted_tools: str = "leave_out"
     max_episodes: int = 65536  # episodes whose call numbering is kept in memory; older ones are looked up again
     continuity_episodes: int = 4096  # episodes whose replies are kept in memory for token-exact continuation...
@@ -112,7 +112,7 @@ class ProxyConfig:
         check_reasoning_parser(self.reasoning_parser)
         if self.hosted_tools not in ("leave_out", "refuse"):
             raise ValueError(f"hosted_tools {self.hosted_tools!r}: use leave_out (serve a Responses call without the "
-                             "hosted tools it offers, recording which) or refuse (answer it 501)")
+                             "hosted tools it offers, recording which) or refuse (answer it 400)")
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes {self.max_body_bytes!r} is too small: use at least 1024")
 

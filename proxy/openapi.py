@@ -12,7 +12,6 @@ from harness import __version__
 
 EPISODE_ID = r"^[A-Za-z0-9][A-Za-z0-9._:@+-]{0,127}$"
 LLM_ROUTES = ("chat/completions", "completions", "responses", "messages")  # recorded, plain and per episode
-WIRE_ROUTES = ("responses", "messages")  # translated to chat (proxy/wire/common.py): a 501 for a feature not offered
 
 _ERROR = {
     "type": "object", "required": ["error"],
@@ -106,7 +105,7 @@ def _llm(route: str) -> dict:
     return {"post": {
         "summary": f"/v1/{route}, recorded",
         "requestBody": {"required": True, "content": {"application/json": {"schema": _REQUESTS[route]}}},
-        "responses": {"200": ok, **_errors(error, *(("501",) if route in WIRE_ROUTES else ()), "502", "503", "504")},
+        "responses": {"200": ok, **_errors(error, "502", "503", "504")},
     }}
 
 

@@ -149,10 +149,13 @@ def read_request(endpoint: str, body: dict, raw: bytes | None = None) -> Prepare
 
 
 def for_engine(p: Prepared, config: ProxyConfig, served_model: str | None,
-               sampling: SamplingOverrides | None = None, *, seed: int | None = None) -> Prepared:
+               sampling: SamplingOverrides | None = None, *, seed: int | None = None,
+               max_model_len: int | None = None) -> Prepared:
     """`p` with `body` made the request our engine gets. `sampling` replaces the config's overrides (a trainer
     switches to validation sampling and back); `seed` replaces the agent's sampling seed (a trainer's
-    reproducible rollouts)."""
+    reproducible rollouts). A max_tokens above the engine's whole context (`max_model_len`: Claude Code asks
+    128000) becomes the context, which vLLM then fits to the room the prompt leaves, as it does for any max_tokens
+    (it refuses only one above the context); the value asked is recorded with the other overrides."""
     body = p.body = dict(p.agent_body)
     if p.endpoint == CHAT:
         body["logprobs"] = True
@@ -163,6 +166,12 @@ def for_engine(p: Prepared, config: ProxyConfig, served_model: str | None,
     if served_model:
         body["model"] = served_model
     p.overrides = _apply_overrides(body, sampling or config.sampling)
+    if max_model_len is not None:
+        for key in ("max_tokens", "max_completion_tokens"):
+            asked = body.get(key)
+            if isinstance(asked, int) and asked > max_model_len:
+                p.overrides.setdefault(key, asked)
+                body[key] = max_model_len
     if seed is not None:
         p.overrides["seed"] = body.get("seed")
         body["seed"] = seed

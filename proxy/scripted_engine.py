@@ -33,6 +33,7 @@ class Script:
     chunk_delay_s: float = 0.0  # wait between stream chunks
     status: int = 200  # answer with this HTTP status (non-200: an OpenAI-style error)
     model: str = "scripted-model"
+    max_model_len: int | None = None  # GET /v1/models says this context (vLLM's field), when set
     break_stream_after: int | None = None  # close the connection after this many chunks
     linger_after_done_s: float = 0.0  # wait this long after [DONE] before ending the stream
     healthy: bool = True  # False: GET /health answers 503, like an engine that is dying
@@ -120,7 +121,10 @@ class ScriptedEngine:
     async def _models(self, request: web.Request) -> web.Response:
         self.models_headers.append(dict(request.headers))
         self.targets.append(request.raw_path)
-        data = {"object": "list", "data": [{"id": self.script.model, "object": "model", "owned_by": "scripted"}]}
+        card = {"id": self.script.model, "object": "model", "owned_by": "scripted"}
+        if self.script.max_model_len is not None:
+            card["max_model_len"] = self.script.max_model_len
+        data = {"object": "list", "data": [card]}
         return web.json_response(data)
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:

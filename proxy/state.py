@@ -25,6 +25,7 @@ class RunState:
     warned_no_ids: bool = False  # said once that the engine returns no token ids
     timelines: Timelines | None = None  # token-exact continuity (None: off, or the engine returns no ids)
     sampling: SamplingOverrides | None = None  # the overrides in force; starts as the config's, a trainer may swap it
+    max_model_len: int | None = None  # the engine's context, as its /v1/models said at start (None: not said)
     parsing: ReplyParsing | None = None
 
 

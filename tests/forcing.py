@@ -6,14 +6,20 @@ test cannot add a regex to (coding CLIs as they ship): the engine still renders,
 token is the only one left) and returns its own ids and logprobs, and the proxy's continuity and the merge see the
 real thing.
 
+An entry is a text (the next request's reply) or an object for agents whose requests race (a parent and its
+sub-agent): {"reply": text, "when": s, "unless": s, "fill": {name: regex}} is the reply of the first request whose
+prompt (decoded) holds `when` and not `unless`, with each "{name}" in it replaced by the regex's first group on that
+prompt (an id the agent was given). A request takes the first entry that fits; the entries left keep their order.
+
 A request asking for one token (harness run's probe of the engine) is not scripted; a request arriving when the
-list is empty is the random model's.
+list is empty, or that no entry fits, is the random model's.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 
 import torch
 from transformers import AutoTokenizer
@@ -29,22 +35,34 @@ class ScriptedReplies(LogitsProcessor):
         self.tokenizer = AutoTokenizer.from_pretrained(vllm_config.model_config.tokenizer)
         self.active: dict[int, tuple[list[int], list[int]]] = {}  # batch index -> (target ids, output ids so far)
 
-    def _next(self) -> list[int] | None:
-        """The next scripted reply's ids, taken off the file; None when there is none."""
+    def _next(self, prompt: list[int] | None) -> list[int] | None:
+        """The ids of the first scripted reply that fits this prompt, taken off the file; None when none fits."""
         if not self.path or not os.path.exists(self.path):
             return None
         with open(self.path, encoding="utf-8") as f:
             replies = json.load(f)
-        if not replies:
-            return None
-        with open(self.path, "w", encoding="utf-8") as f:
-            json.dump(replies[1:], f)
-        return self.tokenizer.encode(replies[0], add_special_tokens=False) + [self.tokenizer.eos_token_id]
+        text = None
+        for i, entry in enumerate(replies):
+            if isinstance(entry, str):
+                reply = entry
+            else:
+                if text is None:
+                    text = self.tokenizer.decode(prompt or [])
+                if entry.get("when", "") not in text or entry.get("unless", "\0") in text:
+                    continue
+                reply = entry["reply"]
+                for name, pattern in entry.get("fill", {}).items():
+                    found = re.search(pattern, text)
+                    reply = reply.replace("{" + name + "}", found.group(1) if found else "")
+            with open(self.path, "w", encoding="utf-8") as f:
+                json.dump(replies[:i] + replies[i + 1:], f)
+            return self.tokenizer.encode(reply, add_special_tokens=False) + [self.tokenizer.eos_token_id]
+        return None
 
-    def _add(self, params, _prompt: list[int] | None, output: list[int]):
+    def _add(self, params, prompt: list[int] | None, output: list[int]):
         if params.max_tokens == 1:
             return None
-        target = self._next()
+        target = self._next(prompt)
         return None if target is None else (target, output)
 
     def is_argmax_invariant(self) -> bool:

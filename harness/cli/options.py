@@ -60,7 +60,7 @@ def add_limit_args(p) -> None:
     g.add_argument("--hosted-tools", choices=("leave_out", "refuse"), default="leave_out",
                    help="hosted tools a Responses call offers (web_search, file_search, ...; the engine runs none): "
                    "leave_out serves the call without them and records which (calls.extra.tools_left_out); refuse "
-                   "answers 501 naming the tool (default: %(default)s)")
+                   "answers 400 naming the tool (default: %(default)s)")
 
 
 def proxy_settings(args) -> dict:

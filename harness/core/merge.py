@@ -16,27 +16,36 @@ drifted reply is context (mask 0) and its Break says so. A call with n>1 choices
 branch point: its first choice carries the call's reason (or none), every other choice is an N_BRANCH sibling;
 a call that sends an earlier call's prompt again (a retry, a regenerate) is an N_BRANCH sibling of that call.
 
+Sub-agents (Codex's spawn_agent, Claude Code's Agent tool, any agent that hands a task to another conversation):
+a call that starts a new timeline, whose user messages carry a string argument (24 characters or more) of a tool
+call an earlier call of the episode made, is SUB_AGENT, and its Break names that call and tool call (the
+latest one that matches). Its timeline merges apart, like any other, and is trained with the episode's reward.
+
 Cost: each role keeps its nodes longest first, so finding the parent stops at the first node that is a prefix
 of the prompt: one comparison of the prompt per call for an append-only agent, whatever the episode's length.
 """
 
 from __future__ import annotations
 
+import re
 from bisect import bisect
 from dataclasses import dataclass, field, replace
+
+import orjson
 
 from harness.core.flags import cuts
 from harness.core.records import ENGINE, OK, Break, Call, Sample
 
 __all__ = ["DROPS_REASONING", "DRIFT", "FIRST_CALL", "HISTORY_CHANGED", "MERGE_VERSION", "N_BRANCH", "NEW_ROLE",
-           "REASONS", "REPLY_EDITED", "SYSTEM_CHANGED", "TOOLS_CHANGED", "Merged", "format_merge_summary",
+           "REASONS", "REPLY_EDITED", "SUB_AGENT", "SYSTEM_CHANGED", "TOOLS_CHANGED", "Merged", "format_merge_summary",
            "merge_episode", "mergeable", "reply_edited", "summarise_merges"]  # fmt: skip
 
 # Stored with every sample: bump it when merge_episode would build other samples from the same calls.
 # 2: a drift break of a call whose history holds an edited reply is reply_edited.
 # 3: a drift break of a call the proxy served on a history whose template dropped a reply's reasoning is
 #    template_drops_reasoning.
-MERGE_VERSION = 3
+# 4: a new timeline an earlier tool call handed its task to is sub_agent, with its parent call and tool call.
+MERGE_VERSION = 4
 
 # Break.reason values.
 FIRST_CALL = "first_call"  # the episode's first call
@@ -47,11 +56,15 @@ HISTORY_CHANGED = "history_changed"  # the shared history differs before the las
 DRIFT = "retokenization_drift"  # the history matches up to an assistant turn, whose tokens came back different
 REPLY_EDITED = "reply_edited"  # as DRIFT, but the agent changed that turn's text (the call's record says where)
 DROPS_REASONING = "template_drops_reasoning"  # as DRIFT, but the template left that turn's reasoning out
+SUB_AGENT = "sub_agent"  # a new timeline whose user messages carry an earlier tool call's argument (a task)
 N_BRANCH = "n_branch"  # a sibling on the same prompt: choice 1.. of an n>1 call, or a call repeating a prompt
 REASONS = (FIRST_CALL, NEW_ROLE, SYSTEM_CHANGED, TOOLS_CHANGED, HISTORY_CHANGED, DRIFT, REPLY_EDITED, DROPS_REASONING,
-           N_BRANCH)
+           SUB_AGENT, N_BRANCH)
 
 _SHOWN = 8  # tokens of each side a Break keeps
+_NEW_TIMELINE = (NEW_ROLE, SYSTEM_CHANGED, TOOLS_CHANGED, HISTORY_CHANGED)  # what a sub-agent's first call looks like
+_TASK_CHARS = 24  # a tool call's string argument this long or longer can be a sub-agent's task
+_SPACE = re.compile(r"\s+")
 
 
 @dataclass(eq=False, slots=True)
@@ -134,6 +147,8 @@ def merge_episode(calls: list[Call], sources: tuple[str, ...] = (ENGINE,)) -> Me
     tokenizer made after the fact (`retokenized`) is an explicit choice of the caller (offline.allow_retokenized)."""
     flags = {c.call_id: cuts(c) for c in calls}  # what cut each call short (harness/core/flags.py)
     whole = sorted({f["reason"] for fs in flags.values() for f in fs if f["choice"] is None})  # the whole episode
+    answered = sorted((c for c in calls if c.status == OK), key=lambda c: c.call_index)  # who may spawn a sub-agent
+    tasks: dict[str, list[tuple[str | None, list[str]]]] = {}  # call_id -> its tool calls' (id, task strings)
     calls = sorted((c for c in calls if mergeable(c, sources)), key=lambda c: c.call_index)
     roles: dict[str, _Role] = {}
     breaks: list[Break] = []
@@ -148,6 +163,8 @@ def merge_episode(calls: list[Call], sources: tuple[str, ...] = (ENGINE,)) -> Me
             why = replace(why, reason=REPLY_EDITED)  # the tokens differ because the text does
         elif why is not None and why.reason == DRIFT and _served(call) == DROPS_REASONING:
             why = replace(why, reason=DROPS_REASONING)  # the tokens differ because the reasoning is gone
+        elif parent is None and why is not None and why.reason in _NEW_TIMELINE:
+            why = _sub_agent(call, answered, tasks) or why
         first = True
         for choice in call.choices:
             if choice.completion_ids is None:
@@ -212,6 +229,64 @@ def _best_parent(call: Call, earlier: list[_Node], previous: Call | None) -> tup
         return None, Break(call.call_id, 0, NEW_ROLE)
     common, closest = max(((_shared(prompt, node), node) for node in earlier), key=lambda x: (x[0], -x[1].order))
     return None, _break(call, HISTORY_CHANGED, closest, common)
+
+
+def _sub_agent(call: Call, answered: list[Call], tasks: dict[str, list]) -> Break | None:
+    """A SUB_AGENT break when this call's user messages carry a string argument of a tool call that an
+    earlier answered call made (the latest such call and tool call), else None. `tasks` caches each call's."""
+    text = _user_text(call)
+    if len(text) < _TASK_CHARS:
+        return None
+    for earlier in reversed(answered):
+        if earlier.call_index >= call.call_index:
+            continue
+        if (handed := tasks.get(earlier.call_id)) is None:
+            handed = tasks[earlier.call_id] = [
+                (t.get("id") if isinstance(t, dict) else None, _string_arguments(t))
+                for choice in earlier.choices for t in choice.tool_calls or ()]
+        for tool_call_id, strings in handed:
+            if any(s in text for s in strings):
+                return Break(call.call_id, 0, SUB_AGENT, parent_call_id=earlier.call_id,
+                             parent_tool_call_id=tool_call_id)
+    return None
+
+
+def _user_text(call: Call) -> str:
+    """The text of a chat call's user messages, spaces collapsed ("" when there is none). A sub-agent's task may
+    follow other user messages: Codex sends its environment first."""
+    try:
+        messages = orjson.loads(call.request).get("messages")
+    except (orjson.JSONDecodeError, AttributeError):
+        return ""
+    texts = []
+    for message in messages if isinstance(messages, list) else ():
+        if isinstance(message, dict) and message.get("role") == "user":
+            content = message.get("content")
+            if isinstance(content, list):
+                texts += [p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)]
+            elif isinstance(content, str):
+                texts.append(content)
+    return _SPACE.sub(" ", " ".join(texts)).strip()
+
+
+def _string_arguments(tool_call: dict) -> list[str]:
+    """The string values (at any depth) of a tool call's JSON arguments that are long enough to be a task, spaces
+    collapsed."""
+    function = tool_call.get("function") if isinstance(tool_call, dict) else None
+    try:
+        stack = [orjson.loads(function["arguments"])]
+    except (TypeError, KeyError, orjson.JSONDecodeError):
+        return []
+    out = []
+    while stack:
+        value = stack.pop()
+        if isinstance(value, str) and len(text := _SPACE.sub(" ", value).strip()) >= _TASK_CHARS:
+            out.append(text)
+        elif isinstance(value, dict):
+            stack.extend(value.values())
+        elif isinstance(value, list):
+            stack.extend(value)
+    return out
 
 
 def _break(call: Call, reason: str, closest: _Node, common: int) -> Break:

@@ -132,10 +132,13 @@ class Break:
     call_id: str  # the call
     choice_index: int  # its choice
     reason: str  # first_call, new_role, system_prompt_changed, tools_changed, history_changed, retokenization_drift,
-    #              reply_edited, or n_branch: choice 1.. of a call with n>1 choices, or a call that repeats a prompt
+    #              reply_edited, template_drops_reasoning, sub_agent (a timeline an earlier tool call started), or
+    #              n_branch: choice 1.. of a call with n>1 choices, or a call that repeats a prompt
     position: int | None = None  # first differing token position in the prompt (history_changed, drift, edited)
     ours: list[int] | None = None  # a few tokens of the closest earlier timeline from that position
     theirs: list[int] | None = None  # the same span of this call's prompt
+    parent_call_id: str | None = None  # sub_agent: the earlier call whose tool call started this timeline
+    parent_tool_call_id: str | None = None  # sub_agent: that tool call's id (choices.tool_calls[].id)
 
 
 @dataclass(frozen=True, slots=True)

@@ -93,6 +93,8 @@ def breaks_table(run_id: str, episodes: Sequence[tuple[str, Merged, float | None
         "position": pa.array([b.position for b in breaks], pa.int32()),
         "ours": list_array([b.ours for b in breaks], pa.int32()),
         "theirs": list_array([b.theirs for b in breaks], pa.int32()),
+        "parent_call_id": pa.array([b.parent_call_id for b in breaks], pa.string()),
+        "parent_tool_call_id": pa.array([b.parent_tool_call_id for b in breaks], pa.string()),
     })
 
 

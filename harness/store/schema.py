@@ -341,5 +341,14 @@ MIGRATIONS: list[tuple[str, str]] = [
         FROM (SELECT run_id, episode_id, call_id, call_index, unnest(CAST(extra->'flags' AS JSON[])) AS f FROM calls);
         """,
     ),
+    (
+        # A sub-agent's timeline names the call and tool call that started it (merge version 4). Breaks written
+        # before have NULL there.
+        "sub_agent_parents",
+        """
+        ALTER TABLE merge_breaks ADD COLUMN parent_call_id VARCHAR;
+        ALTER TABLE merge_breaks ADD COLUMN parent_tool_call_id VARCHAR;
+        """,
+    ),
 ]
 SCHEMA_VERSION = len(MIGRATIONS)

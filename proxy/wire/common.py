@@ -7,7 +7,7 @@ the wire format the agent asked for. What is recorded stays chat form (`calls.ex
 
 A wire object serves one call:
 
-    translate(body) -> chat request (dict)   (ApiError 400 naming the field; 501 for what is not offered)
+    translate(body) -> chat request (dict)   (ApiError 400 naming the field, also for what is not offered)
     response(chat_obj) -> dict               a whole answer
     chunk(chat_chunk, prompt_tokens) -> bytes    SSE events for one chat chunk (after capture stripped it)
     done() -> bytes                          the closing events (the engine said [DONE])
@@ -62,7 +62,10 @@ def bad(param: str, message: str) -> ApiError:
 
 
 def not_offered(param: str, message: str) -> ApiError:
-    return ApiError(501, message, param=param, code="not_implemented")
+    """A field or value the engine cannot serve and that cannot be left out safely: a 400 (the request asks for
+    something this server does not do; a 5xx would tell the agent to retry), `message` saying what to send or which
+    setting allows it."""
+    return ApiError(400, message, param=param, code="unsupported_value")
 
 
 def check(value, types: tuple, param: str, what: str, *, required: bool = False):

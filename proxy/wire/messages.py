@@ -7,7 +7,7 @@ system message where it stands), `tools` (name, description, input_schema), `too
 none; disable_parallel_tool_use), `max_tokens` (required), `stop_sequences`, `temperature`, `top_p`, `top_k`,
 `output_config.format` (json_schema), `stream`. `metadata`, `thinking`, `cache_control`, `service_tier` and the
 like are accepted and ignored. Server tools (web search, code execution, computer use...), MCP servers and
-containers are 501. The answer: a thinking block (signature "") when the engine's answer has reasoning (a
+containers are a 400 naming them. The answer: a thinking block (signature "") when the engine's answer has reasoning (a
 reasoning parser split it out), then text and tool_use blocks (input parsed from the JSON arguments),
 stop_reason end_turn / max_tokens / tool_use / stop_sequence, usage; streamed as Anthropic streams it, with
 `event:` lines. Errors have Anthropic's shape: {"type": "error", "error": {"type", "message"}}.

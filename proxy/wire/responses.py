@@ -9,7 +9,7 @@ string or text-part content; `function_call` and `function_call_output` items; a
 
 Tools as coding agents send them (Codex CLI: function, namespace, custom and hosted tools) are in
 proxy/wire/responses_tools.py: hosted ones are left out of the prompt and recorded (`calls.extra.tools_left_out`),
-or refused with `hosted_tools: refuse`. `background`, `conversation` and prompt templates are 501.
+or refused with `hosted_tools: refuse`. `background`, `conversation` and prompt templates are a 400 naming them.
 
 Output: a `reasoning` item (reasoning_text) when the engine's answer has reasoning (a reasoning parser split it
 out), then a `message` item (output_text) and `function_call` (or `custom_tool_call`) items; status `incomplete`

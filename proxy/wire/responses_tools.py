@@ -5,7 +5,7 @@ and tool parser take, and the calls the model writes made the items the agent ex
 `function_call` items with `name` and `namespace`; a `custom` (free-form) tool offered as a function of one string
 argument, `input` (its grammar told in the description, not enforced), and answered as a `custom_tool_call`;
 hosted tools (`web_search`, `file_search`, `tool_search`, ...), which the engine cannot run, left out (their types
-recorded) or, with `hosted` "refuse", a 501. The chat history keeps the names and arguments the model wrote, so
+recorded) or, with `hosted` "refuse", a 400. The chat history keeps the names and arguments the model wrote, so
 the agent's history items are read back into them (`history_call`).
 """
 
@@ -80,7 +80,7 @@ def _custom(tool: dict, where: str) -> dict:
 
 def to_chat_tools(tools, hosted: str = "leave_out") -> Tools:
     """The request's tools as chat tools (see the module's docstring); `hosted` "refuse" makes a hosted tool a
-    501 instead of leaving it out."""
+    400 instead of leaving it out."""
     out = Tools()
     if tools is None:
         return out

@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 from dataclasses import replace
 
+import orjson
 import pytest
 
 from harness.core.merge import (
@@ -16,6 +17,7 @@ from harness.core.merge import (
     NEW_ROLE,
     REASONS,
     REPLY_EDITED,
+    SUB_AGENT,
     SYSTEM_CHANGED,
     TOOLS_CHANGED,
     format_merge_summary,
@@ -264,3 +266,63 @@ def test_only_drift_is_relabelled_and_only_by_an_edit_record():
     assert merge_episode([c0, tidied]).breaks[1].reason == DRIFT  # served from the tidied text: it drifted
     exact = replace(call(1, [1, 2, 3, 4, 10, 5], [11]), extra=edited(c0).extra)
     assert [b.reason for b in merge_episode([c0, exact]).breaks] == [FIRST_CALL]  # nothing to relabel
+
+
+# --- sub-agents: a timeline an earlier tool call handed its task to -----------------------------------------------
+
+TASK = "Find every TODO in src/ and list the files, one per line."
+
+
+def spawning(index: int, prompt: list[int], completion: list[int], arguments: dict, **kw) -> Call:
+    """A call whose choice calls a tool (e.g. Claude Code's Agent, Codex's spawn_agent) with these arguments."""
+    c = call(index, prompt, completion, **kw)
+    tool_call = {"id": f"tc{index}", "type": "function",
+                 "function": {"name": "Agent", "arguments": orjson.dumps(arguments).decode()}}
+    return replace(c, choices=[replace(c.choices[0], tool_calls=[tool_call])])
+
+
+def asking(c: Call, *messages: dict) -> Call:
+    return replace(c, request=orjson.dumps({"model": "m", "messages": list(messages)}))
+
+
+def test_a_timeline_whose_user_message_is_an_earlier_tool_calls_task_is_a_sub_agent_of_that_call():
+    parent = [spawning(0, [1, 2, 3], [10, 11], {"description": "find todos", "prompt": TASK}),
+              asking(call(1, [7, 8, 9], [20]),  # the sub-agent: its own system prompt, the task as its first message
+                     {"role": "system", "content": "You are a search agent."},
+                     {"role": "user", "content": "<environment>cwd: /src</environment>"},
+                     {"role": "user", "content": [{"type": "text", "text": "<reminder>"},
+                                                  {"type": "text", "text": TASK.replace(" ", "\n ", 2)}]}),
+              call(2, [7, 8, 9, 20, 5], [21]),  # the sub-agent's next turn continues its own timeline
+              call(3, [1, 2, 3, 10, 11, 4], [12])]  # the parent gets the sub-agent's answer and goes on
+    merged = merge_episode(parent)
+    assert [(b.call_id, b.reason) for b in merged.breaks] == [("c0", FIRST_CALL), ("c1", SUB_AGENT)]
+    sub = merged.breaks[1]
+    assert (sub.parent_call_id, sub.parent_tool_call_id, sub.position) == ("c0", "tc0", None)
+    assert sorted(s.call_ids for s in merged.samples) == [["c0", "c3"], ["c1", "c2"]]  # merged apart, drift-free
+
+
+def test_the_latest_matching_tool_call_is_the_parent_and_other_roles_can_spawn():
+    calls = [spawning(0, [1, 2], [10], {"prompt": TASK}, role="planner", model="planner"),
+             spawning(1, [1, 2, 10, 4], [11], {"prompt": TASK}, role="planner", model="planner"),
+             asking(call(2, [7, 8], [20], role="worker", model="worker"), {"role": "user", "content": TASK})]
+    merged = merge_episode(calls)
+    assert [(b.call_id, b.reason, b.parent_call_id) for b in merged.breaks] == [
+        ("c0", FIRST_CALL, None), ("c2", SUB_AGENT, "c1")]
+
+
+@pytest.mark.parametrize("first_message, arguments", [
+    (TASK, {"prompt": "Find every TODO in lib/."}),  # another task
+    ("ls -la", {"cmd": "ls -la"}),  # short strings are commands, not tasks: a coincidence is likely
+    (TASK, {"prompt": TASK[:-1] + "?"}),
+])
+def test_a_new_timeline_without_a_matching_tool_call_keeps_its_reason(first_message, arguments):
+    calls = [spawning(0, [1, 2, 3, 4], [10], arguments),
+             asking(call(1, [1, 2, 9, 4, 10, 5], [11]), {"role": "user", "content": first_message})]
+    merged = merge_episode(calls)
+    assert [(b.reason, b.parent_call_id) for b in merged.breaks] == [(FIRST_CALL, None), (HISTORY_CHANGED, None)]
+
+
+def test_a_call_that_continues_a_timeline_is_never_a_sub_agent():
+    calls = [spawning(0, [1, 2], [10], {"prompt": TASK}),
+             asking(call(1, [1, 2, 10, 4], [11]), {"role": "user", "content": TASK})]  # the task, quoted back
+    assert [b.reason for b in merge_episode(calls).breaks] == [FIRST_CALL]

@@ -12,9 +12,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import orjson
 import pytest
 
-from harness.core.merge import merge_episode
+from harness.core.merge import FIRST_CALL, SUB_AGENT, merge_episode
 from harness.running.tiny_model import build_tiny_model
 from harness.running.vllm_server import start_vllm
 from harness.store.database import Store
@@ -78,18 +79,9 @@ def test_a_coding_cli_on_the_real_engine_merges_into_one_sample(agent, forced_en
     scratch.mkdir()
     home.mkdir()
     try:
-        if agent == "codex":
-            command = [str(BIN / "codex"), "exec", "--skip-git-repo-check",
-                       "--dangerously-bypass-approvals-and-sandbox", "--disable", "plugins",
-                       "write hello into out.txt and show it"]
-            env = {"CODEX_HOME": str(_codex_home(tmp_path, f"{proxy.url}/e/{agent}/v1")), "HARNESS_KEY": "sk-any"}
-        else:
-            command = [str(BIN / "claude"), "-p", "write hello into out.txt and show it",
-                       "--dangerously-skip-permissions"]
-            env = {"HOME": str(home), "ANTHROPIC_BASE_URL": f"{proxy.url}/e/{agent}", "ANTHROPIC_API_KEY": "sk-any",
-                   "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_AUTOUPDATER": "1", "IS_SANDBOX": "1"}
+        command, settings = _cli(agent, proxy, tmp_path, "write hello into out.txt and show it")
         done = subprocess.run(command, cwd=scratch, capture_output=True, text=True, timeout=600,
-                              stdin=subprocess.DEVNULL, env={**os.environ, **env})
+                              stdin=subprocess.DEVNULL, **settings)
     finally:
         proxy.close()
     assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-3000:])
@@ -108,6 +100,89 @@ def test_a_coding_cli_on_the_real_engine_merges_into_one_sample(agent, forced_en
     for call in calls:  # every reply trained exactly as sampled
         start, ids = len(call.prompt_ids), call.choices[0].completion_ids
         assert sample.token_ids[start:start + len(ids)] == ids and set(sample.loss_mask[start:start + len(ids)]) == {1}
+
+
+TASK = "Count the TODO lines in notes.txt and say how many there are."
+PROMPT = "count the TODOs in notes.txt with a sub-agent"
+# Parent and sub-agent may ask at once, so each reply names whose it is: the parent's prompt holds the user's PROMPT,
+# the sub-agent's only the TASK it was handed.
+PARENT, CHILD = {"when": PROMPT}, {"unless": PROMPT}
+SUB_AGENT_REPLIES = {
+    "codex": [
+        {**PARENT, "reply": _call("multi_agent_v1__spawn_agent", {"message": TASK})},
+        {**PARENT, "fill": {"id": r'"agent_id": ?"([^"]+)"'},
+         "reply": _call("multi_agent_v1__wait_agent", {"targets": ["{id}"], "timeout_ms": 600000})},
+        {**PARENT, "reply": "done: the sub-agent counted them"},
+        {**CHILD, "reply": _call("exec_command", {"cmd": "grep -c TODO notes.txt"})},
+        {**CHILD, "reply": "notes.txt has 2 TODO lines"}],
+    "claude": [
+        {**PARENT, "reply": _call("Agent", {"description": "Count TODOs", "prompt": TASK,
+                                            "subagent_type": "general-purpose", "run_in_background": False})},
+        {**PARENT, "reply": "done: the sub-agent counted them"},
+        {**CHILD, "reply": _call("Bash", {"command": "grep -c TODO notes.txt", "description": "Count them"})},
+        {**CHILD, "reply": "notes.txt has 2 TODO lines"}],
+}
+
+
+@pytest.mark.parametrize("agent", ["codex", "claude"])
+def test_a_coding_clis_sub_agent_is_its_own_timeline_linked_to_the_call_that_started_it(agent, forced_engine,
+                                                                                     tmp_path):
+    """Codex's spawn_agent (then wait_agent) and Claude Code's Agent tool: the sub-agent's calls reach the same
+    episode with their own system prompt and tools; they merge into a sample of their own, whose first call names
+    the parent's call and tool call (merge_breaks.reason sub_agent), and the parent's calls into another; no drift."""
+    _installed(agent)
+    engine, model, replies = forced_engine
+    replies.write_text(json.dumps(SUB_AGENT_REPLIES[agent]))
+    db = tmp_path / "rec.duckdb"
+    proxy = RunningProxy(engine.base_url, db, served_model=engine.served_model, tokenizer=str(model),
+                         sampling=SamplingOverrides(max_tokens_cap=512))
+    scratch, home = tmp_path / "scratch", tmp_path / "home"
+    scratch.mkdir()
+    home.mkdir()
+    (scratch / "notes.txt").write_text("TODO: tests\nfine\nTODO: docs\n")
+    try:
+        command, settings = _cli(agent, proxy, tmp_path, PROMPT)
+        done = subprocess.run(command, cwd=scratch, capture_output=True, text=True, timeout=600,
+                              stdin=subprocess.DEVNULL, **settings)
+    finally:
+        proxy.close()
+    asked = db_rows(db, "SELECT call_index, http_status, request->'$.messages[0].content', choices.text FROM calls "
+                    "LEFT JOIN choices USING (call_id) ORDER BY call_index")
+    assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-3000:], replies.read_text(), asked)
+    assert json.loads(replies.read_text()) == [], asked  # every scripted reply was asked for, each by its own agent
+    assert "done: the sub-agent counted them" in done.stdout
+    with Store.open(db) as store:
+        calls = store.load_calls(agent)
+        merged = merge_episode(calls)
+    assert all(c.status == "ok" and c.prompt_ids and c.choices[0].completion_ids for c in calls), calls
+    spawn = calls[0]
+    (tool_call,) = spawn.choices[0].tool_calls
+    children = [c for c in calls if PROMPT not in c.request.decode()]
+    assert len(calls) == (5 if agent == "codex" else 4) and len(children) == 2
+    assert [(b.call_id, b.reason) for b in merged.breaks] == [(spawn.call_id, FIRST_CALL),
+                                                              (children[0].call_id, SUB_AGENT)]
+    link = merged.breaks[1]
+    assert (link.parent_call_id, link.parent_tool_call_id) == (spawn.call_id, tool_call["id"])
+    parents = [c.call_id for c in calls if c not in children]
+    assert sorted(s.call_ids for s in merged.samples) == sorted([parents, [c.call_id for c in children]])
+    assert merged.n_drift == 0
+    outputs = [m["content"] for m in orjson.loads(calls[-1].request)["messages"] if m["role"] == "tool"]
+    assert any("2 TODO lines" in o for o in outputs), outputs  # the sub-agent's answer reached its parent
+
+
+def _cli(agent: str, proxy: RunningProxy, tmp_path: Path, prompt: str) -> tuple[list[str], dict]:
+    """The CLI's command line for `prompt` and its settings (environment), pointed at the proxy's episode `agent`."""
+    if agent == "codex":
+        command = [str(BIN / "codex"), "exec", "--skip-git-repo-check", "--dangerously-bypass-approvals-and-sandbox",
+                   "--disable", "plugins", prompt]
+        env = {"CODEX_HOME": str(_codex_home(tmp_path, f"{proxy.url}/e/{agent}/v1")), "HARNESS_KEY": "sk-any"}
+    else:
+        home = tmp_path / "home"
+        home.mkdir(exist_ok=True)
+        command = [str(BIN / "claude"), "-p", prompt, "--dangerously-skip-permissions"]
+        env = {"HOME": str(home), "ANTHROPIC_BASE_URL": f"{proxy.url}/e/{agent}", "ANTHROPIC_API_KEY": "sk-any",
+               "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_AUTOUPDATER": "1", "IS_SANDBOX": "1"}
+    return command, {"env": {**os.environ, **env}}
 
 
 @pytest.mark.parametrize("agent", ["codex", "claude"])

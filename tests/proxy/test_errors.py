@@ -284,7 +284,7 @@ def test_the_passthrough_never_leads_out_of_the_engines_v1(tmp_path, path):
     finally:
         proxy.close()
         engine.close()
-    assert seen == ["/v1/embeddings"]
+    assert seen in (["/v1/embeddings"], ["/v1/models", "/v1/embeddings"])  # at start, the proxy asks the context
 
 
 async def test_non_loopback_bind_needs_an_auth_token(tmp_path):

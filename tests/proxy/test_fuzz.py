@@ -10,7 +10,7 @@ unknown fields, broken tools), arbitrary JSON values, bytes, empty bodies, wrong
 bodies (real and fake), chunked uploads, bodies up to 1 MB (the proxy here takes 512 KiB).
 
 Properties of each answer:
-- no status >= 500, except a 501 whose error says the feature or endpoint is not offered (502/503/504 would mean
+- no status >= 500, except a 501 whose error says the endpoint is not offered by the engine (502/503/504 would mean
   the scripted engine failed, which it does not);
 - every 4xx/5xx body is an OpenAI-style JSON error (on /v1/messages the Anthropic shape is accepted too); the one
   exemption: aiohttp's HTTP parser answers a request that breaks HTTP or its limits (request line or header over

@@ -131,8 +131,9 @@ async def test_outside_record_only_azure_deployment_urls_serve_the_policy(upstre
     finally:
         proxy.close()
     assert answer.model == "gpt-4o-mini"  # answered under the name asked for
-    assert upstream.engine.targets == ["/v1/chat/completions"] and upstream.engine.requests[0]["model"] == \
-        "scripted-model"
+    # at start the proxy asks the engine's /v1/models for its context
+    assert upstream.engine.targets == ["/v1/models", "/v1/chat/completions"]
+    assert upstream.engine.requests[0]["model"] == "scripted-model"
     assert db_rows(proxy.db_path, "SELECT episode_id, requested_model, token_source FROM calls") == [
         ("az-3", "gpt-4o-mini", "engine")]
 
@@ -174,7 +175,7 @@ async def test_outside_record_only_no_query_string_or_agent_key_goes_to_the_engi
             assert r.status == 200
     finally:
         proxy.close()
-    assert upstream.engine.targets == ["/v1/chat/completions", "/v1/models"]
+    assert upstream.engine.targets == ["/v1/models", "/v1/chat/completions", "/v1/models"]  # the first: at start
     assert not any("api-key" in h or "Authorization" in h for h in (*upstream.engine.headers,
                                                                     *upstream.engine.models_headers))
 
@@ -203,7 +204,7 @@ def test_the_passthrough_forwards_the_query_string(tmp_path, record_only):
         proxy.close()
         engine.close()
     path = f"/v1/deployments/gpt-4o/chat/completions?{VERSION}"
-    assert seen == [(path, SECRET, None) if record_only else (path, None, None)]
+    assert seen == ([(path, SECRET, None)] if record_only else [("/v1/models", None, None), (path, None, None)])
     assert db_rows(proxy.db_path, "SELECT count(*) FROM calls") == [(0,)]  # unrecorded, as every passthrough
 
 

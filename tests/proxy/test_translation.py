@@ -78,6 +78,24 @@ async def test_sampling_overrides_replace_the_agents_values_and_are_recorded(ups
         SamplingOverrides(temperature=-1)
 
 
+async def test_a_max_tokens_above_the_engines_context_is_the_context_and_recorded(upstream, tmp_path):
+    """Claude Code asks max_tokens 128000 of any model; vLLM refuses a max_tokens above its whole context (and fits
+    any other to the room the prompt leaves), so the proxy makes it the context its /v1/models says."""
+    upstream.script.max_model_len = 4096
+    p = RunningProxy(upstream.url, tmp_path / "o.duckdb", served_model="policy")
+    try:
+        await _post(p.url + "/v1/messages", {"model": "claude-sonnet-4-5", "max_tokens": 128000,
+                                             "messages": [{"role": "user", "content": "hi"}]})
+        assert upstream.engine.requests[-1]["max_tokens"] == 4096
+        await _post(p.url + "/v1/chat/completions", _chat(max_completion_tokens=4000))
+        assert upstream.engine.requests[-1]["max_completion_tokens"] == 4000  # within the context: as asked
+    finally:
+        p.close()
+    rows = db_rows(p.db_path, "SELECT extra FROM calls ORDER BY call_index")
+    assert orjson.loads(rows[0][0])["sampling_overrides"] == {"max_tokens": 128000}
+    assert "sampling_overrides" not in orjson.loads(rows[1][0])
+
+
 async def test_role_fingerprint_follows_model_system_prompt_and_tools(proxy):
     url = proxy.url + "/e/roles/v1/chat/completions"
     await _post(url, _chat())

@@ -142,7 +142,10 @@ async def test_hosted_tools_are_refused_by_name_when_the_proxy_is_told_to(upstre
     finally:
         proxy.close()
     err = orjson.loads(raw)["error"]
-    assert status == 501 and err["param"] == "tools[3]" and "web_search" in err["message"]
+    assert status == 400 and err["param"] == "tools[3]" and err["code"] == "unsupported_value"
+    assert "web_search" in err["message"] and "--hosted-tools leave_out" in err["message"]  # the setting that allows it
+    [(http_status, error)] = db_rows(proxy.db_path, "SELECT http_status, error FROM calls")
+    assert http_status == 400 and error == err["message"]  # refused, and recorded with the reason
     assert "--hosted-tools leave_out" in err["message"] and not upstream.engine.requests
     [(call_status, extra)] = db_rows(proxy.db_path, "SELECT status, extra FROM calls")
     assert call_status == "error" and orjson.loads(extra) == {"wire": "responses"}

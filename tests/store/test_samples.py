@@ -16,7 +16,7 @@ import time
 import duckdb
 import pytest
 
-from harness.core.merge import DRIFT, FIRST_CALL, MERGE_VERSION, N_BRANCH, merge_episode
+from harness.core.merge import DRIFT, FIRST_CALL, MERGE_VERSION, N_BRANCH, SUB_AGENT, merge_episode
 from harness.core.records import ENGINE, ERROR, OK, Call, Choice, Episode, Judgement, Task
 from harness.running.dataset import rejudge, run_dataset
 from harness.running.runner import RunConfig
@@ -90,6 +90,25 @@ def test_stored_samples_come_back_equal_to_the_merge(store: Store):
     assert breaks == [("ep-drift-c0", 0, FIRST_CALL, None, None, None),
                       ("ep-drift-c1", 0, DRIFT, 4, [11], [99, 5]),
                       ("ep-drift-c2", 1, N_BRANCH, None, None, None)]
+
+
+def test_a_sub_agents_timeline_is_stored_with_its_parent_call_and_tool_call(store: Store):
+    task = "Summarise the failing tests in tests/ and say which file to fix first."
+    spawn = call("ep-sub", 0, [1, 2, 3], [10, 11])
+    agent_call = {"id": "toolu_1", "type": "function",
+                  "function": {"name": "Agent", "arguments": json.dumps({"prompt": task})}}
+    spawn = dataclasses.replace(spawn, choices=[dataclasses.replace(spawn.choices[0], tool_calls=[agent_call])])
+    child = dataclasses.replace(call("ep-sub", 1, [7, 8], [20]),
+                                request=json.dumps({"messages": [{"role": "user", "content": task}]}).encode())
+    store.add_calls([spawn, child, call("ep-sub", 2, [1, 2, 3, 10, 11, 4], [12])])
+    store.add_merged("run-1", "ep-sub", merge_episode(store.load_calls("ep-sub")), reward=1.0)
+    sql = ("SELECT c.call_index, b.reason, p.call_index, b.parent_tool_call_id FROM merge_breaks AS b "
+           "JOIN calls AS c USING (call_id) LEFT JOIN calls AS p ON p.call_id = b.parent_call_id ORDER BY ALL")
+    assert rows(store, sql) == [(0, FIRST_CALL, None, None), (1, SUB_AGENT, 0, "toolu_1")]
+    assert rows(store, "SELECT call_ids, reward FROM samples ORDER BY ALL") == [
+        (["ep-sub-c0", "ep-sub-c2"], 1.0), (["ep-sub-c1"], 1.0)]  # merged apart, both with the episode's reward
+    documented = rows(store, _documented_query("Which\nsub-agents each call started"))
+    assert documented == [("ep-sub", 0, "toolu_1", 1, 3)]
 
 
 def test_re_merging_an_episode_replaces_its_rows_and_leaves_the_others(store: Store):
