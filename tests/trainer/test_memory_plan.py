@@ -151,8 +151,9 @@ def test_every_step_sleeps_after_its_episodes_and_wakes_before_the_push(tiny_mod
         up.close()
     assert refused == []
     events = [_event(target) for target in log]
-    assert events[:2] == ["models", "call"]  # attach's probe (a one-token call); then step 1's episodes
-    steps, rest = [], events[2:]
+    # attach's probe (a one-token call), the proxy asking the engine's context as it starts; then step 1's episodes
+    assert events[:3] == ["models", "call", "models"]
+    steps, rest = [], events[3:]
     for _ in range(2):
         calls = rest[:rest.index("sleep")]
         assert set(calls) == {"call"} and len(calls) == 2 * 2 * 2  # tasks x repeats x turns, all before the sleep
