@@ -166,9 +166,17 @@ def main() -> None:
     ap.add_argument("--nonblocking", action="store_true", help="py-spy reads without pausing the proxy")
     ap.add_argument("--gil", action="store_true", help="py-spy samples only the thread holding the GIL")
     ap.add_argument("--perf", action="store_true", help="perf record (native stacks, all threads) instead of py-spy")
+    ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                    help="a ProxyConfig field for the proxy, e.g. --set record_batch=2048 (a JSON value)")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    overrides = {}
+    for setting in args.set:
+        field, sep, value = setting.partition("=")
+        if not sep:
+            ap.error(f"--set {setting!r}: expected FIELD=VALUE, e.g. record_batch=2048")
+        overrides[field] = orjson.loads(value)
     pin(LOAD_CORE)
     ctx = multiprocessing.get_context("spawn")
     pool = ctx.Pool(1, initializer=pin, initargs=(LOAD_CORE,))
@@ -178,7 +186,7 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             for name in args.workloads.split(","):
                 db = Path(tmp) / f"{name}.duckdb"
-                proxy = Child(proxy_main, PROXY_CORE, url, str(db), "asyncio", {}, None).ready()
+                proxy = Child(proxy_main, PROXY_CORE, url, str(db), "asyncio", overrides, None).ready()
                 total = args.warmup + args.seconds + 1.0
                 if name == "multiturn":
                     pending = pool.apply_async(multiturn_load, (proxy.served, args.concurrency, args.turns,

@@ -102,6 +102,7 @@ async def _resources(app: web.Application):
     session = aiohttp.ClientSession(
         timeout=timeout, connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300), auto_decompress=False,
         skip_auto_headers=("User-Agent",),
+        cookie_jar=aiohttp.DummyCookieJar(),  # no agent gets cookies an upstream set for another (and no filtering)
     )
 
     app[STORE], app[RECORDER], app[SESSION] = store, recorder, session

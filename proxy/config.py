@@ -51,7 +51,8 @@ class ProxyConfig:
     read_timeout_s: float = 600.0  # longest wait for the next byte from the engine
     sampling: SamplingOverrides = field(default_factory=SamplingOverrides)
     db_memory_mb: int = 512  # DuckDB's memory cap in the proxy: recorded rows are cached up to it, then evicted
-    record_batch: int = 256  # the recorder flushes after this many calls...
+    # The recorder writes once this many calls wait (a DuckDB row group: written straight to the file, no WAL)...
+    record_batch: int = 2048
     record_delay_s: float = 0.2  # ...or this long after the oldest unflushed call
     token_exact: bool = True  # build continued conversations' prompts from recorded ids (proxy/continuity.py)
     # How generated text becomes reasoning, content and tool calls on the token-exact path (proxy/tool_parsers.py):

@@ -124,6 +124,7 @@ class Capture:
         self.unreachable = False  # the engine could not be reached: nothing went to the agent, another may take it
         self.saw_done = False  # the engine's stream said [DONE]...
         self.done_sent = False  # ...and it went out to the agent: the agent has the whole answer
+        self.complete = False  # a stream's answer is assembled into `response`: nothing more comes
         # Called with the call's record once a stream's answer is complete, before its last bytes go out (app.py
         # journals it, so a crash right after loses nothing); the record proper follows once they went out.
         self.on_complete: Callable[[Call], None] | None = None
@@ -438,16 +439,20 @@ async def _forward_stream(request: web.Request, upstream: aiohttp.ClientResponse
         if not cap.done_sent:  # an agent that hangs up after [DONE] got the whole answer
             cap.fail(CANCELLED, 0, f"the agent disconnected mid-stream: {exc}")
     finally:  # also when the handler is cancelled (an agent that hangs up right after [DONE]): the answer stays
-        cap.response = cap.assembled_response()
+        if not cap.complete:
+            cap.response = cap.assembled_response()
     return resp
 
 
 def _complete(cap: Capture) -> None:
-    """The stream's answer is complete and its last bytes are about to go out: hand its record to `on_complete`
-    (once)."""
+    """The stream's answer is complete and its last bytes are about to go out: assemble it, and hand its record to
+    `on_complete` (once)."""
+    if cap.complete:
+        return
+    cap.complete = True
+    cap.response = cap.assembled_response()
     if cap.on_complete is not None:
         hook, cap.on_complete = cap.on_complete, None
-        cap.response = cap.assembled_response()
         hook(cap.to_call())
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import os
 import signal
 import threading
@@ -153,6 +154,7 @@ async def serve_forever(config: ProxyConfig, on_ready=None) -> None:
     """Serve until SIGINT / SIGTERM; everything recorded is flushed before returning."""
     server = ProxyServer(config)
     await server.start()
+    settle_gc()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -163,3 +165,14 @@ async def serve_forever(config: ProxyConfig, on_ready=None) -> None:
         await stop.wait()
     finally:
         await server.stop()
+
+
+def settle_gc() -> None:
+    """The collector tuned for a process that is the proxy: what start-up made (modules, the app, DuckDB's
+    Python side) is frozen out of every later collection, and the youngest generation is collected every 20,000
+    new objects instead of 700. A call allocates a few hundred short-lived objects that reference counting frees;
+    at the default threshold the collector ran every few calls and took 12-15% of the proxy's CPU
+    (docs/BENCHMARKS.md, the profile of proxy_overhead); cyclic garbage still goes, a little later."""
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(20_000, 20, 20)
