@@ -356,7 +356,9 @@ def _record(app: web.Application, cap: Capture, prepared: Prepared, hashes, base
         call.extra["weights_changed_to"] = state.weight_version  # its later tokens may come from them
     app[RECORDER].record_call(call)
     if hashes is not None and call.status == OK:
-        state.timelines.remember(call, prepared.body, hashes)
+        # Once the answer has left (it goes out in this loop turn, right after this): its agent's next call can only
+        # come after it, and is read in a later turn, after this runs.
+        asyncio.get_running_loop().call_soon(state.timelines.remember, call, prepared.body, hashes)
     if (call.token_source == NONE and call.status == OK and config.returns_token_ids and not state.warned_no_ids
             and base is not None):
         state.warned_no_ids = True
