@@ -32,6 +32,7 @@ from proxy.admin import add_admin_routes
 from proxy.chat_answer import ChatAnswer
 from proxy.config import ProxyConfig
 from proxy.continuity import Timelines, completions_body, plan, prefix_hashes
+from proxy.engine_client import EngineClient
 from proxy.episodes import Episodes
 from proxy.forward import Capture, forward, refused_call
 from proxy.guard import GuardConfig, degenerate, ended_flag, ended_why, flags_of
@@ -41,7 +42,19 @@ from proxy.parsing import harmony, reply_parsing
 from proxy.record_only import Forwarded, forwarded, redact
 from proxy.request import CHAT, COMPLETIONS, Prepared, as_sent, for_engine, read_request
 from proxy.roles import RoleRule, find_role
-from proxy.state import CONFIG, ENGINES, EPISODES, RECORDER, RESPONSES, SESSION, STATE, STORE, RunState, request_key
+from proxy.state import (
+    CONFIG,
+    ENGINE_CLIENT,
+    ENGINES,
+    EPISODES,
+    RECORDER,
+    RESPONSES,
+    SESSION,
+    STATE,
+    STORE,
+    RunState,
+    request_key,
+)
 from proxy.upstreams import EPISODE_HEADER, Engines, healthy
 from proxy.wire.common import ConversationStore, Wire
 from proxy.wire.messages import MessagesWire
@@ -106,6 +119,7 @@ async def _resources(app: web.Application):
     )
 
     app[STORE], app[RECORDER], app[SESSION] = store, recorder, session
+    app[ENGINE_CLIENT] = EngineClient(connect_timeout_s=config.connect_timeout_s, read_timeout_s=config.read_timeout_s)
     app[EPISODES] = Episodes(state.run_id, auto_open=config.auto_episodes, store=store, recorder=recorder,
                              max_states=config.max_episodes, guard_ends=config.guard.end_episode)
     if not config.record_only:
@@ -114,6 +128,7 @@ async def _resources(app: web.Application):
     try:
         yield
     finally:
+        app[ENGINE_CLIENT].close()
         await session.close()
         recorder.close()
         store.end_run(state.run_id)
@@ -222,7 +237,7 @@ async def _numbered_call(request: web.Request, endpoint: str, wire: Wire | None,
         if base is not None:
             engines.in_flight[base] += 1
         try:
-            resp = await forward(request, app[SESSION], url, cap, answer, wire)
+            resp = await forward(request, _client(app, base, url), url, cap, answer, wire)
         except asyncio.CancelledError:
             if not cap.done_sent:  # cancelled after the whole stream went out (e.g. at shutdown): the answer is whole
                 cap.fail(CANCELLED, 0, "the agent disconnected before the answer was complete")
@@ -299,7 +314,7 @@ async def _plan_call(app: web.Application, prepared: Prepared, episode_id: str, 
     if endpoint == CHAT and state.timelines is not None:
         body = prepared.body
         hashes = prefix_hashes(body)
-        how = await plan(state.timelines, episode_id, body, hashes, app[SESSION], base)
+        how = await plan(state.timelines, episode_id, body, hashes, _client(app, base, base), base)
         cap.continuity = how.record()
         if how.prompt_ids is not None:
             parsing = state.parsing.request(body)
@@ -308,6 +323,14 @@ async def _plan_call(app: web.Application, prepared: Prepared, episode_id: str, 
                                 parallel_tool_calls=body.get("parallel_tool_calls") is not False)
     cap.upstream_body = orjson.dumps(send)
     return cap, url, answer, hashes
+
+
+def _client(app: web.Application, base: str | None, url: str):
+    """The policy engine's own calls go by the lean client (proxy/engine_client.py); a frozen role's upstream and
+    record-only mode's API (any scheme, the agent's own headers) by aiohttp."""
+    if base is not None and not app[CONFIG].record_only and EngineClient.serves(url):
+        return app[ENGINE_CLIENT]
+    return app[SESSION]
 
 
 async def _engine_failed(app: web.Application, cap: Capture, base: str) -> bool:

@@ -34,10 +34,10 @@ from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-import aiohttp
 import orjson
 
 from harness.core.records import Call
+from proxy.engine_client import HttpClient
 from proxy.splice import AS_RENDERED, REASONING_HISTORY, RENDER_FAILED, Plan, splice
 from proxy.tool_parsers import RequestParsing
 
@@ -370,7 +370,7 @@ def completions_body(body: dict, plan: Plan, parsing: RequestParsing) -> dict:
 
 
 async def plan(timelines: Timelines, episode_id: str, body: dict, hashes: list[bytes],
-               session: aiohttp.ClientSession, base_url: str) -> Plan:
+               session: HttpClient, base_url: str) -> Plan:
     """Decide how to serve one chat request: token-exact when it continues a recorded reply, else chat rendering."""
     found = timelines.find(episode_id, body, hashes)
     parent = found.parent

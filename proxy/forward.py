@@ -20,6 +20,7 @@ from aiohttp import web
 
 from harness.core.records import CANCELLED, ENGINE, ERROR, NONE, OK, Call, Choice
 from proxy.chat_answer import ChatAnswer
+from proxy.engine_client import HttpClient
 from proxy.http_json import ApiError, error_body
 from proxy.record_only import redact, redact_bytes, with_query
 from proxy.request import CHAT, COMPLETIONS, Prepared
@@ -341,8 +342,8 @@ def _error_message(raw: bytes) -> str:
 
 
 async def forward(
-    request: web.Request, session: aiohttp.ClientSession, url: str, cap: Capture, answer: ChatAnswer | None = None,
-    wire: Wire | None = None,
+    request: web.Request, session: HttpClient, url: str, cap: Capture,
+    answer: ChatAnswer | None = None, wire: Wire | None = None,
 ) -> web.StreamResponse:
     """Send the prepared request to the engine and answer the agent; `cap` records what happened. With `answer`,
     the engine answers a completions request and the agent gets it as the chat answer it asked for. With `wire`,
@@ -354,7 +355,7 @@ async def forward(
     return resp
 
 
-async def _forward(request: web.Request, session: aiohttp.ClientSession, url: str, cap: Capture,
+async def _forward(request: web.Request, session: HttpClient, url: str, cap: Capture,
                    answer: ChatAnswer | None, wire: Wire | None) -> web.StreamResponse:
     # identity: the answer is parsed and recorded here, and a vendor's fixed model would otherwise compress it
     headers = {"Content-Type": "application/json", "Accept-Encoding": "identity", **cap.upstream_headers}

@@ -16,6 +16,7 @@ import aiohttp
 import orjson
 
 from harness.core.merge import DROPS_REASONING
+from proxy.engine_client import HttpClient
 
 if TYPE_CHECKING:
     from proxy.continuity import Parent, Timelines
@@ -52,7 +53,7 @@ class Plan:
         return out
 
 
-async def splice(timelines: Timelines, session: aiohttp.ClientSession, base_url: str, body: dict, parent: Parent,
+async def splice(timelines: Timelines, session: HttpClient, base_url: str, body: dict, parent: Parent,
                  reply_index: int, timeout_s: float = 30.0) -> Plan:
     """Build the prompt ids: the parent's recorded ids, then the engine's render of everything after the parent's
     reply (from /tokenize, which renders exactly as the engine's chat endpoint does)."""
@@ -134,7 +135,7 @@ def _without_reasoning(message) -> dict:
     return {k: v for k, v in message.items() if k not in ("reasoning", "reasoning_content")}
 
 
-async def _turn_end(timelines: Timelines, session: aiohttp.ClientSession, base_url: str, common: dict,
+async def _turn_end(timelines: Timelines, session: HttpClient, base_url: str, common: dict,
                     timeout_s: float) -> list[int]:
     """What the template puts after an assistant turn's content: [close token, *glue] (e.g. `<|im_end|>`, "\n").
     Found once per model and template arguments, as the common tail of two one-turn renders."""
@@ -159,11 +160,11 @@ async def _turn_end(timelines: Timelines, session: aiohttp.ClientSession, base_u
     return found
 
 
-async def _tokenize(session: aiohttp.ClientSession, base_url: str, req: dict, timeout_s: float) -> dict:
+async def _tokenize(session: HttpClient, base_url: str, req: dict, timeout_s: float) -> dict:
     req = {k: v for k, v in req.items() if v is not None}
     headers = {"Content-Type": "application/json"}
-    async with session.post(base_url + "/tokenize", data=orjson.dumps(req), headers=headers,
-                            timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+    async with asyncio.timeout(timeout_s), session.post(base_url + "/tokenize", data=orjson.dumps(req),
+                                                         headers=headers) as resp:
         raw = await resp.read()
         if resp.status in (404, 405):
             raise _NoRoute(f"the engine has no /tokenize route (answered {resp.status}): every continued call is "

@@ -11,6 +11,7 @@ from harness.store.database import Store
 from harness.store.recorder import Recorder
 from proxy.config import ProxyConfig, SamplingOverrides
 from proxy.continuity import Timelines
+from proxy.engine_client import EngineClient
 from proxy.episodes import Episodes
 from proxy.tool_parsers import ReplyParsing
 from proxy.upstreams import Engines
@@ -35,6 +36,7 @@ STORE = web.AppKey("store", Store)
 RECORDER = web.AppKey("recorder", Recorder)
 EPISODES = web.AppKey("episodes", Episodes)
 SESSION = web.AppKey("session", aiohttp.ClientSession)
+ENGINE_CLIENT = web.AppKey("engine_client", EngineClient)  # the policy engine's calls (proxy/engine_client.py)
 ENGINES = web.AppKey("engines", Engines)
 RESPONSES = web.AppKey("responses", ConversationStore)  # the latest responses, for previous_response_id
 
