@@ -215,10 +215,13 @@ class Timelines:
     edited one, is small next to the prompt ids)."""
 
     def __init__(self, max_episodes: int = 4096, max_tokens: int = 32_000_000, max_parents: int = 64,
-                 reasoning_history: str = AS_RENDERED):
+                 reasoning_history: str = AS_RENDERED, max_seen_prefixes: int = 16_384):
         if reasoning_history not in REASONING_HISTORY:
             raise ValueError(f"reasoning_history {reasoning_history!r}: use one of {', '.join(REASONING_HISTORY)}")
         self.max_episodes, self.max_tokens, self.max_parents = max_episodes, max_tokens, max_parents
+        # An episode's request prefixes seen, for a fallback's `first_unmatched_message`; started afresh past this
+        # many (the default episode takes every call that names none, for as long as the proxy runs).
+        self.max_seen_prefixes = max_seen_prefixes
         self.reasoning_history = reasoning_history
         self.forced_tools = False  # forced tool calls can be served token-exactly (set from the reply parsing)
         self.tokens = 0
@@ -245,6 +248,8 @@ class Timelines:
         if call.prompt_ids is None:
             return
         ep = self._episode(call.episode_id, create=True)
+        if len(ep.seen_prefixes) >= self.max_seen_prefixes:
+            ep.seen_prefixes.clear()
         ep.seen_prefixes.update(hashes)
         prefix = hashes[-1]
         prompt = array("i", call.prompt_ids)

@@ -96,6 +96,21 @@ def test_the_least_recently_used_episodes_are_forgotten():
     assert timelines.find("c", body, prefix_hashes(body)).fallback is None
 
 
+def test_an_episode_that_never_ends_keeps_a_bounded_set_of_the_prefixes_it_saw():
+    """The default episode takes every call that names none, for as long as the proxy runs."""
+    timelines = Timelines(max_seen_prefixes=10)
+    for i in range(40):
+        body = _body([*BASE, {"role": "user", "content": f"task {i}"}])
+        timelines.remember(_call("default", [1], [2], text="x", finish="stop"), body, prefix_hashes(body))
+    seen = timelines._episodes["default"].seen_prefixes
+    assert 0 < len(seen) <= 10 + len(BASE) + 2
+    for task, matched in ((39, len(BASE) + 1), (0, len(BASE))):  # the latest prefixes still tell; the first not
+        body = _body([*BASE, {"role": "user", "content": f"task {task}"}, {"role": "user", "content": "more"}])
+        found = timelines.find("default", body, prefix_hashes(body))
+        assert found.fallback.reason == "history_not_recorded"
+        assert found.fallback.detail["first_unmatched_message"] == matched
+
+
 def test_unsupported_features_are_named():
     assert unsupported(_body(BASE)) is None
     assert unsupported(_body(BASE, tool_choice="auto")) is None
