@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 from collections.abc import AsyncIterator
 
 import aiohttp
@@ -23,7 +24,12 @@ from yarl import URL
 
 __all__ = ["EngineClient"]
 
-_MAX_HEAD = 64 * 1024  # status line and headers
+_MAX_HEAD = 64 * 1024  # status line and headers; a chunk's size line
+_HEX = re.compile(rb"[0-9a-fA-F]{1,16}")
+
+
+def _digits(text: str) -> bool:
+    return text.isascii() and text.isdigit()
 
 
 class _Connection(asyncio.Protocol):
@@ -35,16 +41,17 @@ class _Connection(asyncio.Protocol):
         self.buffer = bytearray()
         self.closed = False
         self.error: BaseException | None = None
+        self.idle_since = 0.0  # loop time it went back to the pool
         self._waiter: asyncio.Future | None = None
-        self._paused = False
+        self.paused = False
 
     def connection_made(self, transport) -> None:
         self.transport = transport
 
     def data_received(self, data: bytes) -> None:
         self.buffer += data
-        if len(self.buffer) > 4 * 1024 * 1024 and not self._paused:  # a reader that lags: the engine waits
-            self._paused = True
+        if len(self.buffer) > 4 * 1024 * 1024 and not self.paused:  # a reader that lags: the engine waits
+            self.paused = True
             self.transport.pause_reading()
         self._wake()
 
@@ -64,8 +71,8 @@ class _Connection(asyncio.Protocol):
 
     async def more(self, timeout_s: float | None) -> None:
         """Wait for bytes beyond those in the buffer (or the end of the connection)."""
-        if self._paused:
-            self._paused = False
+        if self.paused:
+            self.paused = False
             self.transport.resume_reading()
         if self.closed:
             raise aiohttp.ClientPayloadError(f"the engine closed the connection ({self.error or 'end of stream'})")
@@ -94,14 +101,6 @@ def _current_cancelling() -> int:
     return task.cancelling() if task is not None else 0
 
 
-class _Content:
-    def __init__(self, response: _Response):
-        self._response = response
-
-    def iter_any(self) -> AsyncIterator[bytes]:
-        return self._response._body_parts()
-
-
 class _Response:
     """The engine's answer: status and headers read; the body read with `read()` or `content.iter_any()`."""
 
@@ -110,13 +109,20 @@ class _Response:
         self.url = url
         self.status = 0
         self.headers: dict[str, str] = {}
-        self.content = _Content(self)
         self._length: int | None = None  # Content-Length, or None
         self._chunked = False
         self._keep_alive = True
         self._done = False
+        self._version = "HTTP/1.1"
 
     async def _read_head(self) -> None:
+        while 100 <= await self._one_head() < 200:  # an interim answer (100 Continue, 103 Early Hints): the next
+            if self.status == 101:
+                raise aiohttp.ClientPayloadError("the engine switched protocols (101): not an answer")
+            self.headers.clear()
+        self._framing()
+
+    async def _one_head(self) -> int:
         conn, timeout = self._conn, self._client.read_timeout_s
         while (end := conn.buffer.find(b"\r\n\r\n")) < 0:
             if len(conn.buffer) > _MAX_HEAD:
@@ -128,24 +134,36 @@ class _Response:
         head = bytes(conn.buffer[:end]).decode("latin-1").split("\r\n")
         del conn.buffer[:end + 4]
         parts = head[0].split(" ", 2)
-        if len(parts) < 2 or not parts[0].startswith("HTTP/1.") or not parts[1].isdigit():
+        if len(parts) < 2 or not parts[0].startswith("HTTP/1.") or not _digits(parts[1]):
             raise aiohttp.ClientPayloadError(f"the engine's answer is not HTTP/1.x: {head[0][:100]!r}")
         self.status = int(parts[1])
+        self._version = parts[0]
         for line in head[1:]:
             name, _, value = line.partition(":")
             self.headers[name.strip().lower()] = value.strip()
-        if self.status in (204, 304) or 100 <= self.status < 200:
+        return self.status
+
+    def _framing(self) -> None:
+        if self.status in (204, 304):
             self._length = 0
         elif "chunked" in self.headers.get("transfer-encoding", "").lower():
             self._chunked = True
         elif (length := self.headers.get("content-length")) is not None:
-            if not length.isdigit():
+            if not _digits(length):
                 raise aiohttp.ClientPayloadError(f"the engine sent Content-Length {length[:40]!r}")
             self._length = int(length)
         else:
             self._keep_alive = False  # the body ends with the connection
-        if parts[0] == "HTTP/1.0" or self.headers.get("connection", "").lower() == "close":
+        if self._version == "HTTP/1.0" or "close" in self.headers.get("connection", "").lower():
             self._keep_alive = False
+
+    @property
+    def content(self) -> _Response:
+        """aiohttp's `response.content.iter_any()`: the response is its own content."""
+        return self
+
+    def iter_any(self) -> AsyncIterator[bytes]:
+        return self._body_parts()
 
     async def read(self) -> bytes:
         parts = [part async for part in self._body_parts()]
@@ -171,11 +189,9 @@ class _Response:
                 parts, at = [], 0
                 while (eol := buf.find(b"\r\n", at)) >= 0:
                     size_text = bytes(buf[at:eol]).split(b";", 1)[0].strip()
-                    try:
-                        size = int(size_text, 16)
-                    except ValueError:
-                        raise aiohttp.ClientPayloadError(
-                            f"the engine sent a bad chunk size {size_text[:20]!r}") from None
+                    if not _HEX.fullmatch(size_text):
+                        raise aiohttp.ClientPayloadError(f"the engine sent a bad chunk size {size_text[:20]!r}")
+                    size = int(size_text, 16)
                     if size == 0:  # the last chunk; then trailers (ignored) and a blank line
                         if (end := buf.find(b"\r\n\r\n", eol)) < 0:
                             break
@@ -183,6 +199,8 @@ class _Response:
                         break
                     if len(buf) < eol + 2 + size + 2:
                         break
+                    if buf[eol + 2 + size:eol + 4 + size] != b"\r\n":
+                        raise aiohttp.ClientPayloadError("the engine's chunk does not end where its size says")
                     parts.append(buf[eol + 2:eol + 2 + size])
                     at = eol + 2 + size + 2
                 if at:
@@ -190,6 +208,8 @@ class _Response:
                 if parts:
                     yield bytes(parts[0]) if len(parts) == 1 else b"".join(parts)
                 if not ended:
+                    if buf.find(b"\r\n") < 0 and len(buf) > _MAX_HEAD:
+                        raise aiohttp.ClientPayloadError("the engine sent a chunk size line without an end")
                     await conn.more(timeout)
         else:
             while True:
@@ -198,6 +218,8 @@ class _Response:
                     buf.clear()
                     yield part
                 elif conn.closed:
+                    if conn.error is not None:  # reset, not closed: the answer may be cut off
+                        raise aiohttp.ClientPayloadError(f"the engine's connection broke: {conn.error}")
                     break
                 else:
                     with contextlib.suppress(aiohttp.ClientPayloadError):
@@ -205,9 +227,12 @@ class _Response:
         self._done = True
 
     def _finish(self) -> None:
-        conn = self._conn
-        if self._done and self._keep_alive and not conn.closed and not conn.buffer:
-            self._client._idle.setdefault(self._key, []).append(conn)
+        conn, client = self._conn, self._client
+        # A paused connection (a reader that lagged) would not see the engine close it: not kept.
+        if self._done and self._keep_alive and not conn.closed and not conn.buffer and not conn.paused \
+                and not client.closed:
+            conn.idle_since = conn.loop.time()
+            client._idle.setdefault(self._key, []).append(conn)
         else:
             conn.close()
 
@@ -229,9 +254,14 @@ class _Post:
 class EngineClient:
     """Keep-alive connections to plain-http engines, reused most recent first."""
 
-    def __init__(self, *, connect_timeout_s: float | None, read_timeout_s: float | None):
+    def __init__(self, *, connect_timeout_s: float | None, read_timeout_s: float | None,
+                 keep_idle_s: float = 4.0):
+        """`keep_idle_s`: a connection idle longer is not used again (vLLM closes its idle ones after 5 s; a
+        connection taken just as the engine closes it would fail a call that never reached the engine)."""
         self.connect_timeout_s = connect_timeout_s
         self.read_timeout_s = read_timeout_s
+        self.keep_idle_s = keep_idle_s
+        self.closed = False
         self._idle: dict[tuple[str, int], list[_Connection]] = {}
         self._urls: dict[str, tuple[URL, tuple[str, int], bytes]] = {}
 
@@ -248,7 +278,7 @@ class EngineClient:
             u = URL(url)
             if u.scheme != "http" or not u.host:
                 raise ValueError(f"EngineClient speaks plain http to a host, not {url!r}")
-            host = f"[{u.host}]" if ":" in u.host else u.host
+            host = f"[{u.raw_host}]" if ":" in u.raw_host else u.raw_host
             start = f"POST {u.raw_path_qs or '/'} HTTP/1.1\r\nHost: {host}:{u.port}\r\n".encode("latin-1")
             parsed = (u, (u.host, u.port), start)
             if len(self._urls) < 1024:
@@ -257,7 +287,6 @@ class EngineClient:
 
     async def _send(self, url: str, data: bytes, headers: dict[str, str]) -> _Response:
         u, key, start = self._parsed(url)
-        conn = await self._connection(key)
         head = [start]
         for name, value in headers.items():
             line = f"{name}: {value}\r\n"
@@ -265,6 +294,7 @@ class EngineClient:
                 raise ValueError(f"header {name!r}: a line break in a header name or value")
             head.append(line.encode())
         head.append(b"Content-Length: %d\r\n\r\n" % len(data))
+        conn = await self._connection(key)
         conn.transport.write(b"".join(head) + data)
         response = _Response(self, key, conn, u)
         try:
@@ -275,13 +305,15 @@ class EngineClient:
         return response
 
     async def _connection(self, key: tuple[str, int]) -> _Connection:
-        idle = self._idle.get(key)
-        while idle:
-            conn = idle.pop()
-            if not conn.closed and not conn.buffer:
-                return conn
-            conn.close()
         loop = asyncio.get_running_loop()
+        idle = self._idle.get(key)
+        if idle:
+            now = loop.time()
+            while idle:
+                conn = idle.pop()
+                if not conn.closed and not conn.buffer and now - conn.idle_since < self.keep_idle_s:
+                    return conn
+                conn.close()  # the older ones below it are older still
         try:
             async with asyncio.timeout(self.connect_timeout_s):
                 _, conn = await loop.create_connection(lambda: _Connection(loop), key[0], key[1])
@@ -293,6 +325,7 @@ class EngineClient:
         return conn
 
     def close(self) -> None:
+        self.closed = True
         for conns in self._idle.values():
             for conn in conns:
                 conn.close()

@@ -163,10 +163,49 @@ async def test_an_answer_cut_off_is_a_payload_error_not_an_unreachable_engine(cl
     await server.stop()
 
 
-async def test_a_bad_chunk_size_is_a_payload_error(client):
-    server = await Server(lambda n: [b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n", b"zz\r\nxx\r\n"]).start()
-    with pytest.raises(aiohttp.ClientPayloadError, match="chunk size"):
+@pytest.mark.parametrize("chunk, error", [
+    (b"zz\r\nxx\r\n", "chunk size"), (b"-1\r\nxx\r\n", "chunk size"), (b"0x2\r\nxx\r\n", "chunk size"),
+    (b"2\r\nxxyy\r\n", "does not end where its size says"),
+], ids=["not-hex", "negative", "prefixed", "longer-than-said"])
+async def test_a_bad_chunk_is_a_payload_error(client, chunk, error):
+    server = await Server(lambda n: [b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n", chunk]).start()
+    with pytest.raises(aiohttp.ClientPayloadError, match=error):
         await _post(client, server.url)
+    await server.stop()
+
+
+async def test_interim_answers_are_skipped_for_the_answer_itself(client):
+    server = await Server(lambda n: [b"HTTP/1.1 100 Continue\r\n\r\n", b"HTTP/1.1 103 Early Hints\r\nLink: x\r\n\r\n",
+                                     *_json(b'{"n": %d}' % n)]).start()
+    assert await _post(client, server.url) == (200, b'{"n": 1}')
+    assert await _post(client, server.url) == (200, b'{"n": 2}')  # the connection reused, nothing left over
+    assert server.connections == 1
+    await server.stop()
+
+
+async def test_a_big_answer_read_late_leaves_no_paused_connection_for_the_next_call():
+    """Reading pauses past 4 MiB unread; a connection still paused would not see the engine close it."""
+    client = EngineClient(connect_timeout_s=2, read_timeout_s=2)
+    big = b"x" * (4 * 1024 * 1024 + 64 * 1024)  # its last bytes come in the read that pauses
+    server = await Server(lambda n: [*_json(big), b"<close>"] if n == 1 else _json(b"{}")).start()
+    async with client.post(server.url, data=b"{}", headers={}) as resp:
+        await asyncio.sleep(0.3)  # the whole answer arrives before it is read
+        assert await resp.read() == big
+    await asyncio.sleep(0.1)  # the engine's close reaches a connection that reads
+    assert await _post(client, server.url) == (200, b"{}")
+    client.close()
+    await server.stop()
+
+
+async def test_a_connection_idle_past_keep_idle_s_is_not_used_again():
+    client = EngineClient(connect_timeout_s=2, read_timeout_s=5, keep_idle_s=0.1)
+    server = await Server(lambda n: _json(b"{}")).start()
+    assert await _post(client, server.url) == (200, b"{}")
+    assert await _post(client, server.url) == (200, b"{}")
+    await asyncio.sleep(0.2)
+    assert await _post(client, server.url) == (200, b"{}")
+    assert server.connections == 2
+    client.close()
     await server.stop()
 
 
