@@ -1,5 +1,7 @@
 """What the recording proxy costs an LLM call: direct to the engine, through a byte relay, and through the proxy
-on asyncio and on uvloop, all side by side in one run.
+on uvloop (what `harness serve`, `harness run` and the trainer run when uvloop is installed, as the core's
+requirements install it on Linux and macOS) and on asyncio (HARNESS_EVENT_LOOP=asyncio), all side by side in one
+run.
 
 Pinning: every hop (the proxies, the relay) alone on core 0, each in its own process (its event loop, recorder
 thread and DuckDB share that one core); the scripted engine and the load generator on core 1, each in its own
@@ -23,7 +25,7 @@ sampled during each measurement, so the report says which core was the limit and
 Then an asyncio proxy once more under c=64 with cProfile (CPU time of its loop thread); the top is printed.
 
 With `--before PATH` (a checkout of an earlier commit: `git worktree add /tmp/before c31202a`), that commit's
-proxy (asyncio, as `harness serve` runs it) takes part in phases 1 and 2 beside this tree's, in its own process
+proxy (asyncio, as `harness serve` ran it then) takes part in phases 1 and 2 beside this tree's, in its own process
 on the same core, and a second table sets the two side by side.
 
     .venv/bin/python bench/proxy_overhead.py [--quick] [--no-docs] [--before PATH]
@@ -347,19 +349,23 @@ def _loop_of(proxy_name: str) -> str:
 
 
 def before_table(r: dict, recorded: dict[str, tuple[int, int, int]], label: str, s: Settings) -> list[str]:
-    """--before: the earlier commit's proxy and this tree's, both on asyncio, measured in the same phases."""
+    """--before: the earlier commit's proxy (asyncio, as it ran then) and this tree's on each loop (uvloop is what
+    this tree runs by default), measured in the same phases."""
     lat, tput, cells = r["lat"], r["tput"], {}
-    for path in (BEFORE, "asyncio"):
+    for path in (BEFORE, *LOOPS):
         rate = mean(tput[path]["calls_per_s"])
         cpu = (mean(tput[path]["hop_loop_cpu"]) + mean(tput[path]["hop_other_cpu"])) / rate * 1e6
-        rows, n_ok, n = recorded[BEFORE if path == BEFORE else "asyncio-fast"]
+        rows, n_ok, n = recorded[BEFORE if path == BEFORE else f"{path}-fast"]
         cells[path] = [_added(lat, path, "latency", q)[0] for q in (0.5, 0.99)] + [
             f"**{rate:,.0f}**", f"{cpu:.0f}", f"{1e6 / cpu:,.0f}", f"{n_ok:,} / {n:,}"]
     what = ["c=1 non-stream latency p50, ms (added over direct)", "c=1 non-stream latency p99, ms",
             f"c={s.concurrency} calls/s (the proxy on one core)", f"c={s.concurrency} hop CPU a call, us",
             "calls/s one full core of the hop carries", "rows in `calls` (status ok) / calls answered"]
-    return [f"| measurement | proxy before ({label}), asyncio | proxy now, asyncio |", "| --- | ---: | ---: |",
-            *(f"| {w} | {b} | {n} |" for w, b, n in zip(what, cells[BEFORE], cells["asyncio"], strict=True))]
+    head = f"| measurement | proxy before ({label}), asyncio | " + " | ".join(
+        f"proxy now, {loop}{' (the default)' if loop == 'uvloop' else ''}" for loop in LOOPS) + " |"
+    return [head, "| --- |" + " ---: |" * (1 + len(LOOPS)),
+            *(f"| {w} | " + " | ".join(cells[path][i] for path in (BEFORE, *LOOPS)) + " |"
+              for i, w in enumerate(what))]
 
 
 def _revision(path: str) -> str:

@@ -123,7 +123,7 @@ class ProxyServer:
             await self.stop()
 
         def run():
-            self._loop = asyncio.new_event_loop()
+            self._loop = new_event_loop()
             self._loop.run_until_complete(main())
             self._loop.close()
 
@@ -165,6 +165,45 @@ async def serve_forever(config: ProxyConfig, on_ready=None) -> None:
         await stop.wait()
     finally:
         await server.stop()
+
+
+LOOP_ENV = "HARNESS_EVENT_LOOP"
+
+
+def loop_kind() -> str:
+    """Which event loop the proxy runs on: "uvloop" when it is installed (the core requires it on Linux and
+    macOS), "asyncio" when not or when HARNESS_EVENT_LOOP=asyncio. On one core uvloop carries ~5% more calls a
+    second and a slightly lower tail (docs/BENCHMARKS.md, proxy_overhead); everything the proxy does runs on
+    either. A value that names neither is a ValueError naming it."""
+    asked = os.environ.get(LOOP_ENV, "").strip().lower()
+    if asked not in ("", "uvloop", "asyncio"):
+        raise ValueError(f"{LOOP_ENV}={os.environ[LOOP_ENV]!r} is not an event loop: set uvloop or asyncio, or "
+                         "unset it (uvloop when installed)")
+    if asked == "asyncio":
+        return "asyncio"
+    try:
+        import uvloop  # noqa: F401
+    except ImportError:
+        if asked == "uvloop":
+            raise ValueError(f"{LOOP_ENV}=uvloop but uvloop is not installed: pip install uvloop, or unset "
+                             f"{LOOP_ENV}") from None
+        return "asyncio"
+    return "uvloop"
+
+
+def new_event_loop() -> asyncio.AbstractEventLoop:
+    """A new event loop of `loop_kind()`."""
+    if loop_kind() == "uvloop":
+        import uvloop
+
+        return uvloop.new_event_loop()
+    return asyncio.new_event_loop()
+
+
+def run(coro):
+    """`asyncio.run(coro)` on the proxy's event loop (new_event_loop)."""
+    with asyncio.Runner(loop_factory=new_event_loop) as runner:
+        return runner.run(coro)
 
 
 def settle_gc() -> None:

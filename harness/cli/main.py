@@ -116,6 +116,8 @@ def _run(args) -> int:
     from harness.running.runner import RunConfig
     from harness.running.tasks import TaskError, read_tasks
     from harness.running.vllm_server import Engine, EngineError, start_or_attach
+    from proxy.server import loop_kind
+    from proxy.server import run as run_on_proxy_loop
 
     if (args.agent is None) == (args.cmd is None):
         print("error: give the agent's Python file, or --cmd \"COMMAND\", not both", file=sys.stderr)
@@ -125,6 +127,7 @@ def _run(args) -> int:
         return 2
     command = [sys.executable, str(args.agent.resolve())] if args.agent else shlex.split(args.cmd)
     try:
+        loop_kind()  # a bad HARNESS_EVENT_LOOP is named before anything starts
         engine_args = options.engine_args(args)
         tasks = read_tasks(args.data, split=args.split, limit=args.limit)
         if not tasks:
@@ -153,14 +156,11 @@ def _run(args) -> int:
         return 2
     try:
         print(f"running {len(tasks)} tasks x {args.repeat} against {engine.base_url}", file=sys.stderr)
-        run_id, report = asyncio.run(run_dataset(tasks, config, engine, args.run_dir,
-                                                 success_threshold=args.success_threshold, sampling=sampling,
-                                                 token_exact=not args.no_token_exact,
-                                                 reasoning_history=args.reasoning_history,
-                                                 progress=not args.debug, interceptor=interceptor, roles=roles,
-                                                 more_upstreams=tuple((args.upstream or [])[1:]),
-                                                 record_only=args.record_only,
-                                                 upstream_key_env=args.upstream_key_env, proxy_settings=settings))
+        run_id, report = run_on_proxy_loop(run_dataset(
+            tasks, config, engine, args.run_dir, success_threshold=args.success_threshold, sampling=sampling,
+            token_exact=not args.no_token_exact, reasoning_history=args.reasoning_history, progress=not args.debug,
+            interceptor=interceptor, roles=roles, more_upstreams=tuple((args.upstream or [])[1:]),
+            record_only=args.record_only, upstream_key_env=args.upstream_key_env, proxy_settings=settings))
     except options.hop_errors(interceptor) as exc:  # the transparent hop could not start
         print(f"error: {exc}", file=sys.stderr)
         return 1

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import os
 import sys
 from pathlib import Path
@@ -39,9 +38,10 @@ def add_parser(verbs) -> None:
 
 def _serve(args) -> int:
     from harness.running.vllm_server import EngineError, start_or_attach
-    from proxy import serve_forever
+    from proxy.server import loop_kind, run, serve_forever
 
     try:
+        loop_kind()  # a bad HARNESS_EVENT_LOOP, before anything starts
         engine_args = options.engine_args(args)  # refused before anything starts, record-only included
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -92,7 +92,7 @@ def _serve(args) -> int:
             sys.stderr.flush()
 
         try:
-            asyncio.run(serve_forever(config, on_ready=ready))
+            run(serve_forever(config, on_ready=ready))
         finally:
             if interceptor is not None:
                 interceptor.close()
@@ -107,7 +107,7 @@ def _serve(args) -> int:
 def _record_only(args, db: Path) -> int:
     """The proxy in front of an API that is not ours: no probe (it may want a key the proxy does not have), every
     call forwarded as sent."""
-    from proxy import serve_forever
+    from proxy.server import run, serve_forever
 
     if problem := options.record_only_error(args):
         print(f"error: {problem}", file=sys.stderr)
@@ -128,7 +128,7 @@ def _record_only(args, db: Path) -> int:
               file=sys.stderr)
         sys.stderr.flush()
 
-    asyncio.run(serve_forever(config, on_ready=ready))
+    run(serve_forever(config, on_ready=ready))
     return 0
 
 

@@ -78,3 +78,45 @@ def test_the_docs_example_runs_as_written(upstream, tmp_path, monkeypatch):
     assert namespace["opened"]["episode_id"] == "ep-1"
     assert namespace["rows"] == [(0,)]  # no call was made
     assert db_rows(tmp_path / "runs" / "x" / "harness.duckdb", "SELECT episode_id FROM episodes") == [("ep-1",)]
+
+
+async def _loop_type() -> type:
+    import asyncio
+
+    return type(asyncio.get_running_loop())
+
+
+def test_the_proxy_runs_on_uvloop_unless_asked_for_asyncio_and_records_on_either(upstream, tmp_path, monkeypatch):
+    import asyncio
+
+    import uvloop
+
+    seen = {}
+    for asked in ("", "asyncio", "uvloop"):
+        monkeypatch.setenv("HARNESS_EVENT_LOOP", asked)
+        s = ProxyServer(ProxyConfig(upstream_url=upstream.url, db_path=tmp_path / f"rec-{asked}.duckdb", port=0))
+        s.start_in_thread()
+        try:
+            seen[asked] = s.call(_loop_type())
+            _ask(f"{s.url}/v1")
+            s.flush()
+            assert s.store.query("SELECT count(*) FROM calls WHERE status = 'ok'").rows == [(1,)]
+        finally:
+            s.stop_thread()
+    assert seen[""] is uvloop.Loop and seen["uvloop"] is uvloop.Loop
+    assert issubclass(seen["asyncio"], asyncio.BaseEventLoop) and not issubclass(seen["asyncio"], uvloop.Loop)
+
+
+@pytest.mark.parametrize("verb", ["serve", "run"])
+def test_an_event_loop_that_is_neither_is_named_before_anything_starts(verb, tmp_path, monkeypatch, capsys):
+    from harness.cli.main import main
+
+    monkeypatch.setenv("HARNESS_EVENT_LOOP", "trio")
+    argv = {"serve": ["serve", "--upstream", "http://127.0.0.1:9", "--run-dir", str(tmp_path / "run")],
+            "run": ["run", "--cmd", "true", "--data", str(tmp_path / "missing.jsonl"), "--upstream",
+                    "http://127.0.0.1:9", "--run-dir", str(tmp_path / "run")]}[verb]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == ("error: HARNESS_EVENT_LOOP='trio' is not an event loop: set uvloop or asyncio, or unset it "
+                       "(uvloop when installed)")
+    assert not (tmp_path / "run" / "harness.duckdb").exists()
