@@ -1,11 +1,11 @@
 """`backbone: verl`: one harness episode as a verl agent loop.
 
 verl's AgentLoopWorker (a Ray actor) instantiates the loop registered under the name `harness` (in the YAML file
-that `actor_rollout_ref.rollout.agent.agent_loop_config_path` names; trainer/verl_backbone.py writes it) for every
+that `actor_rollout_ref.rollout.agent.agent_loop_config_path` names; trainer/rl/verl_backbone.py writes it) for every
 sample of a batch, and awaits `run()`. Here `run()`:
 
-1. reads our task from the sample (`extra_info.task_json`, as trainer/verl_backbone.py writes the dataset);
-2. runs the unmodified agent on it through the recording proxy (trainer/rollout.py's Rollouts: one per worker
+1. reads our task from the sample (`extra_info.task_json`, as trainer/rl/verl_backbone.py writes the dataset);
+2. runs the unmodified agent on it through the recording proxy (trainer/rl/rollout.py's Rollouts: one per worker
    process, its DuckDB file in <run_dir>/verl/worker-<pid>/), whose engine is a TokenEngine over verl's
    `server_manager.generate`: token in, token out, on verl's own inference servers;
 3. judges it with our judge (one judge pool per worker process, shared by all its episodes), merges its calls into
@@ -40,7 +40,7 @@ from harness.running.limits import AGENT_MAX_PROCS, AGENT_MEMORY_MB
 from harness.running.runner import RunConfig
 from harness.running.vllm_server import Engine
 from proxy.config import SamplingOverrides
-from trainer.rollout import EpisodeResult, Rollouts, guard_of
+from trainer.rl.rollout import EpisodeResult, Rollouts, guard_of
 
 AGENT_NAME = "harness"  # the name the loop is registered under; the dataset's agent_name column says it
 
@@ -149,7 +149,8 @@ class HarnessAgentLoop(AgentLoopBase):
 
 
 def task_of(kwargs: dict) -> Task:
-    """Our task from a verl sample: extra_info.task_json = {"task_id", "data", "split"} (trainer/verl_backbone.py)."""
+    """Our task from a verl sample: extra_info.task_json = {"task_id", "data", "split"}
+    (trainer/rl/verl_backbone.py)."""
     extra = kwargs.get("extra_info")
     raw = extra.get("task_json") if isinstance(extra, dict) else None
     try:
@@ -158,7 +159,7 @@ def task_of(kwargs: dict) -> Task:
         task = None
     if not isinstance(task, dict) or "task_id" not in task or not isinstance(task.get("data"), dict):
         raise ValueError("a verl sample for the harness agent loop needs extra_info.task_json, a JSON object "
-                         "{task_id, data, split} (trainer.verl_backbone.write_dataset writes it); this sample has "
+                         "{task_id, data, split} (trainer.rl.verl_backbone.write_dataset writes it); this sample has "
                          f"{sorted(kwargs)} and extra_info {sorted(extra) if isinstance(extra, dict) else extra!r}")
     return Task(str(task["task_id"]), task["data"], str(task.get("split") or "train"))
 

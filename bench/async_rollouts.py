@@ -71,7 +71,7 @@ def bigger_policy(tiny: Path, out: Path) -> Path:
     import torch
     from transformers import AutoConfig, Qwen2ForCausalLM
 
-    from trainer.checkpoint import copy_model_files
+    from trainer.model.checkpoint import copy_model_files
 
     out.mkdir(parents=True, exist_ok=True)
     copy_model_files(tiny, out)
@@ -184,7 +184,7 @@ def main() -> None:
     args = parser.parse_args()
     from harness.running.tiny_model import build_tiny_model
     from harness.running.vllm_server import start_vllm
-    from trainer.weight_sync import WeightSync
+    from trainer.model.weight_sync import WeightSync
 
     everywhere = os.sched_getaffinity(0)
     if "split" in args.layouts and not {0, 1} <= everywhere:

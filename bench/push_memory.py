@@ -4,9 +4,9 @@
 
 A random Qwen2 model built offline from a config (by default the shape of Qwen2.5-0.5B: 494M parameters, tied
 embeddings, which the push writes out as the engine's untied output layer), float32 master weights sharded by
-trainer.fsdp.shard over `--ranks` CPU processes (torchrun, gloo), as the trainer holds them. On the main rank:
+trainer.model.fsdp.shard over `--ranks` CPU processes (torchrun, gloo), as the trainer holds them. On the main rank:
 
-    before  trainer.fsdp.full_state_dict (the whole float32 state gathered to the host), then the push's old
+    before  trainer.model.fsdp.full_state_dict (the whole float32 state gathered to the host), then the push's old
             write: the state untied on the CPU (the output layer a copy) and one float32 model.safetensors;
     now     WeightSync.write of the sharded model itself (the other ranks run follow_push): each tensor gathered,
             cast to bfloat16 (the engine's dtype on a GPU) and written shard by shard (`--shard-mib`).
@@ -56,10 +56,11 @@ def _status(field: str) -> int:
 
 
 def _old_write(state: dict, out: Path) -> list[Path]:
-    """The push's write before issue 25 (trainer/weight_sync.py at c31202a): untied on the CPU, one float32 file."""
+    """The push's write before issue 25 (trainer/weight_sync.py at c31202a): untied on the CPU, one float32
+    file."""
     from safetensors.torch import save_file
 
-    from trainer.model_files import unshared_contiguous
+    from trainer.model.files import unshared_contiguous
 
     tensors = unshared_contiguous(state)
     if "lm_head.weight" not in tensors and "model.embed_tokens.weight" in tensors:
@@ -73,8 +74,8 @@ def worker(args: argparse.Namespace) -> None:
     import torch
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    from trainer.fsdp import full_state_dict, init_distributed, shard, shutdown
-    from trainer.weight_sync import WeightSync, follow_push
+    from trainer.model.fsdp import full_state_dict, init_distributed, shard, shutdown
+    from trainer.model.weight_sync import WeightSync, follow_push
 
     dist = init_distributed(device="cpu")
     torch.manual_seed(0)
@@ -143,7 +144,7 @@ def report(r: dict, args: argparse.Namespace) -> str:
         "",
         f"A random Qwen2 of {r['params'] / 1e6:.0f}M parameters (hidden {args.hidden}, {args.layers} layers, "
         f"vocabulary {args.vocab}, tied embeddings, written untied for the engine), float32, sharded by "
-        f"trainer.fsdp.shard over {r['world']} CPU ranks (gloo). Peak resident memory of the main rank over its "
+        f"trainer.model.fsdp.shard over {r['world']} CPU ranks (gloo). Peak resident memory of the main rank over its "
         "resident memory just before the push (VmHWM reset through /proc/self/clear_refs):",
         "",
         "| push | written | files | peak extra host memory | seconds |",
@@ -188,7 +189,7 @@ def main() -> None:
     if args.worker:
         return worker(args)
 
-    from trainer.fsdp import launch
+    from trainer.model.fsdp import launch
 
     with tempfile.TemporaryDirectory(prefix="push-memory-") as folder:
         result = Path(folder) / "result.json"

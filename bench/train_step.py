@@ -6,15 +6,15 @@
     16 episodes a step, through the recording proxy into a vLLM engine this run starts) on the tiny model
     (running/tiny_model.py, seed 0), `--steps` steps. Reads the per-step `time/*` metrics back from the run's DuckDB
     `metrics` table: medians per phase, their share of the median step, weight sync against its goal (<= 10%).
-(2) Trainer throughput on the samples that run stored, cut exactly as trainer/loop.py cuts them (per step: the
+(2) Trainer throughput on the samples that run stored, cut exactly as trainer/rl/loop.py cuts them (per step: the
     trained episodes, `ppo_epochs` shuffled passes, mini-batches, micro-batches of `micro_batch_tokens`):
     (a) the trainer's path per micro-batch: collate + token_logprobs(loss_only, with_entropy) + policy_loss +
         entropy aggregate + backward + the loop's `.item()` metrics;
     (b) a bare `model(input_ids, attention_mask).logits` -> log_softmax -> gather -> mean over the trained tokens
         -> backward, on the same padded micro-batches (collated beforehand, untimed);
     (c) the same bare pass with the output layer run on the trained positions only (what loss_only saves),
-    (d) the trainer's path on the model as the loop holds it (trainer.fsdp.shard over a one-rank group);
-    (a)-(c) on one model (trainer.policy.load_policy), all at a fixed number of torch threads, gradients zeroed
+    (d) the trainer's path on the model as the loop holds it (trainer.model.fsdp.shard over a one-rank group);
+    (a)-(c) on one model (trainer.model.policy.load_policy), all at a fixed number of torch threads, gradients zeroed
     after each mini-batch and no optimizer step in any arm; arms interleaved, median of `--repeat`. Goal: (a) <=
     1.3x (b). Then (d) at torch's default thread count against (d) at the fixed one, on one step's mini-batches.
 (3) Merged vs per-call training time on the 10-turn workload is bench/merge.py's (its section).
@@ -100,13 +100,13 @@ def split(steps: dict[int, dict[str, float]]) -> dict[str, dict]:
 
 @dataclass
 class MiniBatch:
-    """One mini-batch of one PPO epoch, as trainer/loop.py's _update builds it."""
+    """One mini-batch of one PPO epoch, as trainer/rl/loop.py's _update builds it."""
 
     rows: list  # Samples
     advantages: list[float]  # one per row: its episode's advantage
     old: list  # per row, the trainer's logprobs at the rollout weights ([len(token_ids)] tensors)
     micro: list[list[int]]  # micro-batches: indices into rows
-    weights: list  # per row, each token's weight in the mini-batch's loss (trainer.loop.token_weights)
+    weights: list  # per row, each token's weight in the mini-batch's loss (trainer.maths.algorithms.token_weights)
 
 
 def step_rows(run: Path, cfg) -> list[tuple[list, list[float]]]:
@@ -115,7 +115,7 @@ def step_rows(run: Path, cfg) -> list[tuple[list, list[float]]]:
     import torch
 
     from harness.store.database import Store
-    from trainer import algorithms as algo
+    from trainer.maths import algorithms as algo
 
     with Store.open(run / "harness.duckdb", read_only=True) as store:
         samples = store.load_samples()
@@ -149,8 +149,8 @@ def mini_batches(model, steps: list[tuple[list, list[float]]], cfg, pad_id: int)
     """Every mini-batch of every step and epoch, in the loop's order and shapes, with the old logprobs."""
     import torch
 
-    from trainer.loop_parts import token_weights
-    from trainer.policy import collate, micro_batches, token_logprobs
+    from trainer.maths.algorithms import token_weights
+    from trainer.model.policy import collate, micro_batches, token_logprobs
 
     t = cfg.trainer
     n_mini = max(1, cfg.rollout.batch_size // (t.mini_batch_size or cfg.rollout.batch_size))
@@ -183,9 +183,9 @@ def mini_batches(model, steps: list[tuple[list, list[float]]], cfg, pad_id: int)
 
 
 def trainer_arm(model, mb: MiniBatch, cfg, pad_id: int) -> None:
-    """trainer/loop.py's own _mini_batch on one mini-batch (no KL term: the terse config has none)."""
-    from trainer.fsdp import init_distributed
-    from trainer.loop import _mini_batch
+    """trainer/rl/loop.py's own _mini_batch on one mini-batch (no KL term: the terse config has none)."""
+    from trainer.model.fsdp import init_distributed
+    from trainer.rl.loop import _mini_batch
 
     dist = init_distributed(device="cpu")  # one rank: the group is made once and reused
     _mini_batch(model, mb.rows, mb.advantages, mb.old, [None] * len(mb.rows), mb.weights, mb.rows[0], pad_id, cfg,
@@ -212,7 +212,7 @@ def bare_arm(model, batches: list, trained_only: bool) -> None:
 
 
 def collate_arm(mb: MiniBatch, pad_id: int) -> None:
-    from trainer.policy import collate
+    from trainer.model.policy import collate
 
     for idx in mb.micro:
         collate([mb.rows[i] for i in idx], pad_id, indices=idx)
@@ -246,9 +246,9 @@ def throughput(run: Path, repeat: int, threads: int) -> dict:
     import torch
 
     from trainer.config import load_config
-    from trainer.fsdp import init_distributed, shard, shutdown
-    from trainer.loop_parts import pad_id_of
-    from trainer.policy import collate, load_policy
+    from trainer.model.build import pad_id_of
+    from trainer.model.fsdp import init_distributed, shard, shutdown
+    from trainer.model.policy import collate, load_policy
 
     default_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -256,7 +256,7 @@ def throughput(run: Path, repeat: int, threads: int) -> dict:
     cfg = load_config(run / "config.resolved.yaml")
     pad_id = pad_id_of(cfg.model.path, cfg.model.trust_remote_code)
     model = load_policy(cfg.model.path, torch.float32)
-    sharded = shard(load_policy(cfg.model.path, torch.float32), init_distributed("cpu"))  # as trainer/loop.py holds it
+    sharded = shard(load_policy(cfg.model.path, torch.float32), init_distributed("cpu"))  # as the RL loop holds it
     steps = step_rows(run, cfg)
     work = mini_batches(model, steps, cfg, pad_id)
     batches = [[collate([mb.rows[i] for i in idx], pad_id, indices=idx) for idx in mb.micro] for mb in work]
@@ -371,7 +371,7 @@ ARMS = {
     "trainer": "(a) trainer: collate + token_logprobs(loss_only, with_entropy) + policy_loss + backward",
     "bare": "(b) bare: `model(...).logits` -> log_softmax -> gather -> mean -> backward",
     "bare_trained": "(c) bare, output layer on the trained positions only",
-    "trainer_fsdp": "(d) = (a) on the model as trainer/loop.py holds it: `shard()` (FSDP2) over a one-rank group",
+    "trainer_fsdp": "(d) = (a) on the model as trainer/rl/loop.py holds it: `shard()` (FSDP2) over a one-rank group",
 }
 
 
@@ -398,7 +398,7 @@ def throughput_section(tp: dict, phases: dict) -> list[str]:
                    "operators waits at an OpenMP barrier for a thread the scheduler has given to another process.")
     return [
         f"**(2) Trainer throughput** on the {tp['rows']} samples that run trained ({tp['steps']} steps), cut as "
-        f"trainer/loop.py cuts them: {tp['mini']} mini-batches ({t.ppo_epochs} epochs), {tp['micro']} micro-batches "
+        f"trainer/rl/loop.py cuts them: {tp['mini']} mini-batches ({t.ppo_epochs} epochs), {tp['micro']} micro-batches "
         f"of at most {t.micro_batch_tokens} padded tokens; {tp['tokens']:,} tokens ({tp['padded']:,} padded, "
         f"{tp['trained']:,} trained) per pass. {tp['threads']} torch thread(s), no optimizer step in any arm, "
         "gradients zeroed after each mini-batch. The arms take turns on each mini-batch, in rotating order; times "

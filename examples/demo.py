@@ -75,7 +75,7 @@ def main() -> int:
     t0 = time.time()
     lora = {}
     if args.lora:
-        from trainer.lora import ENGINE_ENV, LoraSpec, engine_args
+        from trainer.model.lora import ENGINE_ENV, LoraSpec, engine_args
 
         lora = {"extra_args": engine_args(LoraSpec(rank=args.lora)), "env": ENGINE_ENV}
     with start_vllm(model_dir, run_dir, **lora) as engine:

@@ -6,7 +6,7 @@ The layers, lowest first; a module imports only its own layer and lower ones (te
     harness.store     schema, store, recorder, SQL, exports
     proxy             the recording proxy (its front door: proxy.server.ProxyServer)
     harness.running   the engine, agents as episodes, tasks, judges, reports
-    trainer           the RL loop and its parts
+    trainer           the RL loop and its parts, itself in rooms: maths, model, config, rl, offline
     adapters          what joins us to other software (verl)
     harness.cli       the `harness` command; harness.viewer, `harness view`
 """

@@ -85,7 +85,7 @@ async def set_weight_version(request: web.Request) -> web.Response:
                        f"{model!r}", param="model")
     state = request.app[STATE]
     state.weight_version = version
-    if model is not None:  # LoRA: each version is served under a name of its own (trainer/weight_sync.py)
+    if model is not None:  # LoRA: each version is served under a name of its own (trainer/model/weight_sync.py)
         state.served_model = model
     return json_response({"weight_version": version, "served_model": state.served_model})
 

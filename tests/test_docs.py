@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from harness.cli.main import build_parser, main
-from trainer.config_reference import iter_keys
+from trainer.config.reference import iter_keys
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = sorted([ROOT / "README.md", *(ROOT / "docs").glob("*.md"),  # ours: not the READMEs npm installed

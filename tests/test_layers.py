@@ -1,7 +1,9 @@
 """The layers hold: no module imports a higher layer, and no two modules import each other, however indirectly.
 
 The layers, lowest first (harness/__init__.py draws them): harness.core -> harness.store -> proxy -> harness.running
--> trainer -> adapters -> harness.cli and harness.viewer. Every import counts, also one inside a function (a lazy
+-> trainer -> adapters -> harness.cli and harness.viewer. The trainer is layers too, its rooms (trainer/__init__.py
+draws them): trainer.maths -> trainer.model -> trainer.config -> trainer.rl -> trainer.offline, and no module of the
+trainer sits outside them. Every import counts, also one inside a function (a lazy
 import is still a dependency); only `if TYPE_CHECKING:` blocks are passed over. A failure names the importing file,
 its line and the import.
 """
@@ -22,11 +24,17 @@ LAYERS = (  # (module prefix, layer): the longest matching prefix decides
     ("harness.store", 1),
     ("proxy", 2),
     ("harness.running", 3),
-    ("trainer", 4),
-    ("adapters", 5),
-    ("harness.cli", 6), ("harness.viewer", 6),
+    ("trainer", 4), ("trainer.maths", 4),  # the trainer's rooms, lowest first
+    ("trainer.model", 5),
+    ("trainer.config", 6),
+    ("trainer.rl", 7),
+    ("trainer.offline", 8),
+    ("adapters", 9),
+    ("harness.cli", 10), ("harness.viewer", 10),
 )
-LAYER_NAMES = ("core", "store", "proxy", "running", "trainer", "adapters", "cli/viewer")
+LAYER_NAMES = ("core", "store", "proxy", "running", "trainer.maths", "trainer.model", "trainer.config", "trainer.rl",
+               "trainer.offline", "adapters", "cli/viewer")
+TRAINER_ROOMS = ("trainer.maths", "trainer.model", "trainer.config", "trainer.rl", "trainer.offline")
 
 
 @dataclass(frozen=True)
@@ -97,6 +105,12 @@ def upward(root: Path) -> list[str]:
             if layer_of(i.imported) > layer_of(i.importer)]
 
 
+def outside_rooms(root: Path) -> list[str]:
+    """Modules of the trainer in none of its rooms (a loose trainer/x.py, a new trainer/x/), as file paths."""
+    return [str(path.relative_to(root)) for name, path in modules(root).items()
+            if name.startswith("trainer.") and not any(name == r or name.startswith(r + ".") for r in TRAINER_ROOMS)]
+
+
 def cycles(root: Path) -> list[list[str]]:
     """Groups of modules that import each other (strongly connected components of more than one module, or a module
     importing itself); a package's __init__ importing its own submodules is no cycle unless they import it back."""
@@ -151,6 +165,12 @@ def test_no_module_imports_a_higher_layer():
     assert not found, "imports across the layers, upwards:\n" + "\n".join(found)
 
 
+def test_every_trainer_module_sits_in_a_room():
+    found = outside_rooms(ROOT)
+    assert not found, (f"modules directly in trainer/: {', '.join(found)}; move each into the room it belongs to "
+                       f"({', '.join(TRAINER_ROOMS)}) or add a room to TRAINER_ROOMS and LAYERS")
+
+
 def test_no_import_cycles():
     found = cycles(ROOT)
     assert not found, "modules that import each other:\n" + "\n".join(" <-> ".join(g) for g in found)
@@ -166,11 +186,27 @@ def tree(tmp_path) -> Path:
 
 def test_a_planted_upward_import_is_found_and_named(tree: Path):
     records = tree / "harness" / "core" / "records.py"
-    records.write_text(records.read_text() + "\n\ndef _late():\n    from trainer.loop import train  # planted\n")
+    records.write_text(records.read_text() + "\n\ndef _late():\n    from trainer.rl.loop import train  # planted\n")
     found = upward(tree)
     assert len(found) == 1
     assert found[0].startswith("harness/core/records.py:")
-    assert "harness.core.records (core) imports trainer.loop (trainer), a higher layer" in found[0]
+    assert "harness.core.records (core) imports trainer.rl.loop (trainer.rl), a higher layer" in found[0]
+
+
+def test_a_planted_import_of_a_higher_trainer_room_is_found_and_named(tree: Path):
+    estimators = tree / "trainer" / "maths" / "estimators.py"
+    text = estimators.read_text() + "\n\ndef _late():\n    from trainer.model.policy import collate  # planted\n"
+    estimators.write_text(text)
+    found = upward(tree)
+    assert found == [f"trainer/maths/estimators.py:{text.count(chr(10))}: trainer.maths.estimators (trainer.maths) "
+                     "imports trainer.model.policy (trainer.model), a higher layer"]
+
+
+def test_a_planted_loose_trainer_module_is_found(tree: Path):
+    (tree / "trainer" / "helpers.py").write_text("")
+    (tree / "trainer" / "extra").mkdir()
+    (tree / "trainer" / "extra" / "__init__.py").write_text("")
+    assert outside_rooms(tree) == ["trainer/extra/__init__.py", "trainer/helpers.py"]
 
 
 def test_a_planted_cycle_is_found(tree: Path):

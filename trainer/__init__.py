@@ -1,11 +1,12 @@
 """The trainer layer: scored episodes in, a policy update out, new weights pushed into the running engine.
 
-One training step, top to bottom in `loop.py` (its parts shared with offline training in `loop_parts.py`):
-    rollout.py (episodes through the proxy, judged, merged; async_rollouts.py runs them ahead)
-    -> experience.py (which samples learn, their rewards and advantages) -> algorithms.py, estimators.py (the
-    arithmetic) -> policy.py (batches, logprobs), fsdp.py, critic.py, lora.py -> weight_sync.py (into vLLM)
-    -> checkpoint.py, tracking.py.
-The config: config.py (load), config_keys.py (every key), config_reference.py (the keys
-as data), config_checks.py. Also offline.py with offline_data.py
-and chat_data.py (`--from-run`, `harness sft`), schedule.py, and verl_backbone.py (`backbone: verl`).
+Its rooms, lowest first; a module imports only its own room and lower ones (tests/test_layers.py holds the line):
+
+    trainer.maths     the RL arithmetic: advantages, losses, estimators, schedules (algorithms, estimators, schedule)
+    trainer.model     the model being trained: loading and batches (policy), FSDP, LoRA, tied embeddings, the
+                      critic, checkpoints, model files, pushes into vLLM (weight_sync); build.py is its front door
+    trainer.config    `harness train config.yaml`: the keys, loading, the reference, the checks
+    trainer.rl        the closed RL loop, top to bottom in loop.py (its parts in parts.py): rollouts (async ahead),
+                      experience, tracking, OOM advice, and verl_backbone.py (`backbone: verl`)
+    trainer.offline   training without rollouts (`--from-run`, `harness sft`): loop.py, data.py, chat_data.py
 """

@@ -102,7 +102,7 @@ def _merge_main(args) -> int:
 def _checkpoint_main(args) -> int:
     import yaml
 
-    from trainer.checkpoint import checkpoint_model
+    from trainer.model.checkpoint import checkpoint_model
 
     resolved = args.checkpoint.resolve().parent.parent / "config.resolved.yaml"
     named = None
@@ -130,11 +130,11 @@ def _checkpoint_main(args) -> int:
 
 def merge(adapter: Path, base: Path, out: Path) -> Path:
     """Write base + adapter as one model directory: the base's config and tokenizer files with the merged weights
-    (trainer.checkpoint.save_hf: built beside `out`, renamed into place when complete)."""
+    (trainer.model.checkpoint.save_hf: built beside `out`, renamed into place when complete)."""
     from peft import PeftModel
 
-    from trainer.checkpoint import save_hf
-    from trainer.policy import load_policy
+    from trainer.model.checkpoint import save_hf
+    from trainer.model.policy import load_policy
 
     model = PeftModel.from_pretrained(load_policy(base), str(adapter)).merge_and_unload()
     return save_hf(model.state_dict(), base, out)

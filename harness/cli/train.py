@@ -1,8 +1,8 @@
 """`harness train` and `harness sft`: the verbs that update the policy.
 
-    harness train config.yaml                     the closed RL loop (trainer/loop.py), or with verl on Ray
-    harness train config.yaml --from-run RUN      train on a recorded run, no rollouts (trainer/offline.py)
-    harness sft config.yaml                       supervised fine-tuning on chat records (trainer/offline.py)
+    harness train config.yaml                     the closed RL loop (trainer/rl/loop.py), or with verl on Ray
+    harness train config.yaml --from-run RUN      train on a recorded run, no rollouts (trainer/offline/loop.py)
+    harness sft config.yaml                       supervised fine-tuning on chat records (trainer/offline/loop.py)
     harness train config.yaml --check             what the config amounts to, and what would stop it: nothing starts
     harness train config.yaml --show-config       every key's value in the config, beside its default
 
@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from harness.running.gpus import Gpus
     from trainer.config import TrainConfig
-    from trainer.config_checks import MemoryPlan
+    from trainer.config.checks import MemoryPlan
 
 
 def add_train_parser(verbs) -> None:
@@ -109,14 +109,14 @@ def _launch(args, overrides: list[str], verb: str) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if cfg.backbone == "verl":  # verl's trainer on Ray, imported only when chosen
-        from trainer.verl_backbone import main as verl_main
+        from trainer.rl.verl_backbone import main as verl_main
 
         return verl_main(cfg)
-    from trainer.fsdp import launch, under_torchrun
+    from trainer.model.fsdp import launch, under_torchrun
 
     if cfg.trainer.fsdp.nprocs > 1 and not under_torchrun():
         if mode != "rl":  # bad data is said here, once, rather than by every rank under torchrun's report
-            from trainer.offline import check_data
+            from trainer.offline.loop import check_data
 
             if problem := check_data(cfg, mode):
                 print(f"error: {problem}", file=sys.stderr)
@@ -124,18 +124,18 @@ def _launch(args, overrides: list[str], verb: str) -> int:
         argv = ["-m", "harness.cli", verb, str(args.config), *(f"--set={o}" for o in overrides)]
         return launch(cfg.trainer.fsdp.nprocs, argv)
     from harness.running.tasks import TaskError
-    from trainer.chat_data import ChatDataError
-    from trainer.checkpoint import ResumeError
-    from trainer.offline_data import OfflineDataError
-    from trainer.oom import TrainerOutOfMemory
+    from trainer.model.checkpoint import ResumeError
+    from trainer.offline.chat_data import ChatDataError
+    from trainer.offline.data import OfflineDataError
+    from trainer.rl.oom import TrainerOutOfMemory
 
     try:
         if mode == "rl":
-            from trainer.loop import train
+            from trainer.rl.loop import train
 
             train(cfg)
         else:
-            from trainer.offline import train_offline
+            from trainer.offline.loop import train_offline
 
             train_offline(cfg, mode)
     except (TaskError, OfflineDataError, ChatDataError, ResumeError) as exc:  # bad data, found once the run reads it
@@ -195,7 +195,7 @@ def check_config(config: Path, overrides: Sequence[str], verb: str = "train",
     plan computed on `gpus` (None: this machine's). Nothing is started."""
     from harness.running.gpus import this_machine
     from trainer.config import ConfigError, read_config
-    from trainer.config_checks import check, memory_plan
+    from trainer.config.checks import check, memory_plan
 
     try:
         cfg = read_config(config, overrides)

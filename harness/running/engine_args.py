@@ -4,7 +4,7 @@ run`, `rollout.engine.extra_args` for `harness train`. They are appended as they
 sets itself, which the proxy and the trainer rely on, are refused with the harness setting to use instead, and a
 `--gpu-memory-utilization` must be a share in (0, 1].
 
-Pure stdlib: the CLI and trainer/config_checks.py import it without torch.
+Pure stdlib: the CLI and trainer/config/checks.py import it without torch.
 """
 
 from __future__ import annotations

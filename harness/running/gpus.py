@@ -38,7 +38,7 @@ __all__ = ["GpuMemory", "Gpus", "Placement", "PlacementError", "Shape", "Trainer
 COLOCATED_SHARE = 0.5  # an engine's default share of a GPU it shares with trainer ranks (verl's default too)
 SPLIT_SHARE = 0.9  # an engine's default share of a GPU of its own (vLLM's default)
 ENGINE_ASLEEP = 0.1  # what a sleeping engine keeps of its share: vLLM's sleep mode frees "up to 90%" of it
-LOGITS_CHUNK = 1024  # positions the trainer runs the output layer on at a time (trainer/policy.py token_logprobs)
+LOGITS_CHUNK = 1024  # positions the trainer runs the output layer on at a time (trainer/model/policy.py token_logprobs)
 GIB = 1024**3
 
 
@@ -227,7 +227,7 @@ class Shape:
         and projections, q/k/v and the MLP's four intermediate-wide tensors for the backward; with gradient
         checkpointing only each layer's input, and one layer's worth while the backward recomputes it; with
         `offload` (model.activation_offload) they wait in CPU memory and only the layer at work is on the GPU. The
-        output layer comes on top for at most LOGITS_CHUNK positions: trainer/policy.py runs it a chunk at a time,
+        output layer comes on top for at most LOGITS_CHUNK positions: trainer/model/policy.py runs it a chunk at a time,
         checkpointed, so the float32 logits, their log-softmax and both gradients exist for one chunk only."""
         layer = 6 * self.hidden + 2 * self.kv_dim + 4 * self.intermediate
         if offload:

@@ -9,7 +9,7 @@ makes the engine tier of the tests run on a 2-core machine with no GPU. A starte
 process group and is stopped at interpreter exit, or when the starting process dies (Linux), so a crashed
 test run never leaves a server behind. It reports logprobs after temperature (`--logprobs-mode
 processed_logprobs`: the distribution tokens were sampled from, which the trainer recomputes) and serves the
-dev routes that reload weights and put it to sleep (VLLM_SERVER_DEV_MODE=1; see trainer/weight_sync.py and
+dev routes that reload weights and put it to sleep (VLLM_SERVER_DEV_MODE=1; see trainer/model/weight_sync.py and
 `sleep` / `wake_up` below).
 
 On a GPU machine the command line is vLLM's defaults plus the memory plan's: `--gpu-memory-utilization` (the

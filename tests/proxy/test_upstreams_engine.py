@@ -12,7 +12,7 @@ from openai import OpenAI
 
 from harness.running.vllm_server import start_vllm
 from tests.support import db_rows
-from trainer.weight_sync import WeightSync
+from trainer.model.weight_sync import WeightSync
 
 ROOT = Path(__file__).resolve().parents[2]
 

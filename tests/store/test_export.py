@@ -21,7 +21,7 @@ import torch
 from harness.store.export import ExportError, conversations, write
 from proxy.scripted_engine import Script
 from tests.support import TERSE, ScriptedUpstream, db_rows
-from trainer.algorithms import outcome_advantages
+from trainer.maths.algorithms import outcome_advantages
 
 JUDGE = '''
 import random

@@ -24,8 +24,8 @@ def tied_model(tiny_model_dir, tmp_path) -> Path:
 
 @pytest.fixture
 def one_rank(monkeypatch):
-    """The one-rank process group a process without torchrun trains in (trainer/fsdp.py init_distributed)."""
-    from trainer.fsdp import init_distributed, shutdown
+    """The one-rank process group a process without torchrun trains in (trainer/model/fsdp.py init_distributed)."""
+    from trainer.model.fsdp import init_distributed, shutdown
 
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(key, raising=False)

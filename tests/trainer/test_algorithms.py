@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from trainer.algorithms import (
+from trainer.maths.algorithms import (
     AGG_MODES,
     ESTIMATORS,
     KL_KINDS,

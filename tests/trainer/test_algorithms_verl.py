@@ -1,4 +1,4 @@
-"""trainer/algorithms.py against verl's core_algos, where verl is installed: advantages, returns, KL, entropy,
+"""trainer/maths/algorithms.py against verl's core_algos, where verl is installed: advantages, returns, KL, entropy,
 aggregation and the policy loss on random batches."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.trainer.test_algorithms import close, t
-from trainer.algorithms import (
+from trainer.maths.algorithms import (
     KL_KINDS,
     aggregate,
     entropy_from_logits,

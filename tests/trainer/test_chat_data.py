@@ -1,4 +1,4 @@
-"""trainer/chat_data.py: chat records as training samples, on the tiny model's real tokenizer and chat template.
+"""trainer/offline/chat_data.py: chat records as training samples, on the tiny model's real tokenizer and chat template.
 
 What the mask covers is checked by decoding the masked tokens and comparing with the records' own message texts,
 never with ids or offsets worked out the way the module does.
@@ -11,7 +11,7 @@ import json
 import pytest
 from transformers import AutoTokenizer
 
-from trainer.chat_data import ChatDataError, chat_samples, read_chat_records
+from trainer.offline.chat_data import ChatDataError, chat_samples, read_chat_records
 
 TOOLS = [{"type": "function", "function": {
     "name": "add", "description": "Add two numbers and say the sum",

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from trainer.checkpoint import find_resume, load, save, save_hf
+from trainer.model.checkpoint import find_resume, load, save, save_hf
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS, KILL_AFTER = 4, 2
@@ -30,8 +30,8 @@ LOOP = textwrap.dedent(
     import torch
     from transformers import AutoModelForCausalLM
 
-    from trainer.checkpoint import find_resume, load, save
-    from trainer.fsdp import all_reduce_mean, init_distributed, shard, shutdown
+    from trainer.model.checkpoint import find_resume, load, save
+    from trainer.model.fsdp import all_reduce_mean, init_distributed, shard, shutdown
 
     parser = argparse.ArgumentParser()
     parser.add_argument("model_dir")
@@ -51,7 +51,7 @@ LOOP = textwrap.dedent(
     torch.manual_seed(200 + dist.rank)
     model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32, attention_dropout=0.2)
     if args.lora:
-        from trainer.lora import LoraSpec, with_adapter
+        from trainer.model.lora import LoraSpec, with_adapter
 
         model = with_adapter(model, LoraSpec(rank=4, dropout=0.1))
     model = shard(model, dist)
@@ -202,7 +202,7 @@ def test_killed_run_resumes_with_the_loss_of_an_uninterrupted_run(world, lora, t
 def _tiny_trainer(dist):
     import torch
 
-    from trainer.fsdp import shard
+    from trainer.model.fsdp import shard
 
     torch.manual_seed(0)
     model = shard(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.5), torch.nn.Linear(8, 1)), dist)
@@ -354,8 +354,8 @@ def test_a_checkpoint_becomes_a_plain_model_directory_tied_as_its_base(one_rank,
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from trainer.fsdp import full_state_dict, shard
-    from trainer.policy import load_policy
+    from trainer.model.fsdp import full_state_dict, shard
+    from trainer.model.policy import load_policy
 
     model = shard(load_policy(tied_model), one_rank)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -386,8 +386,8 @@ def test_a_tied_model_resumes_with_its_embeddings_one_parameter_holding_the_save
     and the resumed model then trains exactly as the model that wrote the checkpoint goes on training."""
     import torch
 
-    from trainer.fsdp import full_state_dict, shard
-    from trainer.policy import load_policy
+    from trainer.model.fsdp import full_state_dict, shard
+    from trainer.model.policy import load_policy
 
     def trainer():
         model = shard(load_policy(tied_model), one_rank)

@@ -25,7 +25,7 @@ print(json.dumps({"answer": answer}))
 
 
 def test_three_tasks_in_batches_of_two_over_24_steps_with_a_resume_from_the_middle(tiny_model_dir, tmp_path):
-    from trainer.loop import train
+    from trainer.rl.loop import train
 
     agent = tmp_path / "agent.py"  # one call, the standard library only: a step's episodes start in milliseconds
     agent.write_text(AGENT)

@@ -1,5 +1,5 @@
-"""trainer/estimators.py against hand-computed cases and a plain-Python reference: GAE, the clipped value loss, ReMax's
-baseline and the adaptive KL controller."""
+"""trainer/maths/estimators.py against hand-computed cases and a plain-Python reference: GAE, the clipped value
+loss, ReMax's baseline and the adaptive KL controller."""
 
 from __future__ import annotations
 
@@ -8,7 +8,13 @@ import random
 import pytest
 import torch
 
-from trainer.estimators import adaptive_kl_coef, gae_advantages, outcome_token_rewards, remax_advantages, value_loss
+from trainer.maths.estimators import (
+    adaptive_kl_coef,
+    gae_advantages,
+    outcome_token_rewards,
+    remax_advantages,
+    value_loss,
+)
 
 
 def test_outcome_rewards_sit_on_each_row_s_last_trained_token():

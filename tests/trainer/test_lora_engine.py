@@ -10,8 +10,8 @@ import pytest
 from harness.running.vllm_server import start_vllm  # noqa: E402
 from tests.support import RunningProxy, db_rows  # noqa: E402
 from tests.trainer.test_weight_sync_engine import _prompt_ids  # noqa: E402
-from trainer.lora import ADAPTER_NAME, ENGINE_ENV, LoraSpec, engine_args, with_adapter  # noqa: E402
-from trainer.weight_sync import WeightSync  # noqa: E402
+from trainer.model.lora import ADAPTER_NAME, ENGINE_ENV, LoraSpec, engine_args, with_adapter  # noqa: E402
+from trainer.model.weight_sync import WeightSync  # noqa: E402
 
 torch = pytest.importorskip("torch")
 SPEC = LoraSpec(rank=8, alpha=16.0)
@@ -78,7 +78,7 @@ def test_after_a_training_step_the_engine_serves_the_adapter_as_transformers_mer
                                                                                      tmp_path):
     from transformers import AutoTokenizer
 
-    from trainer.policy import load_policy
+    from trainer.model.policy import load_policy
 
     base = load_policy(tiny_model_dir).eval()
     prompts = _prompt_ids(AutoTokenizer.from_pretrained(tiny_model_dir))

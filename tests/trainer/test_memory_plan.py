@@ -15,7 +15,7 @@ from harness.running.gpus import GIB, Gpus
 from tests.shaped_model import QWEN25_1_5B, shaped_model
 from tests.support import ScriptedUpstream, db_rows
 from trainer.config import ConfigError, load_config, read_config
-from trainer.config_checks import memory_plan
+from trainer.config.checks import memory_plan
 
 TERSE_YAML = Path(__file__).resolve().parents[2] / "examples" / "train" / "terse.yaml"
 MATH_YAML = TERSE_YAML.with_name("math.yaml")
@@ -135,7 +135,7 @@ def test_every_step_sleeps_after_its_episodes_and_wakes_before_the_push(tiny_mod
     """Two steps of the real loop (proxy, agents, judge, trainer, weight push) against the scripted engine with
     sleep level 2: in its request log each step's calls come first, then the sleep, then the wake, then the push
     (pause, reload, cache reset, resume), and the next step's calls only after that; nothing reached it asleep."""
-    from trainer.loop import train
+    from trainer.rl.loop import train
 
     up = ScriptedUpstream()
     try:

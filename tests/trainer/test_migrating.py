@@ -133,7 +133,7 @@ def test_verl_blocks_translate_to_a_config_verl_accepts(block, tmp_path):
     from verl.trainer.ppo.utils import need_critic, need_reference_policy
     from verl.utils.config import validate_config
 
-    from trainer.verl_backbone import VerlFiles, verl_config
+    from trainer.rl.verl_backbone import VerlFiles, verl_config
 
     files = VerlFiles(tmp_path / "t.parquet", tmp_path / "v.parquet", tmp_path / "loop.yaml", tmp_path / "ck")
     c = verl_config(_load(block, tmp_path / "cfg"), files)

@@ -1,4 +1,4 @@
-"""Training without rollouts (trainer/offline.py): `harness train --from-run RUN` on a recorded run's episodes, and
+"""Training without rollouts (trainer/offline/loop.py): `harness train --from-run RUN` on a recorded run's episodes, and
 `harness sft` on chat records, through the real CLI on the tiny model.
 
 Runs are recorded for real (`harness run` of the unmodified terse agent through the proxy): in front of the
@@ -311,7 +311,7 @@ def test_text_only_calls_train_only_once_retokenized_and_explicitly_allowed(tiny
 
 def test_pg_groups_each_episode_with_its_task_in_its_own_step():
     from trainer.config import load_config
-    from trainer.offline_data import _advantages
+    from trainer.offline.data import _advantages
 
     cfg = load_config(TERSE_YAML, ["model.path=/nowhere", "offline.run=r", "offline.loss=pg"], "from_run")
     episodes = [{"episode_id": f"{step}{k}", "task_id": "t", "outcome_run": f"r-train0000{step}", "status": "finished",
@@ -323,17 +323,17 @@ def test_pg_groups_each_episode_with_its_task_in_its_own_step():
 
 
 def test_pg_step_accumulated_over_micro_batches_equals_one_pass_of_the_clipped_loss(tiny_model_dir):
-    """trainer/offline.py's pg step, in micro-batches of one row, gives the gradient of algorithms.policy_loss on
+    """trainer/offline/loop.py's pg step, in micro-batches of one row, gives the gradient of algorithms.policy_loss on
     the whole batch with the stored logprobs as the old policy."""
     import random
 
     from harness.core.records import Sample
-    from trainer import algorithms as algo
     from trainer.config import load_config
-    from trainer.fsdp import init_distributed
-    from trainer.loop_parts import token_weights
-    from trainer.offline import _step
-    from trainer.policy import collate, load_policy, token_logprobs
+    from trainer.maths import algorithms as algo
+    from trainer.maths.algorithms import token_weights
+    from trainer.model.fsdp import init_distributed
+    from trainer.model.policy import collate, load_policy, token_logprobs
+    from trainer.offline.loop import _step
 
     rng = random.Random(0)
     rows = []

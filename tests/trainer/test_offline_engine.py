@@ -9,7 +9,7 @@ import torch
 
 from tests.support import TERSE, db_rows, long_run
 from tests.trainer.test_offline import _cli, _metric, _record
-from trainer.weight_sync import WeightSync
+from trainer.model.weight_sync import WeightSync
 
 TERSE_YAML = Path(__file__).resolve().parents[2] / "examples" / "train" / "terse.yaml"
 
@@ -17,7 +17,7 @@ def _likelier(db: Path, run_id: str, before: Path, after: Path) -> dict[str, flo
     """Mean change of the sampled tokens' logprob from `before` to `after`, over the episodes above their task's
     mean reward (better) and below it (worse)."""
     from harness.store.database import Store
-    from trainer.policy import collate, load_policy, token_logprobs
+    from trainer.model.policy import collate, load_policy, token_logprobs
 
     rows = db_rows(db, "WITH r AS (SELECT episode_id, o.task_id, arg_max(j.reward, j.created_at) reward FROM "
                    "judgements j JOIN episode_outcomes o USING (episode_id) GROUP BY ALL) SELECT episode_id, "

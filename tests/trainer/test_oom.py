@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from trainer.config import load_config
-from trainer.oom import TrainerOutOfMemory, oom_explained
+from trainer.rl.oom import TrainerOutOfMemory, oom_explained
 
 TERSE_YAML = Path(__file__).resolve().parents[2] / "examples" / "train" / "terse.yaml"
 CUDA = ("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 139.72 GiB of which 1.21 GiB "

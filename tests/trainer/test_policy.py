@@ -9,7 +9,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from harness.core.records import Sample  # noqa: E402
-from trainer.policy import collate, load_policy, micro_batches, token_logprobs  # noqa: E402
+from trainer.model.policy import collate, load_policy, micro_batches, token_logprobs  # noqa: E402
 
 
 def sample(episode: str, n_prompt: int, n_sampled: int, first_id: int = 10) -> Sample:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from trainer.policy import collate, load_policy, token_logprobs  # noqa: E402
+from trainer.model.policy import collate, load_policy, token_logprobs  # noqa: E402
 
 torch = pytest.importorskip("torch")
 

@@ -1,9 +1,10 @@
-"""Resume knows its model: a checkpoint records the model it trains (trainer/checkpoint.py `model_fingerprint`), and
-`check_resume` refuses to continue it as a run of another model, naming what differs and what to do.
+"""Resume knows its model: a checkpoint records the model it trains (trainer/model/checkpoint.py
+`model_fingerprint`), and `check_resume` refuses to continue it as a run of another model, naming what differs and
+what to do.
 
 Two runs that share an experiment name share runs/<experiment>/checkpoints: the tiny model first and a real one
 later, or a full-weight run and a LoRA run of the same model. Each checkpoint here is written by the real `save`,
-with the extra state the RL loop writes (trainer/loop.py), and read back as the loop reads it before resuming.
+with the extra state the RL loop writes (trainer/rl/loop.py), and read back as the loop reads it before resuming.
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from tests.trainer.test_offline import CHAT, TERSE_YAML, _cli, _refused
-from trainer.checkpoint import ResumeError, check_resume, find_resume, model_fingerprint, save, saved_state
 from trainer.config import load_config
+from trainer.model.checkpoint import ResumeError, check_resume, find_resume, model_fingerprint, save, saved_state
 
 
 def _config(model: Path, *overrides: str):
@@ -30,7 +31,7 @@ def _checkpoint(dist, run_dir: Path, extra_state: dict) -> Path:
     """A real checkpoint of a small sharded model, with `extra_state` as the loop saves it."""
     import torch
 
-    from trainer.fsdp import shard
+    from trainer.model.fsdp import shard
 
     model = shard(torch.nn.Linear(4, 2), dist)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
@@ -79,7 +80,7 @@ def test_a_lora_checkpoint_is_refused_by_a_run_with_other_adapters(one_rank, tmp
 
 def test_a_checkpoint_from_before_models_were_recorded_still_resumes(one_rank, tmp_path, tiny_model_dir, caplog):
     path = _checkpoint(one_rank, tmp_path / "runs" / "math", {"mode": "rl", "data_pos": 12, "kl_coef": 0.0})
-    with caplog.at_level(logging.WARNING, logger="trainer.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="trainer.model.checkpoint"):
         check_resume(saved_state(path), path, "rl", model=model_fingerprint(_config(tiny_model_dir)))
     assert "does not record its model" in caplog.text
     assert saved_state(path) == {"mode": "rl", "data_pos": 12, "kl_coef": 0.0, "step": 3}

@@ -8,7 +8,7 @@ import pytest
 
 from harness.core.records import Task
 from harness.running.runner import plan_episodes
-from trainer.schedule import next_tasks
+from trainer.maths.schedule import next_tasks
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 7, 8, 10, 16])
@@ -44,7 +44,7 @@ def test_a_resumed_run_takes_the_same_batches_from_its_saved_position():
         batch, pos = next_tasks(tasks, pos, 3, True, seed=11)
         straight.append((batch, pos))
     _, saved = straight[9]
-    from trainer import schedule
+    from trainer.maths import schedule
 
     schedule._orders.clear()  # a new process: nothing computed before the resume
     pos, resumed = saved, []

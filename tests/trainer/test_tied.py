@@ -1,4 +1,4 @@
-"""trainer/tied.py: a model that ties its embeddings is served untied: the engine's view of it, and what a push
+"""trainer/model/tied.py: a model that ties its embeddings is served untied: the engine's view of it, and what a push
 writes."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from trainer.tied import as_shipped, engine_view, ties_embeddings
+from trainer.model.tied import as_shipped, engine_view, ties_embeddings
 
 
 def test_ties_embeddings_reads_the_config_as_transformers_does(tmp_path, tiny_model_dir, tied_model):
@@ -71,7 +71,7 @@ def _with_config(model_dir, out, **changes):
 
 
 def test_a_config_whose_tie_flag_disagrees_with_the_weights_is_named(tied_model, tiny_model_dir, tmp_path):
-    from trainer.tied import tie_disagreement
+    from trainer.model.tied import tie_disagreement
 
     assert tie_disagreement(tied_model) is None and tie_disagreement(tiny_model_dir) is None
     # Saved tied (no output layer in the weights), config untied: transformers would make a random output layer.

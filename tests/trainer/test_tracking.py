@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from harness.store.database import Store
-from trainer.tracking import Tracker
+from trainer.rl.tracking import Tracker
 
 
 def test_metrics_reach_duckdb_the_curve_and_the_offline_trackers(tmp_path, monkeypatch):

@@ -357,7 +357,7 @@ def test_docs_hold_the_generated_key_reference():
 @pytest.mark.parametrize("tie", [True, None, False])
 def test_a_tied_model_on_an_engine_the_user_started_is_refused_when_the_config_loads(tmp_path, tie):
     """vLLM's reload would keep such an engine's output layer; harness's own engines serve an untied view
-    (trainer/tied.py), and LoRA leaves the embeddings frozen, so only this pair is refused (a config that does not
+    (trainer/model/tied.py), and LoRA leaves the embeddings frozen, so only this pair is refused (a config that does not
     say: its architecture's default, as transformers reads it; Gemma's ties)."""
     config = {"model_type": "gemma"} if tie is None else {"model_type": "llama", "tie_word_embeddings": tie}
     untied = {"lm_head.weight"} if tie is False else set()  # an untied model has an output layer of its own
@@ -389,7 +389,7 @@ def _model_dir(path: Path, config: dict, tensors: set[str], weights: str = "mode
 ])  # fmt: skip
 def test_a_tied_model_harness_cannot_serve_untied_is_refused_when_the_config_loads(tmp_path, weights, tensors,
                                                                                    message):
-    """Its engine serves the untied view (trainer/tied.py engine_view), written from safetensors that name the
+    """Its engine serves the untied view (trainer/model/tied.py engine_view), written from safetensors that name the
     embeddings: a model that has neither is refused in one line before anything starts; with LoRA the engine serves
     it as shipped, and without an engine (harness sft) nothing is served."""
     model = _model_dir(tmp_path / "model", {"model_type": "llama", "tie_word_embeddings": True}, tensors, weights)

@@ -22,8 +22,8 @@ import pytest
 from harness.store.sql import run_sql
 from proxy.scripted_engine import Script
 from tests.support import ScriptedUpstream, db_rows, long_run
-from trainer.estimators import adaptive_kl_coef
-from trainer.weight_sync import WeightSync
+from trainer.maths.estimators import adaptive_kl_coef
+from trainer.model.weight_sync import WeightSync
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 6

@@ -11,7 +11,7 @@ import pytest
 from aiohttp import web
 
 from tests.support import BackgroundApp  # noqa: E402
-from trainer.weight_sync import WeightSync, WeightSyncError  # noqa: E402
+from trainer.model.weight_sync import WeightSync, WeightSyncError  # noqa: E402
 
 # --- a scripted engine: the dev routes only, answering what each test says -------------------------------------------
 
@@ -46,7 +46,7 @@ def dev_routes():
 
 
 def _model(tiny_model_dir):
-    from trainer.policy import load_policy
+    from trainer.model.policy import load_policy
 
     return load_policy(tiny_model_dir)
 
@@ -129,7 +129,7 @@ def test_unreachable_engine_and_a_tied_engine_config_are_named(dev_routes, tiny_
 
 
 def test_a_tied_state_is_written_with_its_output_layer_as_its_own_tensor(tiny_model_dir, tmp_path):
-    """The trainer keeps a tied model tied; the untied engine (trainer/tied.py) gets the output layer written out,
+    """The trainer keeps a tied model tied; the untied engine (trainer/model/tied.py) gets the output layer written out,
     equal to the trained embeddings, whether the state shares the tensor or leaves it out."""
     import torch
     from safetensors.torch import load_file

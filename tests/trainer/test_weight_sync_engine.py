@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tests.support import RunningProxy, db_rows  # noqa: E402
-from trainer.weight_sync import WeightSync  # noqa: E402
+from trainer.model.weight_sync import WeightSync  # noqa: E402
 
 torch = pytest.importorskip("torch")
 
@@ -83,7 +83,7 @@ def _perturbed(model, seed: int = 1234) -> dict[str, torch.Tensor]:
 def test_after_a_push_the_engine_is_greedy_like_transformers_on_the_new_weights(engine, tiny_model_dir, tmp_path):
     from transformers import AutoTokenizer
 
-    from trainer.policy import load_policy
+    from trainer.model.policy import load_policy
 
     model = load_policy(tiny_model_dir).eval()
     original = {k: v.clone() for k, v in model.state_dict().items()}
@@ -132,7 +132,7 @@ def test_the_engine_reloads_a_push_cast_to_bfloat16_and_written_in_shards(engine
     load, and decodes greedily as transformers does on the pushed (bfloat16-rounded) weights."""
     from transformers import AutoTokenizer
 
-    from trainer.policy import load_policy
+    from trainer.model.policy import load_policy
 
     model = load_policy(tiny_model_dir).eval()
     prompts = _prompt_ids(AutoTokenizer.from_pretrained(tiny_model_dir))

@@ -1,4 +1,4 @@
-"""What a push writes (trainer/weight_sync.py write, trainer/model_files.py write_weights): full weights in the
+"""What a push writes (trainer/model/weight_sync.py write, trainer/model/files.py write_weights): full weights in the
 engine's dtype, in shards with the index transformers writes, the output layer of a tied model written out, the
 same files from the FSDP-sharded model (one rank, and two ranks under torchrun) as from its plain state dict; a LoRA
 push as before. No engine: `write` alone; the reload of such a directory by the real vLLM is in
@@ -16,7 +16,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from trainer.weight_sync import WeightSync, engine_dtype
+from trainer.model.weight_sync import WeightSync, engine_dtype
 
 ROOT = Path(__file__).resolve().parents[2]
 NOWHERE = "http://127.0.0.1:9"  # write() never reaches the engine
@@ -24,7 +24,7 @@ SMALL_SHARDS = 400_000  # bytes: the tiny model (0.82M parameters) in several sh
 
 
 def _model(model_dir):
-    from trainer.policy import load_policy
+    from trainer.model.policy import load_policy
 
     return load_policy(model_dir)
 
@@ -82,7 +82,7 @@ def test_a_push_within_one_shard_is_one_file_and_the_trained_dtype_by_default(ti
 
 
 def test_a_tied_state_is_written_untied_in_the_engine_dtype_in_shards(tiny_model_dir, tmp_path):
-    """trainer/tied.py: the engine serves a tied model untied; the output layer is written out as the trained
+    """trainer/model/tied.py: the engine serves a tied model untied; the output layer is written out as the trained
     embeddings, cast, whether the state shares the tensor or leaves it out."""
     model = _model(tiny_model_dir)
     embeddings = model.model.embed_tokens.weight.detach()
@@ -100,7 +100,7 @@ def test_a_tied_state_is_written_untied_in_the_engine_dtype_in_shards(tiny_model
 def test_the_sharded_model_is_written_as_its_plain_state_dict(one_rank, tied_model, tmp_path):
     """Pushing the FSDP-sharded model gathers one tensor at a time into the same files as the full state dict;
     here a tied one (FSDP2 keeps the tie one parameter, written out twice)."""
-    from trainer.fsdp import full_state_dict, shard
+    from trainer.model.fsdp import full_state_dict, shard
 
     model = shard(_model(tied_model), one_rank)
     _untied_config(tied_model, tmp_path / "untied")
@@ -115,7 +115,7 @@ def test_the_sharded_model_is_written_as_its_plain_state_dict(one_rank, tied_mod
 
 
 def _untied_config(model_dir: Path, out: Path) -> None:
-    """The config files of the untied view an engine serves (trainer/tied.py engine_view), without its weights."""
+    """The config files of the untied view an engine serves (trainer/model/tied.py engine_view), without its weights."""
     out.mkdir()
     for item in model_dir.iterdir():
         if item.is_file() and not item.name.endswith(".safetensors"):
@@ -130,9 +130,9 @@ WORKER = textwrap.dedent(
 
     import torch
 
-    from trainer.fsdp import init_distributed, shard, shutdown
-    from trainer.policy import load_policy
-    from trainer.weight_sync import WeightSync, follow_push
+    from trainer.model.fsdp import init_distributed, shard, shutdown
+    from trainer.model.policy import load_policy
+    from trainer.model.weight_sync import WeightSync, follow_push
 
     model_dir, config_dir, out = sys.argv[1:4]
     dist = init_distributed(device="cpu")
@@ -151,7 +151,7 @@ WORKER = textwrap.dedent(
 def test_two_ranks_push_the_sharded_model_tensor_by_tensor(tied_model, tmp_path, monkeypatch):
     """On two ranks (torchrun, gloo) the main rank writes while the other follows the gathers: the files hold the
     whole model, cast, as one process would write it."""
-    from trainer.fsdp import launch
+    from trainer.model.fsdp import launch
 
     _untied_config(tied_model, tmp_path / "untied")
     script = tmp_path / "worker.py"
@@ -165,7 +165,7 @@ def test_two_ranks_push_the_sharded_model_tensor_by_tensor(tied_model, tmp_path,
 
 
 def test_a_lora_push_writes_the_adapter_as_before_whatever_the_engine_dtype(tiny_model_dir, tmp_path):
-    from trainer.lora import LoraSpec, save_adapter, with_adapter
+    from trainer.model.lora import LoraSpec, save_adapter, with_adapter
 
     model = with_adapter(_model(tiny_model_dir), LoraSpec(rank=4, target_modules=("q_proj",)))
     save_adapter(model, tmp_path / "direct", None)

@@ -1,5 +1,5 @@
-"""The files of a model directory, below both the checkpoints (trainer/checkpoint.py) and the untied engine view
-(trainer/tied.py) that write one: what to copy besides the weights, and the weights themselves, written as
+"""The files of a model directory, below both the checkpoints (trainer/model/checkpoint.py) and the untied engine view
+(trainer/model/tied.py) that write one: what to copy besides the weights, and the weights themselves, written as
 transformers writes them (one `model.safetensors`, or shards and their index) one shard at a time."""
 
 from __future__ import annotations

@@ -7,13 +7,13 @@ kept), so pushed weights would never reach the logits. So, by construction:
 
 - the engine a training run starts serves `engine_view(model)`: the same weights with the output layer written out
   as its own tensor (a copy of the embeddings) and `tie_word_embeddings: false`;
-- every push writes the trained embeddings into both (trainer/weight_sync.py `untied`), so after a push the
+- every push writes the trained embeddings into both (trainer/model/weight_sync.py `untied`), so after a push the
   engine's output layer is exactly the trained, tied one;
 - the trainer, its checkpoints and every model it writes keep the tie as the base had it (a written model's
   weights leave the output layer out, as transformers saves a tied model: `as_shipped`).
 
 An engine the user started (`rollout.engine.url`) cannot be given that view, and a model whose weights are not in
-safetensors or name the embeddings otherwise cannot be written as one: config_checks.py refuses those when the
+safetensors or name the embeddings otherwise cannot be written as one: config/checks.py refuses those when the
 config loads (`unservable`). With LoRA nothing changes: the embeddings stay frozen (peft adapts the projections
 only, and FSDP2 keeps the tied weight one parameter), the engine serves the model as shipped + the adapter, and
 `harness export --merge` writes base + adapter tied as the base.
@@ -130,7 +130,7 @@ def as_shipped(tensors: dict[str, torch.Tensor], config_dir: str | Path) -> dict
 
 def untied(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A state dict as an untied engine loads it: with the output layer as an entry of its own (the embeddings
-    again, when `tensors` leaves it out). Nothing is copied here: the writer (trainer/model_files.py
+    again, when `tensors` leaves it out). Nothing is copied here: the writer (trainer/model/files.py
     `write_weights`) writes each entry as its own tensor, also when two entries share memory or are one tensor."""
     out = dict(tensors)
     if OUTPUT not in out and EMBEDDINGS in out:
@@ -146,7 +146,7 @@ def engine_view(model_dir: str | Path, out_dir: str | Path) -> Path:
     from safetensors.torch import load_file
 
     from harness.running.model_dir import write_model_dir
-    from trainer.model_files import copy_model_files, write_weights
+    from trainer.model.files import copy_model_files, write_weights
 
     model_dir, out = Path(model_dir), Path(out_dir)
     shards = sorted(model_dir.glob("*.safetensors"))

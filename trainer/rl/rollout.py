@@ -32,9 +32,9 @@ from proxy.guard import DEGENERATE, GuardConfig
 from proxy.roles import RoleRule
 from proxy.server import ProxyServer
 from trainer.config import TrainConfig, role_rules, trains
-from trainer.config_checks import placement_of
-from trainer.lora import ENGINE_ENV, adapters_in_use, engine_args, spec_of
-from trainer.tied import engine_view, ties_embeddings
+from trainer.config.checks import placement_of
+from trainer.model.lora import ENGINE_ENV, adapters_in_use, engine_args, spec_of
+from trainer.model.tied import engine_view, ties_embeddings
 
 log = logging.getLogger("harness.train")
 GUARD_JUDGE = "guard"  # the judge name of the guard's penalty in `judgements` (rollout.guard.penalty)
@@ -268,8 +268,8 @@ def run_config(cfg: TrainConfig) -> RunConfig:
 
 def start_engines(cfg: TrainConfig, out: Path) -> list[Engine]:
     """The engines serving the policy: attached (engine.url, engine.more_urls; with LoRA, started with
-    trainer/lora.py's engine_args and ENGINE_ENV) or started (rollout.engines), each on the GPU and with the memory
-    share the memory plan gives it (config_checks.placement_of; on CPU none), with sleep mode when
+    trainer/model/lora.py's engine_args and ENGINE_ENV) or started (rollout.engines), each on the GPU and with the
+    memory share the memory plan gives it (config.checks.placement_of; on CPU none), with sleep mode when
     rollout.engine.sleep is on."""
     e, parsers = cfg.rollout.engine, {"tool_parser": cfg.rollout.tool_parser,
                                       "reasoning_parser": cfg.rollout.reasoning_parser}
@@ -301,7 +301,7 @@ def start_engines(cfg: TrainConfig, out: Path) -> list[Engine]:
 
 def engine_model_dir(cfg: TrainConfig, out: Path) -> Path:
     """The model directory the engines serve and every push rewrites: the model itself, or for a model that ties
-    its embeddings, trained with full weights, its untied view in the run directory (trainer/tied.py)."""
+    its embeddings, trained with full weights, its untied view in the run directory (trainer/model/tied.py)."""
     if spec_of(cfg.trainer.lora) is None and ties_embeddings(cfg.model.path):
         return out / "engine-model"
     return Path(cfg.model.path)

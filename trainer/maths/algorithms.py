@@ -19,9 +19,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Hashable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from harness.core.records import Sample
 
 __all__ = [
     "AGG_MODES",
@@ -38,6 +42,7 @@ __all__ = [
     "policy_loss",
     "reinforce_pp_returns",
     "token_advantages",
+    "token_weights",
     "truncated_importance_weights",
 ]
 
@@ -346,6 +351,29 @@ def aggregate(
         episode_tokens = zeros.index_add(0, episode, row_tokens.to(row_sum.dtype))
         return (episode_sum / episode_tokens.clamp(min=1)).sum() / (episode_tokens > 0).sum().clamp(min=1)
     raise ValueError(f"unknown aggregation mode {mode!r}; choose one of: {', '.join(AGG_MODES)}")
+
+
+def token_weights(rows: list[Sample], mode: str) -> list[torch.Tensor]:
+    """Each trained token's weight in the mini-batch's loss, so that sum(weight x per-token loss) over all its rows
+    (however they are split into micro-batches and ranks) is aggregate(loss, mode) of the mini-batch.
+    seq-mean-token-sum-norm divides by the mini-batch's longest sample (Dr.GRPO's constant)."""
+    masks = [torch.tensor(r.loss_mask, dtype=torch.float32) for r in rows]
+    n_tokens = [float(m.sum()) for m in masks]
+    trained = [i for i, n in enumerate(n_tokens) if n > 0]
+    if mode == "token-mean":
+        return [m / max(sum(n_tokens), 1.0) for m in masks]
+    if mode == "seq-mean-token-mean":
+        return [m / (max(n, 1.0) * max(len(trained), 1)) for m, n in zip(masks, n_tokens, strict=True)]
+    if mode in ("seq-mean-token-sum", "seq-mean-token-sum-norm"):
+        constant = float(max(len(r.token_ids) for r in rows)) if mode == "seq-mean-token-sum-norm" else 1.0
+        return [m / (max(len(trained), 1) * constant) for m in masks]
+    if mode == "episode-mean":
+        per_episode: dict[str, float] = {}
+        for r, n in zip(rows, n_tokens, strict=True):
+            per_episode[r.episode_id] = per_episode.get(r.episode_id, 0.0) + n
+        episodes = sum(1 for n in per_episode.values() if n > 0)
+        return [m / (max(per_episode[r.episode_id], 1.0) * max(episodes, 1)) for m, r in zip(masks, rows, strict=True)]
+    raise ValueError(f"unknown loss_agg_mode {mode!r}; choose one of: {', '.join(AGG_MODES)}")
 
 
 def _episode_ids(episode_index: Tensor | None, n: int, device: torch.device) -> Tensor:

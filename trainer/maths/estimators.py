@@ -2,7 +2,7 @@
 the critic's clipped value loss, ReMax's greedy baseline, and the KL coefficient controllers for KL-in-reward.
 
 Small pure torch functions, pinned by hand-computed cases in tests/trainer/test_estimators.py, as
-trainer/algorithms.py's are. Tensors are [B, T], right-padded; `mask` is 1 on the tokens the engine sampled. As
+trainer/maths/algorithms.py's are. Tensors are [B, T], right-padded; `mask` is 1 on the tokens the engine sampled. As
 there, a value where `mask` is 0 never changes a result, and positions outside the mask (a merged sample's tool
 output, the next prompt) are not steps of the trajectory: the recursion passes over them, so the outcome reward at
 the end reaches every call.
@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from trainer.algorithms import aggregate
+from trainer.maths.algorithms import aggregate
 
 __all__ = ["adaptive_kl_coef", "gae_advantages", "outcome_token_rewards", "remax_advantages", "value_loss",
            "value_token_losses"]
@@ -45,7 +45,7 @@ def gae_advantages(token_rewards: Tensor, values: Tensor, mask: Tensor, gamma: f
 
     For the trained tokens k = 1..n of a row: delta_k = r_k + gamma V_{k+1} - V_k (V_{n+1} = 0), A_k = delta_k +
     gamma lam A_{k+1}, returns R_k = A_k + V_k (the critic's regression target). `values[b, t]` is the critic's value
-    of the state in which token t was sampled (aligned like the logprobs of trainer/policy.py). With `whiten`, the
+    of the state in which token t was sampled (aligned like the logprobs of trainer/model/policy.py). With `whiten`, the
     advantages are whitened over all trained tokens of the batch (unbiased std), as verl does; the returns are not.
     0 outside the mask.
     """

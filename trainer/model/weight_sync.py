@@ -17,7 +17,7 @@ weights older than v (a call that was in flight during the swap keeps the versio
 have sampled its last tokens with the new weights). Resume runs whatever failed before it: a failed push never
 leaves the engine paused.
 
-With LoRA (`adapter=NAME`, trainer/lora.py) a push writes only the adapter, and the swap is:
+With LoRA (`adapter=NAME`, trainer/model/lora.py) a push writes only the adapter, and the swap is:
 
     load    POST /v1/load_lora_adapter        {"lora_name": "NAME-v000042", "lora_path": DIR}: a new name per version
     notify  POST <proxy>/harness/weights      {"version": v, "model": "NAME-v000042"}: calls go to it from now on
@@ -25,12 +25,13 @@ With LoRA (`adapter=NAME`, trainer/lora.py) a push writes only the adapter, and 
 
 No pause and no cache reset: a call keeps the adapter it started with (the one its version names), and cached
 prefixes are keyed by adapter. The newest `keep` versions stay loaded (2, or K + 2 with asynchronous rollouts:
-trainer.lora.adapters_in_use), so a call the proxy sent just before the notify, or one still generating on an
+trainer.model.lora.adapters_in_use), so a call the proxy sent just before the notify, or one still generating on an
 older version, still finds its adapter.
 
 The reload routes exist when the server runs with VLLM_SERVER_DEV_MODE=1 (running/vllm_server.py's start_vllm sets it).
 The engine's model must have untied input and output embeddings: with tied ones vLLM's reload_weights keeps the old
-output layer. A tied model is trained tied and served untied (trainer/tied.py): a push writes its output layer out.
+output layer. A tied model is trained tied and served untied (trainer/model/tied.py): a push writes its output
+layer out.
 
 The weights are written once per push, in the engine's dtype (`dtype`: what vLLM would cast them to on load,
 so the engine ends up with the same bits; `engine_dtype` says which), in shards of at most `max_shard_bytes` with
@@ -57,10 +58,10 @@ from typing import Any
 
 import torch
 
-from trainer.checkpoint import fsync_path
-from trainer.lora import save_adapter
-from trainer.model_files import copy_model_files, gathered, write_weights
-from trainer.tied import untied
+from trainer.model.checkpoint import fsync_path
+from trainer.model.files import copy_model_files, gathered, write_weights
+from trainer.model.lora import save_adapter
+from trainer.model.tied import untied
 
 __all__ = ["WeightSync", "WeightSyncError", "engine_dtype", "follow_push"]
 
@@ -218,7 +219,7 @@ class WeightSync:
             self._unload(url, name)  # the same version again (a resumed run, a restore): load it afresh
             self._engine(url, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(adapter_dir)},
                          what=f"load the LoRA adapter {name!r} (is the engine started with --enable-lora and "
-                         "VLLM_ALLOW_RUNTIME_LORA_UPDATING=1? trainer/lora.py engine_args)")
+                         "VLLM_ALLOW_RUNTIME_LORA_UPDATING=1? trainer/model/lora.py engine_args)")
         self._adapter_names = [n for n in self._adapter_names if n != name] + [name]
         reload_s = time.perf_counter() - started
         self._notify_proxy(version, model=name)
@@ -303,7 +304,7 @@ class WeightSync:
         if written.get("tie_word_embeddings", False):
             raise ValueError("the engine's model ties its input and output embeddings (tie_word_embeddings: true): "
                              "vLLM's reload_weights would keep the old output layer; give model_dir the untied view "
-                             "the engine serves (trainer/tied.py engine_view)")
+                             "the engine serves (trainer/model/tied.py engine_view)")
 
     def _prune(self, keep_also: Path) -> None:
         versions = sorted((p for p in self.work_dir.glob("v*") if p.is_dir() and p.name[1:].isdigit()),

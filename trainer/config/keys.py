@@ -8,8 +8,8 @@ experiment_name at the top, then model, data, task_judge, rollout, trainer, logg
 - `trainer` (their `trainer_common`) holds the algorithm and optimiser keys directly, with `trainer.fsdp` nested;
 - rollout.agent / rollout.command run an unmodified program where theirs names a workflow class.
 
-Each key is declared with `_key(default, help, range, path kind)`, so trainer/config_reference.py can list them
-all for `harness train --show-config` and docs/training.md. Loading, overrides and checks are in trainer/config.py.
+Each key is declared with `_key(default, help, range, path kind)`, so trainer/config/reference.py can list them
+all for `harness train --show-config` and docs/training.md. Loading, overrides and checks are in trainer/config/load.py.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ GROUP_ESTIMATORS = ("grpo", "grpo_no_std", "drgrpo", "rloo", "reinforce_pp_basel
 def _key(default: Any, help: str, *, gt: float | None = None, ge: float | None = None, lt: float | None = None,
          le: float | None = None, path: str | None = None, required: bool = False) -> Any:
     """A config key: its default, its help, its range, and how a path in it resolves ("file", "source", "resume",
-    "model": trainer/config.py's _resolve)."""
+    "model": trainer/config/load.py's _resolve)."""
     meta = {"help": help, "gt": gt, "ge": ge, "lt": lt, "le": le, "path": path, "required": required}
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: type(default)(default), metadata=meta)
@@ -150,7 +150,7 @@ class PlacementConfig:
 
 @dataclass(frozen=True)
 class AsyncConfig:
-    """Asynchronous rollouts: the next steps' episodes run while this step trains (trainer/async_rollouts.py)."""
+    """Asynchronous rollouts: the next steps' episodes run while this step trains (trainer/rl/async_rollouts.py)."""
 
     max_staleness: int = _key(0, "how many weight versions a trained sample may lag behind the weights it trains: "
                               "rollouts for steps t+1..t+K run while step t trains, older samples are dropped and "
@@ -264,7 +264,7 @@ class FsdpConfig:
 
 @dataclass(frozen=True)
 class LoraConfig:
-    """LoRA: train low-rank adapters over frozen base weights; the engine serves base + adapter (trainer/lora.py)."""
+    """LoRA: train low-rank adapters over a frozen base; the engine serves base + adapter (trainer/model/lora.py)."""
 
     rank: int = _key(0, "adapter rank; 0: LoRA off, the whole model trains", ge=0, le=512)
     alpha: float = _key(16.0, "adapter scale numerator (the update is alpha / rank x B A)", gt=0)

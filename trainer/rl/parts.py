@@ -1,6 +1,6 @@
-"""What the RL loop (trainer/loop.py), offline training (trainer/offline.py) and the critic (trainer/critic.py)
-share: the policy and its optimiser, token weights of a mini-batch's loss, pushing weights, putting the engines to
-sleep and waking them, validation, tracking, winding a run down, and small distributed helpers."""
+"""What the RL loop (trainer/rl/loop.py) and offline training (trainer/offline/loop.py) share besides the model
+(trainer/model/build.py): pushing weights, putting the engines to sleep and waking them, validation, tracking,
+winding a run down, and small distributed helpers."""
 
 from __future__ import annotations
 
@@ -10,40 +10,19 @@ import time
 
 import torch
 
-from harness.core.records import Sample
 from harness.running.report import pass_at_k
 from harness.running.vllm_server import cuda_gpus, sleep, wake_up
 from proxy.config import SamplingOverrides
-from trainer import algorithms as algo
-from trainer.checkpoint import save_hf
 from trainer.config import TrainConfig, config_to_dict, run_dir
-from trainer.experience import Experience, mean
-from trainer.fsdp import Dist, full_state_dict, shard, shutdown
-from trainer.lora import ADAPTER_NAME, adapters_in_use, save_adapter, spec_of, with_adapter
-from trainer.policy import load_policy
-from trainer.rollout import Rollouts, engine_model_dir, sampling_seed
-from trainer.schedule import lr_factor
-from trainer.tracking import Tracker
-from trainer.weight_sync import WeightSync, engine_dtype, follow_push
+from trainer.model.checkpoint import save_hf
+from trainer.model.fsdp import Dist, full_state_dict, shutdown
+from trainer.model.lora import ADAPTER_NAME, adapters_in_use, save_adapter, spec_of
+from trainer.model.weight_sync import WeightSync, engine_dtype, follow_push
+from trainer.rl.experience import Experience, mean
+from trainer.rl.rollout import Rollouts, engine_model_dir, sampling_seed
+from trainer.rl.tracking import Tracker
 
 log = logging.getLogger("harness.train")
-
-
-def policy_and_optimizer(cfg: TrainConfig, dist: Dist, total_steps: int):
-    """The policy sharded over the ranks (with LoRA: base + adapter, only the adapter trains), its AdamW and the
-    learning rate schedule over `total_steps`."""
-    t = cfg.trainer
-    offload = t.fsdp.param_offload or t.fsdp.optimizer_offload  # FSDP2 offloads parameters and optimizer state together
-    policy = load_policy(cfg.model.path, dtype_of(cfg), cfg.model.gradient_checkpointing,
-                         trust_remote_code=cfg.model.trust_remote_code)
-    lora = spec_of(t.lora)
-    if lora is not None:  # adapters train, the base stays frozen; the engine serves base + adapter
-        policy = with_adapter(policy, lora)
-    model = shard(policy, dist, mixed_precision=t.fsdp.mixed_precision, param_offload=offload)
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(t.warmup_steps, t.lr_schedule, total_steps))
-    return model, optimizer, scheduler
 
 
 def weight_sync(rollouts: Rollouts, cfg: TrainConfig, out) -> WeightSync:
@@ -77,34 +56,6 @@ def wind_down(tracker: Tracker | None, rollouts: Rollouts | None) -> None:
         for engine in (rollouts.engine, *rollouts.more_engines):
             engine.stop()
     shutdown()
-
-
-def dtype_of(cfg: TrainConfig) -> torch.dtype:
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(cfg.model.dtype,
-                                                                                                 torch.float32)
-
-
-def token_weights(rows: list[Sample], mode: str) -> list[torch.Tensor]:
-    """Each trained token's weight in the mini-batch's loss, so that sum(weight x per-token loss) over all its rows
-    (however they are split into micro-batches and ranks) is algorithms.aggregate(loss, mode) of the mini-batch.
-    seq-mean-token-sum-norm divides by the mini-batch's longest sample (Dr.GRPO's constant)."""
-    masks = [torch.tensor(r.loss_mask, dtype=torch.float32) for r in rows]
-    n_tokens = [float(m.sum()) for m in masks]
-    trained = [i for i, n in enumerate(n_tokens) if n > 0]
-    if mode == "token-mean":
-        return [m / max(sum(n_tokens), 1.0) for m in masks]
-    if mode == "seq-mean-token-mean":
-        return [m / (max(n, 1.0) * max(len(trained), 1)) for m, n in zip(masks, n_tokens, strict=True)]
-    if mode in ("seq-mean-token-sum", "seq-mean-token-sum-norm"):
-        constant = float(max(len(r.token_ids) for r in rows)) if mode == "seq-mean-token-sum-norm" else 1.0
-        return [m / (max(len(trained), 1) * constant) for m in masks]
-    if mode == "episode-mean":
-        per_episode: dict[str, float] = {}
-        for r, n in zip(rows, n_tokens, strict=True):
-            per_episode[r.episode_id] = per_episode.get(r.episode_id, 0.0) + n
-        episodes = sum(1 for n in per_episode.values() if n > 0)
-        return [m / (max(per_episode[r.episode_id], 1.0) * max(episodes, 1)) for m, r in zip(masks, rows, strict=True)]
-    raise ValueError(f"unknown loss_agg_mode {mode!r}; choose one of: {', '.join(algo.AGG_MODES)}")
 
 
 def push_weights(model, sync: WeightSync | None, dist: Dist, version: int) -> dict[str, float]:
@@ -158,13 +109,6 @@ def validate(rollouts: Rollouts, step: int, tasks, cfg: TrainConfig) -> dict[str
     passes = [pass_at_k(len(hits), sum(hits), v.n) for hits in by_task.values()]
     return {"val/pass@n": mean(passes), "val/reward_mean": mean(rewards), "time/validation_s":
             rollout.timings["rollout_s"]}
-
-
-def pad_id_of(model_dir, trust_remote_code: bool) -> int:
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
-    return tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id or 0
 
 
 def broadcast(experience: Experience | None, dist: Dist) -> Experience:

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import torch
 
-from trainer.config_keys import TrainConfig
+from trainer.config.keys import TrainConfig
 
 __all__ = ["TrainerOutOfMemory", "advice", "explain_oom"]
 

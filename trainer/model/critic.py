@@ -2,13 +2,13 @@
 
 The value model is the policy's checkpoint with the output layer replaced by a one-output head (zero-initialised,
 so the first values are 0 and GAE starts as Monte Carlo returns): it is sharded, checkpointed and run exactly as
-the policy is (trainer/fsdp.py finds the decoder layers, the decoder and the head). values[b, t] is the value of
+the policy is (trainer/model/fsdp.py finds the decoder layers, the decoder and the head). values[b, t] is the value of
 the state in which token t was sampled: the head's output at position t - 1, as token t's logprob comes from the
-logits there (trainer/policy.py).
+logits there (trainer/model/policy.py).
 
-Each step (trainer/loop.py): values of the step's samples before any update -> GAE advantages and returns
-(trainer/estimators.py) -> the actor's update -> `ppo_epochs` passes of the critic over the same mini-batches, with
-the clipped value loss aggregated as trainer.loss_agg_mode says. For the first `critic.warmup_steps` steps only
+Each step (trainer/rl/loop.py): values of the step's samples before any update -> GAE advantages and returns
+(trainer/maths/estimators.py) -> the actor's update -> `ppo_epochs` passes of the critic over the same mini-batches,
+with the clipped value loss aggregated as trainer.loss_agg_mode says. For the first `critic.warmup_steps` steps only
 the critic learns (the policy's update is skipped), so the advantages it gives later are worth following.
 """
 
@@ -16,17 +16,20 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from harness.core.records import Sample
-from trainer.checkpoint import CHECKPOINTS, load, save
-from trainer.config import TrainConfig
-from trainer.estimators import value_token_losses
-from trainer.fsdp import Dist, metrics_over_ranks, most_over_ranks, shard
-from trainer.loop_parts import token_weights
-from trainer.policy import activations, collate, load_policy, micro_batches, padded
-from trainer.schedule import lr_factor
+from trainer.maths.algorithms import token_weights
+from trainer.maths.estimators import value_token_losses
+from trainer.maths.schedule import lr_factor
+from trainer.model.checkpoint import CHECKPOINTS, load, save
+from trainer.model.fsdp import Dist, metrics_over_ranks, most_over_ranks, shard
+from trainer.model.policy import activations, collate, load_policy, micro_batches, padded
+
+if TYPE_CHECKING:
+    from trainer.config import TrainConfig
 
 __all__ = ["Critic"]
 

@@ -1,5 +1,5 @@
 """The checks of a loaded TrainConfig: every value in its range, required keys set, and keys that must agree with
-each other (trainer/config.py loads the YAML and calls `check`). Each ConfigError names the key, the value and what
+each other (trainer/config/load.py loads the YAML and calls `check`). Each ConfigError names the key, the value and what
 to write instead.
 """
 
@@ -32,8 +32,8 @@ from harness.running.gpus import (
     this_machine,
     trainer_memory,
 )
-from trainer.config_keys import GROUP_ESTIMATORS, TrainConfig
-from trainer.config_reference import in_range, key_name, range_text
+from trainer.config.keys import GROUP_ESTIMATORS, TrainConfig
+from trainer.config.reference import in_range, key_name, range_text
 
 __all__ = ["ConfigError", "MemoryPlan", "Mode", "check", "memory_plan", "placement_of", "role_rules"]
 
@@ -112,7 +112,7 @@ def check(cfg: TrainConfig, where: str, mode: Mode = "rl", gpus: Gpus | None = N
                           "weights: set trainer.tis_cap (e.g. 2.0), so their tokens are weighted by how likely the "
                           "trained weights find them against the engine's logprobs when they were sampled")
     if t.lora.rank > 0:
-        from trainer.lora import LoraSpec
+        from trainer.model.lora import LoraSpec
 
         try:
             LoraSpec(t.lora.rank, t.lora.alpha, tuple(t.lora.target_modules), t.lora.dropout)
@@ -152,10 +152,10 @@ def _check_engine_args(cfg: TrainConfig) -> None:
 
 def _check_tied(cfg: TrainConfig, serves: bool) -> None:
     """A model that ties its embeddings, trained with full weights, is served from its untied view
-    (trainer/tied.py): an engine the user started can't be given it, and some models can't be written as one. Any
+    (trainer/model/tied.py): an engine the user started can't be given it, and some models can't be written as one. Any
     model whose config.json and weights disagree about the tie is refused whatever trains it (tie_disagreement).
     With LoRA the engine serves the model as shipped; verl syncs weights its own way."""
-    from trainer.tied import tie_disagreement, ties_embeddings, unservable
+    from trainer.model.tied import tie_disagreement, ties_embeddings, unservable
 
     r, t = cfg.rollout, cfg.trainer
     if cfg.model.path and (disagreement := tie_disagreement(cfg.model.path)) is not None:

@@ -1,9 +1,9 @@
 """Training without rollouts, top to bottom: `harness train --from-run RUN` (recorded episodes) and `harness sft`
 (chat records). The same policy, optimiser, schedule, checkpoints, metrics and validation as `harness train`
-(trainer/loop.py); only where the samples come from and the loss differ.
+(trainer/rl/loop.py); only where the samples come from and the loss differ.
 
-    samples (trainer/offline_data.py: a recorded run, merged again; trainer/chat_data.py: chat records, tokenised
-    with the model's chat template) -> offline.epochs passes in shuffled batches of offline.batch_size
+    samples (trainer/offline/data.py: a recorded run, merged again; trainer/offline/chat_data.py: chat records,
+    tokenised with the model's chat template) -> offline.epochs passes in shuffled batches of offline.batch_size
     -> per batch, micro-batches of trainer.micro_batch_tokens, one optimizer step -> validation with the agent,
     checkpoints, metrics -> the final weights as a model directory (<run dir>/hf)
 
@@ -37,16 +37,17 @@ import harness
 from harness.core.records import Sample
 from harness.running.tasks import read_tasks
 from harness.store.database import Store
-from trainer import algorithms as algo
-from trainer import loop_parts as parts
-from trainer.checkpoint import check_resume, find_resume, load, model_fingerprint, save, saved_state
 from trainer.config import Mode, TrainConfig, config_to_dict, run_dir, save_resolved
-from trainer.config_checks import placement_of
-from trainer.fsdp import Dist, init_distributed, metrics_over_ranks, most_over_ranks, shutdown
-from trainer.offline_data import OfflineData, OfflineDataError
-from trainer.oom import oom_explained
-from trainer.policy import collate, micro_batches, padded, token_logprobs
-from trainer.rollout import start_rollouts
+from trainer.config.checks import placement_of
+from trainer.maths import algorithms as algo
+from trainer.model.build import build_policy
+from trainer.model.checkpoint import check_resume, find_resume, load, model_fingerprint, save, saved_state
+from trainer.model.fsdp import Dist, init_distributed, metrics_over_ranks, most_over_ranks, shutdown
+from trainer.model.policy import collate, micro_batches, padded, token_logprobs
+from trainer.offline.data import OfflineData, OfflineDataError
+from trainer.rl import parts
+from trainer.rl.oom import oom_explained
+from trainer.rl.rollout import start_rollouts
 
 log = logging.getLogger("harness.train")
 
@@ -86,8 +87,8 @@ def _train(cfg: TrainConfig, mode: Mode, dist: Dist) -> dict[str, float]:
     if checkpoint is not None:  # before the model loads: a checkpoint of another run, model or data is refused
         check_resume(saved_state(checkpoint), checkpoint, mode, fingerprint, model=this_model,
                      experiment=cfg.experiment_name)
-    model, optimizer, scheduler = parts.policy_and_optimizer(cfg, dist, total_steps)
-    pad_id = parts.pad_id_of(cfg.model.path, cfg.model.trust_remote_code)
+    built = build_policy(cfg, dist, total_steps, mode)  # offline: no reference, no critic
+    model, optimizer, scheduler, pad_id = built.model, built.optimizer, built.scheduler, built.pad_id
     start = 0
     if checkpoint is not None:
         start = load(checkpoint, model, optimizer, scheduler, dist)["step"]
@@ -127,7 +128,7 @@ def _train(cfg: TrainConfig, mode: Mode, dist: Dist) -> dict[str, float]:
             epoch, batch = plan[step - 1]
             # ------------------------------------------------ 1. one optimizer step over the batch, all ranks
             rows, advs = [samples[i] for i in batch], [advantages[i] for i in batch]
-            weights = parts.token_weights(rows, t.loss_agg_mode)
+            weights = algo.token_weights(rows, t.loss_agg_mode)
             metrics = _step(model, rows, advs, weights, samples[0], pad_id, cfg, dist, o.loss)
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip or float("inf"))
             optimizer.step()
@@ -170,7 +171,7 @@ def _train(cfg: TrainConfig, mode: Mode, dist: Dist) -> dict[str, float]:
 def _samples_or_error(cfg: TrainConfig, mode: Mode):
     """The samples (_samples), or the error that says why there are none."""
     from harness.running.tasks import TaskError
-    from trainer.chat_data import ChatDataError
+    from trainer.offline.chat_data import ChatDataError
 
     try:
         return _samples(cfg, mode)
@@ -206,12 +207,12 @@ def _ignored(cfg: TrainConfig) -> None:
 def _samples(cfg: TrainConfig, mode: Mode):
     """The samples to train and their advantages: a recorded run's, or chat records'."""
     if mode == "from_run":
-        from trainer.offline_data import recorded_samples
+        from trainer.offline.data import recorded_samples
 
         return recorded_samples(cfg)
     from transformers import AutoTokenizer
 
-    from trainer.chat_data import chat_samples, read_chat_records
+    from trainer.offline.chat_data import chat_samples, read_chat_records
 
     o = cfg.offline
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 import torch
 
 from harness.core.records import FINISHED, Sample
-from trainer import algorithms as algo
 from trainer.config import TrainConfig, trains
-from trainer.rollout import StepRollout
+from trainer.maths import algorithms as algo
+from trainer.rl.rollout import StepRollout
 
 
 @dataclass
@@ -176,10 +176,10 @@ def _with_call_advantages(exp: Experience, keep: list[int], outcome: dict[str, f
 
 def gae_of(exp: Experience, old, ref, values: list[torch.Tensor], cfg: TrainConfig,
            kl_coef: float | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor], dict[str, float]]:
-    """adv_estimator gae: every sample's per-token advantages and returns (trainer/estimators.py), from its episode's
-    reward on its last sampled token, a judge's per-call rewards on each call's last token, and with
+    """adv_estimator gae: every sample's per-token advantages and returns (trainer/maths/estimators.py), from its
+    episode's reward on its last sampled token, a judge's per-call rewards on each call's last token, and with
     use_kl_in_reward minus kl_coef x the per-token KL to the reference; whitened over the step's tokens."""
-    from trainer.estimators import gae_advantages
+    from trainer.maths.estimators import gae_advantages
 
     t = cfg.trainer
     kl_coef = t.kl_coef if kl_coef is None else kl_coef

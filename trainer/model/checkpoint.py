@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     import torch
 
     from trainer.config import TrainConfig
-    from trainer.fsdp import Dist
+    from trainer.model.fsdp import Dist
 
 __all__ = ["ResumeError", "check_resume", "checkpoint_model", "save", "find_resume", "load", "model_fingerprint",
            "save_hf", "saved_state"]
@@ -138,8 +138,8 @@ def _refusal(path: str | Path, what: str, mode: str) -> ResumeError:
 def model_fingerprint(cfg: TrainConfig) -> dict[str, Any]:
     """The model a run trains, as its checkpoints record it: model.path (a Hub id and the snapshot's commit for a
     model in the Hugging Face cache, else the absolute directory), the trainer's dtype, the LoRA settings (rank 0:
-    the whole model trains) and the tie of the embeddings (trainer/tied.py). JSON, keyed by the config keys."""
-    from trainer.tied import ties_embeddings
+    the whole model trains) and the tie of the embeddings (trainer/model/tied.py). JSON, keyed by the config keys."""
+    from trainer.model.tied import ties_embeddings
 
     lora, full = cfg.trainer.lora, cfg.trainer.lora.rank == 0
     path, revision = _model_of(cfg.model.path)
@@ -152,7 +152,7 @@ def model_fingerprint(cfg: TrainConfig) -> dict[str, Any]:
         "trainer.lora.alpha": None if full else lora.alpha,
         "trainer.lora.target_modules": None if full else sorted(lora.target_modules),
         "tied_embeddings": tied,
-        "untied_engine_view": tied and full,  # the engines serve the untied view (trainer/rollout.py engine_model_dir)
+        "untied_engine_view": tied and full,  # the engines serve the untied view (rollout.py engine_model_dir)
     }
 
 
@@ -297,7 +297,7 @@ def checkpoint_model(path: str | Path, base: str | Path, out: str | Path) -> Pat
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    from trainer.policy import load_policy
+    from trainer.model.policy import load_policy
 
     path = Path(path)
     if not (path / _META).is_file():
@@ -325,13 +325,13 @@ def save_hf(
     """Write a HF model directory: safetensors weights plus every config and tokenizer file of `config_dir`.
 
     `model_state_dict` is a full state dict (`fsdp.full_state_dict` on rank 0). When `config_dir`'s config ties
-    the output layer to the embeddings, the output layer is left out, as the model ships (trainer/tied.py
+    the output layer to the embeddings, the output layer is left out, as the model ships (trainer/model/tied.py
     `as_shipped`). Weights over `max_shard_bytes` are split into `model-0000i-of-0000n.safetensors` with an index,
-    as transformers and vLLM expect (trainer/model_files.py `write_weights`). The directory is built next to
+    as transformers and vLLM expect (trainer/model/files.py `write_weights`). The directory is built next to
     `out_dir` and renamed into place: a reader sees the old files or the new ones.
     """
-    from trainer.model_files import copy_model_files, write_weights
-    from trainer.tied import as_shipped
+    from trainer.model.files import copy_model_files, write_weights
+    from trainer.model.tied import as_shipped
 
     config_dir, out = Path(config_dir), Path(out_dir)
     if not (config_dir / "config.json").is_file():

@@ -16,7 +16,7 @@ Departures from textbook GRPO, all on purpose:
 - Old logprobs are the trainer's own at the rollout weights (so the PPO ratio starts at exactly 1); the engine's
   are used for the truncated importance weights (`tis_cap`) and for the agreement metric `logprob/engine_*`.
 - With `rollout.async.max_staleness` K, step s's episodes were collected on a thread while earlier steps trained
-  (trainer/async_rollouts.py), sampled with weights s-1-K and later: "old" is then the trainer at the weights being
+  (trainer/rl/async_rollouts.py), sampled with weights s-1-K and later: "old" is then the trainer at the weights being
   trained (the proximal policy), and `tis_cap` (required) weights each token by trainer over engine probability.
 - The learning rate schedule advances once per step; gradients of a mini-batch are accumulated over micro-batches
   with each micro-batch weighted by its share of the mini-batch's aggregation units (tokens, sequences or
@@ -43,25 +43,24 @@ from harness.core.records import Sample
 from harness.running.gpus import Placement
 from harness.running.tasks import read_tasks
 from harness.running.vllm_server import EngineError
-from trainer import algorithms as algo
-from trainer.async_rollouts import RolloutsAhead, keep_fresh, plan_steps
-from trainer.checkpoint import check_resume, find_resume, load, model_fingerprint, save, saved_state
 from trainer.config import TrainConfig, run_dir, save_resolved
-from trainer.config_checks import placement_of
-from trainer.critic import Critic
-from trainer.estimators import adaptive_kl_coef
-from trainer.experience import advantages_of, experience_of, gae_of, mean_token_kl
-from trainer.fsdp import Dist, init_distributed, metrics_over_ranks, most_over_ranks, shard, shutdown
-from trainer.loop_parts import (
+from trainer.config.checks import placement_of
+from trainer.maths import algorithms as algo
+from trainer.maths.estimators import adaptive_kl_coef
+from trainer.maths.schedule import next_tasks
+from trainer.model.build import build_policy
+from trainer.model.checkpoint import check_resume, find_resume, load, model_fingerprint, save, saved_state
+from trainer.model.fsdp import Dist, init_distributed, metrics_over_ranks, most_over_ranks, shutdown
+from trainer.model.policy import collate, micro_batches, padded, token_logprobs
+from trainer.rl.async_rollouts import RolloutsAhead, keep_fresh, plan_steps
+from trainer.rl.experience import advantages_of, experience_of, gae_of, mean_token_kl
+from trainer.rl.oom import oom_explained
+from trainer.rl.parts import (
     broadcast,
-    dtype_of,
     log_metrics,
-    pad_id_of,
-    policy_and_optimizer,
     push_weights,
     seed_all,
     sleep_engines,
-    token_weights,
     tracker_for,
     validate,
     wake_engines,
@@ -69,11 +68,7 @@ from trainer.loop_parts import (
     wind_down,
     write_trained,
 )
-from trainer.lora import spec_of
-from trainer.oom import oom_explained
-from trainer.policy import collate, load_policy, micro_batches, padded, token_logprobs
-from trainer.rollout import greedy_baselines, start_rollouts
-from trainer.schedule import next_tasks
+from trainer.rl.rollout import greedy_baselines, start_rollouts
 
 log = logging.getLogger("harness.train")
 
@@ -109,14 +104,9 @@ def _train(cfg: TrainConfig, dist: Dist, placement: Placement | None) -> dict[st
     this_model, checkpoint = model_fingerprint(cfg), find_resume(out, t.resume)
     if checkpoint is not None:  # before the model loads: a checkpoint of another run or model is refused at once
         check_resume(saved_state(checkpoint), checkpoint, "rl", model=this_model, experiment=cfg.experiment_name)
-    model, optimizer, scheduler = policy_and_optimizer(cfg, dist, total_steps)
-    lora = spec_of(t.lora)
-    reference = None
-    if t.kl_coef > 0:  # the initial policy, frozen
-        reference = shard(load_policy(cfg.model.path, dtype_of(cfg), trust_remote_code=cfg.model.trust_remote_code),
-                          dist, param_offload=t.fsdp.param_offload or t.fsdp.optimizer_offload).eval()
-    pad_id = pad_id_of(cfg.model.path, cfg.model.trust_remote_code)
-    critic = Critic(cfg, dist, total_steps) if t.adv_estimator == "gae" else None  # the value model (GAE)
+    built = build_policy(cfg, dist, total_steps, "rl")  # the policy, the reference (kl_coef > 0), the critic (gae)
+    model, optimizer, scheduler = built.model, built.optimizer, built.scheduler
+    reference, critic, pad_id = built.reference, built.critic, built.pad_id
 
     start, data_pos, kl_coef = 0, 0, t.kl_coef
     if checkpoint is not None:
@@ -134,7 +124,7 @@ def _train(cfg: TrainConfig, dist: Dist, placement: Placement | None) -> dict[st
         tracker = tracker_for(rollouts.store, rollouts.run_id, cfg)
         log.info("run %s: %d tasks, %d steps, curve at %s", rollouts.run_id, len(tasks), total_steps,
                  out / "curve.png")
-    if start > 0 or lora is not None:  # the engine serves the checkpoint's weights (with LoRA: the adapter)
+    if start > 0 or built.lora is not None:  # the engine serves the checkpoint's weights (with LoRA: the adapter)
         push_weights(model, sync, dist, version=start)
     if t.val_before_train and val_tasks and start == 0:
         log_metrics(tracker, 0, validate(rollouts, 0, val_tasks, cfg) if dist.is_main else {})
@@ -142,7 +132,7 @@ def _train(cfg: TrainConfig, dist: Dist, placement: Placement | None) -> dict[st
     plan = plan_steps(start + 1, total_steps, lambda pos: next_tasks(tasks, pos, batch_size, cfg.data.shuffle,
                                                                      cfg.data.seed), data_pos)
     staleness = cfg.rollout.async_.max_staleness
-    if staleness and dist.is_main:  # the next steps' episodes run while a step trains (trainer/async_rollouts.py)
+    if staleness and dist.is_main:  # the next steps' episodes run while a step trains (trainer/rl/async_rollouts.py)
         ahead = RolloutsAhead(rollouts.collect, [(s, ts) for s, ts, _ in plan], staleness, served_version=start,
                               stop=rollouts.stop)
     metrics: dict[str, float] = {}
@@ -273,7 +263,7 @@ def _update(model, optimizer, rows, tasks_of_rows, advantages, old, ref, pad_id:
         for k in range(min(n_mini, len(tasks))):
             chosen = set(tasks[k::n_mini])
             mini = [i for i, task in enumerate(tasks_of_rows) if task in chosen]
-            weights = token_weights([rows[i] for i in mini], t.loss_agg_mode)  # over the whole mini-batch
+            weights = algo.token_weights([rows[i] for i in mini], t.loss_agg_mode)  # over the whole mini-batch
             mine = list(range(dist.rank, len(mini), dist.world))  # this rank's share of it
             stats = _mini_batch(model, [rows[mini[j]] for j in mine], [advantages[mini[j]] for j in mine],
                                 [old[mini[j]] for j in mine], [ref[mini[j]] for j in mine],

@@ -21,8 +21,8 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 
 from harness.core.records import Task
-from trainer.experience import Experience, mean
-from trainer.rollout import StepRollout
+from trainer.rl.experience import Experience, mean
+from trainer.rl.rollout import StepRollout
 
 log = logging.getLogger("harness.train")
 

@@ -1,7 +1,7 @@
 """`harness train config.yaml`: one YAML file with the root `harness:`, read into a typed TrainConfig.
 
-The keys, their defaults and help are declared in trainer/config_keys.py; this module reads the YAML into them,
-applies `--set section.key=value` overrides and resolves paths; trainer/config_checks.py checks the values. Errors
+The keys, their defaults and help are declared in trainer/config/keys.py; this module reads the YAML into them,
+applies `--set section.key=value` overrides and resolves paths; trainer/config/checks.py checks the values. Errors
 name the key, the value and what to write instead (an AgentJet key name is pointed at its harness name,
 `_AGENTJET_NAMES`).
 
@@ -23,7 +23,6 @@ import dataclasses
 import difflib
 import os
 import re
-import sys
 import typing
 from collections.abc import Sequence
 from pathlib import Path
@@ -33,8 +32,8 @@ import yaml
 
 from harness.running.gpus import Gpus
 from harness.running.hub import ModelNotFoundError, hub_id_of, model_reference, resolve_model
-from trainer.config_checks import ConfigError, Mode, check, role_rules, trains
-from trainer.config_keys import (
+from trainer.config.checks import ConfigError, Mode, check, role_rules, trains
+from trainer.config.keys import (
     ADV_ESTIMATORS,
     GROUP_ESTIMATORS,
     KL_TYPES,
@@ -52,7 +51,7 @@ from trainer.config_keys import (
     TrainerConfig,
     ValidationSampling,
 )
-from trainer.config_reference import describe_config, iter_keys, key_name, optional_inner, type_text
+from trainer.config.reference import describe_config, iter_keys, key_name, optional_inner, type_text
 
 __all__ = ["ConfigError", "role_rules", "trains", "load_config", "read_config", "config_to_dict", "save_resolved",
            "describe_config", "run_dir", "iter_keys", "Mode", "TrainConfig", "ModelConfig", "DataConfig",
@@ -224,7 +223,7 @@ def _walk(cls: type, mapping: Any, prefix: str, base: Path, where: str) -> dict:
 
 
 def _fields(cls: type) -> dict[str, dataclasses.Field]:
-    """A section's fields by their keys in the YAML (config_keys.key_name)."""
+    """A section's fields by their keys in the YAML (reference.key_name)."""
     return {key_name(f): f for f in dataclasses.fields(cls)}
 
 
@@ -388,6 +387,3 @@ def _suggest(name: str, prefix: str, fields: dict) -> str:
         return f"did you mean {prefix + close[0]!r}?"
     return f"the keys of {prefix.rstrip('.') or ROOT} are {', '.join(fields)}"
 
-
-if __name__ == "__main__":  # python -m trainer.config [--markdown]: the key reference, as docs/training.md holds it
-    sys.stdout.write(describe_config(markdown="--markdown" in sys.argv[1:]))

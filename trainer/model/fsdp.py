@@ -125,7 +125,7 @@ def _units(model) -> list:
     embeddings, the input and output embeddings together as one unit, before the decoder).
 
     The decoder and the output layer are units of their own, not left to the root, because the trainer calls
-    them separately (trainer/policy.py runs the decoder once, then the output layer on chunks of positions): a
+    them separately (trainer/model/policy.py runs the decoder once, then the output layer on chunks of positions): a
     sharded module gathers its parameters only when its own forward runs. HF marks decoder layers as
     `_no_split_modules` (e.g. Qwen2DecoderLayer).
     """

@@ -31,8 +31,8 @@ from harness.core.records import ENGINE, FINISHED, NONE, RETOKENIZED, Sample
 from harness.store.database import EPISODE_CALLS_NO_BODIES, calls_of
 from harness.store.export import ExportError, episodes, group_of
 from harness.store.sql import Reader, SqlError
-from trainer import algorithms as algo
 from trainer.config import TrainConfig, run_dir, trains
+from trainer.maths import algorithms as algo
 
 log = logging.getLogger("harness.train")
 

@@ -3,7 +3,7 @@
 The engine is started with LoRA on (`engine_args`, `ENGINE_ENV`: runtime adapter loading) and serves the adapted
 policy under `ADAPTER_NAME`; the recording proxy sends every call there. A push writes only the adapter
 (`adapter_config.json` + `adapter_model.safetensors`, peft's format, which vLLM reads) into a new directory per
-version and swaps the engine onto it (trainer/weight_sync.py, adapter mode): unload the name, load it from the new
+version and swaps the engine onto it (trainer/model/weight_sync.py, adapter mode): unload the name, load it from the new
 directory. A request in flight keeps the adapter it started with, so every call is sampled by exactly the weight
 version it is recorded with. Unlike `load_inplace`, nothing is re-read from disk while generating.
 
@@ -48,7 +48,7 @@ class LoraSpec:
 
 
 def spec_of(lora) -> LoraSpec | None:
-    """The spec of the config's trainer.lora section (trainer/config_keys.py LoraConfig); None when rank is 0."""
+    """The spec of the config's trainer.lora section (trainer/config/keys.py LoraConfig); None when rank is 0."""
     return LoraSpec(lora.rank, lora.alpha, tuple(lora.target_modules), lora.dropout) if lora.rank > 0 else None
 
 
@@ -80,7 +80,7 @@ def save_adapter(model: torch.nn.Module, out: Path, state_dict: dict | None = No
     """Write the adapter of a peft model into `out` (vLLM's format); the bytes of its weights. `state_dict`: the
     model's full state (e.g. gathered from FSDP shards), when its own parameters are not whole tensors."""
     if not hasattr(model, "peft_config"):
-        raise ValueError(f"pushing an adapter needs a peft model (trainer/lora.py with_adapter), got "
+        raise ValueError(f"pushing an adapter needs a peft model (trainer/model/lora.py with_adapter), got "
                          f"{type(model).__name__}")
     model.save_pretrained(out, state_dict=state_dict, save_embedding_layers=False)
     return (out / "adapter_model.safetensors").stat().st_size

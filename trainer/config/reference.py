@@ -1,4 +1,4 @@
-"""The config schema read as data: every key of trainer/config_keys.py with its YAML name, type, default, range and
+"""The config schema read as data: every key of trainer/config/keys.py with its YAML name, type, default, range and
 help (`iter_keys`, `describe_config` for `harness train --show-config` and docs/training.md's reference), and the
 readers of a key's type and bounds that the loader and the checks share.
 """
@@ -13,7 +13,7 @@ import typing
 from collections.abc import Iterator
 from typing import Any, Literal
 
-from trainer.config_keys import ROOT, TrainConfig
+from trainer.config.keys import ROOT, TrainConfig
 
 __all__ = ["describe_config", "in_range", "iter_keys", "key_name", "optional_inner", "range_text", "type_text"]
 
