@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "AGG_MODES",
+    "POLICY_METRICS",
     "ESTIMATORS",
     "KL_KINDS",
     "aggregate",
@@ -40,6 +41,7 @@ __all__ = [
     "outcome_advantages",
     "outcome_reward_tokens",
     "policy_loss",
+    "policy_metric_values",
     "reinforce_pp_returns",
     "token_advantages",
     "token_weights",
@@ -449,10 +451,23 @@ def ppo_token_losses(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor,
     return losses, log_ratio.detach()
 
 
+POLICY_METRICS = ("clipfrac", "clipfrac_low", "clipfrac_high", "dual_clipfrac", "approx_kl", "ratio_mean",
+                  "ratio_max")
+
+
 def policy_metrics(
     log_ratio: Tensor, advantages: Tensor, mask: Tensor, clip_low: float, clip_high: float, dual_clip: float | None
 ) -> dict[str, float]:
     """policy_loss's metrics (see there) from the log-ratios ppo_token_losses returns."""
+    values = policy_metric_values(log_ratio, advantages, mask, clip_low, clip_high, dual_clip)
+    return dict(zip(POLICY_METRICS, values.tolist(), strict=True))
+
+
+def policy_metric_values(
+    log_ratio: Tensor, advantages: Tensor, mask: Tensor, clip_low: float, clip_high: float, dual_clip: float | None
+) -> Tensor:
+    """policy_metrics as one float64 tensor [7] in the order of POLICY_METRICS, where the inputs are: nothing is
+    read back to the host (for a loop that reads its metrics once per mini-batch)."""
     valid = mask > 0
     n = valid.sum().clamp(min=1).double()
     ratio = log_ratio.exp()
@@ -465,7 +480,6 @@ def policy_metrics(
     dual = fraction((advantages < 0) & (ratio > dual_clip)) if dual_clip is not None else torch.zeros_like(low)
     approx_kl = torch.where(valid, -log_ratio, 0.0).sum() / n
     ratio_mean = torch.where(valid, ratio, 0.0).sum() / n
-    ratio_max = torch.where(valid, ratio, 0.0).max() if valid.any() else torch.zeros_like(low)
-    values = torch.stack([v.double() for v in (low + high, low, high, dual, approx_kl, ratio_mean, ratio_max)])
-    names = ("clipfrac", "clipfrac_low", "clipfrac_high", "dual_clipfrac", "approx_kl", "ratio_mean", "ratio_max")
-    return dict(zip(names, values.tolist(), strict=True))
+    # 0 without a trained token (ratios are positive, so the masked max is 0 then too)
+    ratio_max = torch.where(valid, ratio, 0.0).max() if ratio.numel() else torch.zeros_like(low)
+    return torch.stack([v.double() for v in (low + high, low, high, dual, approx_kl, ratio_mean, ratio_max)])

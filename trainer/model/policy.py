@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 import torch
@@ -26,7 +26,8 @@ from torch.utils.checkpoint import checkpoint
 
 from harness.core.records import Sample
 
-__all__ = ["Batch", "activations", "collate", "load_policy", "micro_batches", "padded", "token_logprobs"]
+__all__ = ["Batch", "activations", "collate", "device_of", "load_policy", "micro_batches", "padded", "to_device",
+           "token_logprobs"]
 
 # Models whose logits are not just output_layer(hidden): they take the plain (unchunked) path.
 _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
@@ -34,7 +35,7 @@ _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
 
 @dataclass
 class Batch:
-    """Samples as right-padded tensors, one row per sample."""
+    """Samples as right-padded tensors, one row per sample, and the counts the host knows without reading them."""
 
     token_ids: torch.Tensor  # long [B, T]: the sample's token ids, pad_id after its end
     attention_mask: torch.Tensor  # long [B, T]: 1 on the sample's tokens, 0 on padding
@@ -42,16 +43,39 @@ class Batch:
     engine_logprobs: torch.Tensor  # float [B, T]: the engine's logprob of each sampled token, 0 outside loss_mask
     episode_index: torch.Tensor  # long [B]: each row's episode, as an index into the collate's episode list
     sample_index: list[int]  # each row's position in the caller's list of samples (to put results back in order)
-
-    def to(self, device: torch.device | str) -> Batch:
-        """The same batch with every tensor on `device`."""
-        moved = {f.name: getattr(self, f.name) for f in fields(self)}
-        return Batch(**{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in moved.items()})
+    n_tokens: int  # real (unpadded) tokens in the batch
+    n_trained: int  # tokens with loss_mask > 0 (none is a row's first token: collate refuses that)
 
     @property
-    def n_tokens(self) -> int:
-        """Real (unpadded) tokens in the batch."""
-        return int(self.attention_mask.sum())
+    def n_predicted(self) -> int:
+        """Tokens with a token before them: what token_logprobs scores without loss_only."""
+        return self.n_tokens - len(self.sample_index)
+
+    def to(self, device: torch.device | str) -> Batch:
+        """The same batch with every tensor on `device`, in one copy (to_device)."""
+        return to_device(device, self)[0]
+
+
+def to_device(device: torch.device | str, batch: Batch, *tensors: torch.Tensor) -> tuple:
+    """(batch, *tensors) on `device` in one host-to-device copy: every tensor packed into one byte buffer on the
+    host (pinned on a GPU machine), moved with one non-blocking copy, then cut into views on the device. The
+    copy is issued on a CPU-only machine too (where it returns the buffer itself), so there is one call per
+    micro-batch either way."""
+    names = [f.name for f in fields(batch) if isinstance(getattr(batch, f.name), torch.Tensor)]
+    host = [getattr(batch, name) for name in names] + list(tensors)
+    # widest dtypes first: every piece then starts at a multiple of its element size, so its view is aligned
+    order = sorted(range(len(host)), key=lambda i: -host[i].element_size())
+    pieces = [host[i].detach().cpu().contiguous().reshape(-1).view(torch.uint8) for i in order]
+    buffer = torch.empty(sum(p.numel() for p in pieces), dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+    torch.cat(pieces, out=buffer)
+    moved = buffer.to(device, non_blocking=True)
+    out: list[torch.Tensor | None] = [None] * len(host)
+    start = 0
+    for i, piece in zip(order, pieces, strict=True):
+        out[i] = moved[start:start + piece.numel()].view(host[i].dtype).view(host[i].shape)
+        start += piece.numel()
+    moved_batch = replace(batch, **dict(zip(names, out[:len(names)], strict=True)))
+    return (moved_batch, *out[len(names):])
 
 
 def collate(samples: Sequence[Sample], pad_id: int, episode_ids: Sequence[str] | None = None, *,
@@ -89,7 +113,9 @@ def collate(samples: Sequence[Sample], pad_id: int, episode_ids: Sequence[str] |
         loss_mask[row, :n] = mask
         engine_logprobs[row, :n] = torch.tensor(sample.logprobs, dtype=torch.float32) * mask
         episode_index[row] = episode_of[sample.episode_id]
-    return Batch(token_ids, attention_mask, loss_mask, engine_logprobs, episode_index, indices)
+    return Batch(token_ids, attention_mask, loss_mask, engine_logprobs, episode_index, indices,
+                 n_tokens=sum(len(s.token_ids) for s in samples),
+                 n_trained=sum(1 for s in samples for m in s.loss_mask if m > 0))
 
 
 def _check_sample(sample: Sample, index: int) -> None:
@@ -173,40 +199,49 @@ def token_logprobs(model, batch: Batch, temperature: float = 1.0, with_entropy: 
 
     The output layer runs on at most `chunk_tokens` positions at a time (see the module docstring);
     `offload_activations` keeps what the backward needs in CPU memory meanwhile (`activations`). The model runs
-    where its parameters are; the results come back on the device `batch` is on (the loop's masks, weights and old
-    logprobs are there: on a GPU machine the batch stays in CPU memory and only the forward runs on the GPU).
+    where its parameters are; a batch elsewhere is moved there first (one copy: to_device), and the results stay
+    there (the loop moves its micro-batch once, masks and weights included, and computes the loss on the device).
+    The positions scored are found with the count the host knows (Batch.n_trained / n_predicted), so nothing here
+    waits for the device (transformers itself reads the attention mask once or twice per forward, to see whether
+    it may skip it).
     """
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature!r}")
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be a positive number of positions, got {chunk_tokens!r}")
     scale = 1.0 / temperature if temperature > 0 else 1.0
-    home = batch.token_ids.device
-    batch = batch.to(_device_of(model))
-    # Position t is predicted from the output at t - 1: select the predicting positions once, for both paths.
-    keep = (batch.loss_mask[:, 1:] > 0) if loss_only else (batch.attention_mask[:, 1:] > 0)
-    targets = batch.token_ids[:, 1:][keep]
+    device = device_of(model)
+    if batch.token_ids.device != device:
+        batch = batch.to(device)
+    # Position t is predicted from the output at t - 1: find the predicting positions once, for both paths, as
+    # indices into the flattened [B * T] positions (the token predicted from position p is at p + 1).
+    rows, width = batch.token_ids.shape
+    keep = torch.zeros(rows, width, dtype=torch.bool, device=device)
+    keep[:, :-1] = (batch.loss_mask[:, 1:] > 0) if loss_only else (batch.attention_mask[:, 1:] > 0)
+    n = batch.n_trained if loss_only else batch.n_predicted
+    at = torch.nonzero_static(keep.flatten(), size=n).squeeze(1)
+    targets = batch.token_ids.flatten().index_select(0, at + 1)
     with activations(offload_activations):
         head = _output_layer(model)
         if head is None:  # logits are more than output_layer(hidden): compute them all, then select
             logits = model(input_ids=batch.token_ids, attention_mask=batch.attention_mask, use_cache=False).logits
-            chosen = logits[:, :-1][keep]
+            chosen = logits.flatten(0, 1).index_select(0, at)
             del logits
             pieces = [_score(chosen[s:s + chunk_tokens], targets[s:s + chunk_tokens], scale, with_entropy, None)
-                      for s in range(0, len(targets), chunk_tokens)]
+                      for s in range(0, n, chunk_tokens)]
         else:
             decoder = model.get_decoder()
             hidden = decoder(input_ids=batch.token_ids, attention_mask=batch.attention_mask, use_cache=False)
-            chosen = hidden.last_hidden_state[:, :-1][keep]
+            chosen = hidden.last_hidden_state.flatten(0, 1).index_select(0, at)
             pieces = []
-            for s in range(0, len(targets), chunk_tokens):
+            for s in range(0, n, chunk_tokens):
                 args = (chosen[s:s + chunk_tokens], targets[s:s + chunk_tokens], scale, with_entropy, head)
                 if torch.is_grad_enabled() and chosen.requires_grad:
                     pieces.append(checkpoint(_score, *args, use_reentrant=False))
                 else:
                     pieces.append(_score(*args))
-    logprobs = _place(batch, keep, [p[0] for p in pieces]).to(home)
-    entropy = _place(batch, keep, [p[1] for p in pieces]).to(home) if with_entropy else None
+    logprobs = _place(batch, at + 1, [p[0] for p in pieces])
+    entropy = _place(batch, at + 1, [p[1] for p in pieces]) if with_entropy else None
     return logprobs, entropy
 
 
@@ -221,13 +256,12 @@ def _score(x: torch.Tensor, targets: torch.Tensor, scale: float, with_entropy: b
     return chosen, entropy
 
 
-def _place(batch: Batch, keep: torch.Tensor, pieces: list[torch.Tensor]) -> torch.Tensor:
-    """Scatter the selected positions' values back into a [B, T] tensor of zeros (keeping the graph)."""
-    out = torch.zeros(batch.token_ids.shape, dtype=torch.float32, device=batch.token_ids.device)
+def _place(batch: Batch, at: torch.Tensor, pieces: list[torch.Tensor]) -> torch.Tensor:
+    """The pieces' values put at the flat positions `at` of a [B, T] tensor of zeros (keeping the graph)."""
+    out = torch.zeros(batch.token_ids.numel(), dtype=torch.float32, device=batch.token_ids.device)
     if pieces:
-        shifted = torch.zeros_like(out[:, 1:]).masked_scatter(keep, torch.cat(pieces))
-        out = torch.cat([out[:, :1], shifted], dim=1)
-    return out
+        out = out.index_put((at,), torch.cat(pieces))
+    return out.view(batch.token_ids.shape)
 
 
 def _output_layer(model) -> torch.nn.Module | None:
@@ -244,7 +278,8 @@ def _output_layer(model) -> torch.nn.Module | None:
     return head
 
 
-def _device_of(model) -> torch.device:
+def device_of(model) -> torch.device:
+    """Where the model's parameters are (the CPU for a model without any)."""
     try:
         return next(model.parameters()).device
     except StopIteration:

@@ -43,7 +43,7 @@ from trainer.maths import algorithms as algo
 from trainer.model.build import build_policy
 from trainer.model.checkpoint import check_resume, find_resume, load, model_fingerprint, save, saved_state
 from trainer.model.fsdp import Dist, init_distributed, metrics_over_ranks, most_over_ranks, shutdown
-from trainer.model.policy import collate, micro_batches, padded, token_logprobs
+from trainer.model.policy import collate, device_of, micro_batches, padded, to_device, token_logprobs
 from trainer.offline.data import OfflineData, OfflineDataError
 from trainer.rl import parts
 from trainer.rl.oom import oom_explained
@@ -243,56 +243,62 @@ def _step(model, rows: list[Sample], advantages: list[float], weights: list[torc
           pad_id: int, cfg: TrainConfig, dist: Dist, loss_kind: str) -> dict[str, float]:
     """Accumulate one batch's gradient over this rank's micro-batches; its metrics (summed over micro-batches as
     the weights make them: the batch's aggregate). Ranks run equally many passes (FSDP pairs collectives up); a
-    rank with fewer runs `filler` with weight 0."""
+    rank with fewer runs `filler` with weight 0. Each micro-batch goes to the device in one copy (to_device); the
+    metrics stay there until the last one, then the host reads them once."""
     t = cfg.trainer
+    device = device_of(model)
     mine = list(range(dist.rank, len(rows), dist.world))
     groups = [[mine[j] for j in g] for g in micro_batches([rows[i] for i in mine], t.micro_batch_tokens)] if mine \
         else []
     passes = most_over_ranks(len(groups), dist)
     temperature = cfg.rollout.temperature if loss_kind == "pg" else 1.0
     batch_tokens = max(sum(sum(r.loss_mask) for r in rows), 1)
-    stats: dict[str, float] = {}
+    names = ["offline/nll"] if loss_kind == "sft" else \
+        [*(f"actor/{key}" for key in algo.POLICY_METRICS), "actor/pg_loss", "logprob/behaviour_mean_abs_diff"]
+    sums = torch.zeros(len(names), dtype=torch.float64, device=device)
     for n in range(passes):
         idx = groups[n] if n < len(groups) else None
         batch = collate([rows[i] for i in idx] if idx else [filler], pad_id, indices=idx)
+        w = padded([weights[i] for i in idx], batch.loss_mask) if idx else torch.zeros_like(batch.loss_mask)
+        adv = torch.tensor([advantages[i] for i in idx] if idx else [0.0]).unsqueeze(-1) * batch.loss_mask
+        batch, w, adv = to_device(device, batch, w, adv)  # the one copy
         mask = batch.loss_mask
-        w = padded([weights[i] for i in idx], mask) if idx else torch.zeros_like(mask)
         logprobs, _ = token_logprobs(model, batch, temperature, loss_only=True,
                                      offload_activations=cfg.model.activation_offload)
         nll = -(logprobs * w).sum()
         if loss_kind == "pg":
-            adv = torch.tensor([advantages[i] for i in idx] if idx else [0.0]).unsqueeze(-1) * mask
             losses, log_ratio = algo.ppo_token_losses(logprobs, batch.engine_logprobs, adv, clip_low=t.clip_low,
                                                       clip_high=t.clip_high, dual_clip=t.dual_clip)
             loss = (losses * w).sum()
-            share = float(mask.sum()) / batch_tokens if idx else 0.0  # of the whole batch, over all ranks
-            for key, value in algo.policy_metrics(log_ratio, adv, mask, t.clip_low, t.clip_high, t.dual_clip).items():
-                _add(stats, f"actor/{key}", value * share)
-            _add(stats, "actor/pg_loss", loss.item())
-            _add(stats, "logprob/behaviour_mean_abs_diff",
-                 float(((logprobs.detach() - batch.engine_logprobs).abs() * mask).sum()) / batch_tokens if idx else 0.0)
+            share = batch.n_trained / batch_tokens if idx else 0.0  # of the whole batch, over all ranks
+            policy = algo.policy_metric_values(log_ratio, adv, mask, t.clip_low, t.clip_high, t.dual_clip) * share
+            diff = ((logprobs.detach() - batch.engine_logprobs).abs() * mask).sum().double() / batch_tokens if idx \
+                else torch.zeros((), dtype=torch.float64, device=device)
+            sums = sums + torch.cat([policy, loss.detach().double().view(1), diff.view(1)])
         else:
             loss = nll
         (loss * dist.world).backward()  # FSDP averages gradients over ranks: undo it, the weights are global
         if loss_kind == "sft":  # (pg scores at rollout.temperature: offline/data_nll is its NLL at temperature 1)
-            _add(stats, "offline/nll", nll.item())
+            sums = sums + nll.detach().double().view(1)
+    stats = dict(zip(names, sums.tolist(), strict=True)) if passes else {}  # the one read
     return {**metrics_over_ranks(stats, 1.0, dist, summed=stats), "offline/tokens": float(batch_tokens)}
 
 
 @torch.no_grad()
 def _data_nll(model, samples: list[Sample], pad_id: int, cfg: TrainConfig, dist: Dist) -> float:
-    """Mean NLL (temperature 1) over every trained token of `samples`, each rank scoring its share."""
+    """Mean NLL (temperature 1) over every trained token of `samples`, each rank scoring its share; the host
+    counts the tokens and reads the sum once."""
+    device = device_of(model)
     mine = list(range(dist.rank, len(samples), dist.world))
-    total = torch.zeros(2, dtype=torch.float64)
+    nll, tokens = torch.zeros((), dtype=torch.float64, device=device), 0
     groups = micro_batches([samples[i] for i in mine], cfg.trainer.micro_batch_tokens) if mine else []
     for n in range(most_over_ranks(len(groups), dist)):
         idx = [mine[j] for j in groups[n]] if n < len(groups) else None
-        batch = collate([samples[i] for i in idx] if idx else [samples[0]], pad_id, indices=idx)
+        (batch,) = to_device(device, collate([samples[i] for i in idx] if idx else [samples[0]], pad_id, indices=idx))
         logprobs, _ = token_logprobs(model, batch, 1.0, loss_only=True)
         if idx:
-            total += torch.tensor([float(-(logprobs * batch.loss_mask).sum()), float(batch.loss_mask.sum())],
-                                  dtype=torch.float64)
-    total = _all_reduce(total, dist)
+            nll, tokens = nll + (-(logprobs * batch.loss_mask).sum()).double(), tokens + batch.n_trained
+    total = _all_reduce(torch.stack([nll.cpu(), torch.tensor(float(tokens), dtype=torch.float64)]), dist)
     return float(total[0] / total[1].clamp(min=1))
 
 

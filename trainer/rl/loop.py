@@ -51,7 +51,7 @@ from trainer.maths.schedule import next_tasks
 from trainer.model.build import build_policy
 from trainer.model.checkpoint import check_resume, find_resume, load, model_fingerprint, save, saved_state
 from trainer.model.fsdp import Dist, init_distributed, metrics_over_ranks, most_over_ranks, shutdown
-from trainer.model.policy import collate, micro_batches, padded, token_logprobs
+from trainer.model.policy import collate, device_of, micro_batches, padded, to_device, token_logprobs
 from trainer.rl.async_rollouts import RolloutsAhead, keep_fresh, plan_steps
 from trainer.rl.experience import advantages_of, experience_of, gae_of, mean_token_kl
 from trainer.rl.oom import oom_explained
@@ -227,31 +227,47 @@ def _train(cfg: TrainConfig, dist: Dist, placement: Placement | None) -> dict[st
 @torch.no_grad()
 def _score_rows(model, reference, rows: list[Sample], pad_id: int, cfg: TrainConfig):
     """The trainer's logprobs of every row at the rollout weights (and the reference's), and how far the
-    trainer's are from the engine's on the sampled tokens (the same weights: they should agree to ~1e-3)."""
-    temperature = cfg.rollout.temperature
-    old: list[torch.Tensor | None] = [None] * len(rows)
-    ref: list[torch.Tensor | None] = [None] * len(rows)
-    worst, total, count = 0.0, 0.0, 0
+    trainer's are from the engine's on the sampled tokens (the same weights: they should agree to ~1e-3).
+
+    Each micro-batch goes to the device in one copy; the logprobs and the differences stay there until the last
+    micro-batch, then come back in one copy, so the host never waits inside the loop."""
+    temperature, device = cfg.rollout.temperature, device_of(model)
+    scored: list[torch.Tensor] = []  # per row in `order`: its logprobs, then (with a reference) the reference's
+    order: list[int] = []
+    worst, total = torch.zeros((), device=device), torch.zeros((), dtype=torch.float64, device=device)
+    count = 0
     for idx in micro_batches(rows, cfg.trainer.micro_batch_tokens) if rows else []:
-        batch = collate([rows[i] for i in idx], pad_id, indices=idx)
+        (batch,) = to_device(device, collate([rows[i] for i in idx], pad_id, indices=idx))  # the one copy
         logprobs, _ = token_logprobs(model, batch, temperature, loss_only=True)
         diff = (logprobs - batch.engine_logprobs).abs() * batch.loss_mask
-        worst, total = max(worst, float(diff.max())), total + float(diff.sum())
-        count += int(batch.loss_mask.sum())
+        worst, total = torch.maximum(worst, diff.max()), total + diff.sum().double()
+        count += batch.n_trained
         ref_lp = token_logprobs(reference, batch, temperature, loss_only=True)[0] if reference is not None else None
         for row, i in enumerate(idx):
             n = len(rows[i].token_ids)
-            old[i] = logprobs[row, :n]
-            if ref_lp is not None:
-                ref[i] = ref_lp[row, :n]
-    return old, ref, {"logprob/engine_max_abs_diff": worst if count else None,
-                      "logprob/engine_mean_abs_diff": total / count if count else None}
+            order.append(i)
+            scored += [logprobs[row, :n]] if ref_lp is None else [logprobs[row, :n], ref_lp[row, :n].to(device)]
+    old: list[torch.Tensor | None] = [None] * len(rows)
+    ref: list[torch.Tensor | None] = [None] * len(rows)
+    if not order:
+        return old, ref, {"logprob/engine_max_abs_diff": None, "logprob/engine_mean_abs_diff": None}
+    # the one read: both differences and every row's logprobs (float32 -> float64 -> float32 is exact)
+    host = torch.cat([worst.double().view(1), total.view(1), *(lp.double() for lp in scored)]).cpu()
+    worst_diff, total_diff = host[:2].tolist()
+    pieces = host[2:].float().split([len(lp) for lp in scored])
+    per_row = len(pieces) // len(order)  # 1, or 2 with a reference
+    for k, i in enumerate(order):
+        old[i] = pieces[k * per_row]
+        if reference is not None:
+            ref[i] = pieces[k * per_row + 1]
+    return old, ref, {"logprob/engine_max_abs_diff": worst_diff if count else None,
+                      "logprob/engine_mean_abs_diff": total_diff / count if count else None}
 
 
 def _update(model, optimizer, rows, tasks_of_rows, advantages, old, ref, pad_id: int, cfg: TrainConfig,
             dist: Dist) -> dict:
     """ppo_epochs passes over the rows in mini-batches of whole groups (the rows of `mini_batch_size` tasks);
-    one optimizer step per mini-batch."""
+    one optimizer step per mini-batch, whose metrics (and gradient norm) the host reads once, after the step."""
     t = cfg.trainer
     n_mini = max(1, cfg.rollout.batch_size // (t.mini_batch_size or cfg.rollout.batch_size))
     sums: dict[str, float] = {}
@@ -268,13 +284,15 @@ def _update(model, optimizer, rows, tasks_of_rows, advantages, old, ref, pad_id:
             stats = _mini_batch(model, [rows[mini[j]] for j in mine], [advantages[mini[j]] for j in mine],
                                 [old[mini[j]] for j in mine], [ref[mini[j]] for j in mine],
                                 [weights[j] for j in mine], rows[0], pad_id, cfg, dist)
-            stats = metrics_over_ranks(stats, sum(sum(rows[mini[j]].loss_mask) for j in mine), dist, _SUMMED)
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip or float("inf"))
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP
                 grad_norm = grad_norm.full_tensor()
-            stats["actor/grad_norm"] = float(grad_norm)
+            values = torch.stack([*stats.values(), grad_norm.to(torch.float64)]).tolist()  # the one read
+            stats = metrics_over_ranks(dict(zip(stats, values[:-1], strict=True)),
+                                       sum(sum(rows[mini[j]].loss_mask) for j in mine), dist, _SUMMED)
+            stats["actor/grad_norm"] = values[-1]
             for key, value in stats.items():
                 sums[key] = sums.get(key, 0.0) + value
             steps += 1
@@ -285,15 +303,24 @@ _SUMMED = ("actor/pg_loss", "actor/entropy", "actor/kl")  # weighted sums of a m
 
 
 def _mini_batch(model, rows, advantages, old, ref, weights, filler: Sample, pad_id: int, cfg: TrainConfig,
-                dist: Dist) -> dict:
-    """Accumulate the gradient of this rank's rows of one mini-batch over micro-batches; returns its metrics.
+                dist: Dist) -> dict[str, torch.Tensor]:
+    """Accumulate the gradient of this rank's rows of one mini-batch over micro-batches; returns its metrics as
+    float64 scalars on the model's device (the caller reads them once).
 
-    Every rank runs as many forward/backward passes as the busiest one (FSDP's collectives must pair up): a rank
-    with fewer micro-batches runs `filler` with zero weight."""
+    Each micro-batch is built on the host and moved in one copy (to_device); its loss and metrics are computed
+    on the device and nothing is read back inside the loop. Every rank runs as many forward/backward passes as
+    the busiest one (FSDP's collectives must pair up): a rank with fewer micro-batches runs `filler` with zero
+    weight."""
     t = cfg.trainer
+    device = device_of(model)
     groups = micro_batches(rows, t.micro_batch_tokens) if rows else []
     passes = most_over_ranks(len(groups), dist)
-    stats: dict[str, float] = {}
+    all_tokens = max(sum(sum(r.loss_mask) for r in rows), 1)
+    zero = torch.zeros((), dtype=torch.float64, device=device)
+    sums = {"actor/pg_loss": zero, "actor/entropy": zero}
+    if t.kl_coef > 0:
+        sums = {"actor/kl": zero, **sums}
+    policy = torch.zeros(len(algo.POLICY_METRICS), dtype=torch.float64, device=device)
     for n in range(passes):
         if n < len(groups):
             idx = groups[n]
@@ -301,36 +328,36 @@ def _mini_batch(model, rows, advantages, old, ref, weights, filler: Sample, pad_
             mask = batch.loss_mask
             w = padded([weights[i] for i in idx], mask)
             old_lp, adv = padded([old[i] for i in idx], mask), _pad_advantages([advantages[i] for i in idx], mask)
+            ref_lp = padded([ref[i] for i in idx], mask) if t.kl_coef > 0 else torch.zeros_like(mask)
         else:
             batch = collate([filler], pad_id)
             mask = batch.loss_mask
             w = torch.zeros_like(mask)
-            old_lp, adv = batch.engine_logprobs, torch.zeros_like(mask)
+            old_lp, adv, ref_lp = batch.engine_logprobs, torch.zeros_like(mask), batch.engine_logprobs
+        batch, w, old_lp, adv, ref_lp = to_device(device, batch, w, old_lp, adv, ref_lp)  # the one copy
+        mask = batch.loss_mask
         logprobs, entropy = token_logprobs(model, batch, cfg.rollout.temperature, with_entropy=True, loss_only=True,
                                            offload_activations=cfg.model.activation_offload)
-        valid = float(mask.sum())
 
         tis = algo.truncated_importance_weights(old_lp, batch.engine_logprobs, mask, t.tis_cap) if t.tis_cap else 1.0
         losses, log_ratio = algo.ppo_token_losses(logprobs, old_lp, adv, clip_low=t.clip_low, clip_high=t.clip_high,
                                                   dual_clip=t.dual_clip)
         pg_loss = (losses * tis * w).sum()  # sum(weight x loss): this micro-batch's part
-        pg_stats = algo.policy_metrics(log_ratio, adv, mask, t.clip_low, t.clip_high, t.dual_clip)
+        pg_stats = algo.policy_metric_values(log_ratio, adv, mask, t.clip_low, t.clip_high, t.dual_clip)
         loss = pg_loss
         if t.kl_coef > 0:
-            kl = (algo.kl_penalty(logprobs, padded([ref[i] for i in idx], mask), t.kl_type) * w).sum()
+            kl = (algo.kl_penalty(logprobs, ref_lp, t.kl_type) * w).sum()
             if not t.use_kl_in_reward:  # else it is in the reward already; still measured
                 loss = loss + t.kl_coef * kl
-            stats["actor/kl"] = stats.get("actor/kl", 0.0) + kl.item()
+            sums["actor/kl"] = sums["actor/kl"] + kl.detach().double()
         ent = (entropy * w).sum()
         if t.entropy_coef > 0:
             loss = loss - t.entropy_coef * ent
         (loss * dist.world).backward()  # FSDP averages gradients over ranks: undo it, the weights are global
-        stats["actor/pg_loss"] = stats.get("actor/pg_loss", 0.0) + pg_loss.item()
-        stats["actor/entropy"] = stats.get("actor/entropy", 0.0) + ent.item()
-        share = valid / max(sum(sum(r.loss_mask) for r in rows), 1)
-        for key, value in pg_stats.items():
-            stats[f"actor/{key}"] = stats.get(f"actor/{key}", 0.0) + value * share
-    return stats
+        sums["actor/pg_loss"] = sums["actor/pg_loss"] + pg_loss.detach().double()
+        sums["actor/entropy"] = sums["actor/entropy"] + ent.detach().double()
+        policy = policy + pg_stats * (batch.n_trained / all_tokens)  # the micro-batch's share of the tokens
+    return {**sums, **{f"actor/{key}": value for key, value in zip(algo.POLICY_METRICS, policy, strict=True)}}
 
 
 # ---------------------------------------------------------------------------------------------- small helpers
