@@ -161,19 +161,86 @@ class _VllmRequest(RequestParsing):
 
 
 class _VllmStream(ChoiceStream):
+    """vLLM's streaming parsers are written for one token a delta, as an idle engine streams; a busy engine sends
+    several tokens in one piece, and some parsers then garble a call (vLLM's own chat endpoint included: Mistral's
+    arguments lose their start). A piece of several tokens is handed to the parser one token at a time, each with
+    its own text, and the deltas it answers are joined into the one delta the piece sends: what the client gets no
+    longer depends on how busy the engine was."""
+
+    CONTEXT = 4  # earlier tokens decoded before a piece's own, so each token's text is what it adds in context
+
     def __init__(self, owner: _VllmRequest, parser, prompt_ids: list[int] | None):
         self.owner, self.parser, self.prompt_ids = owner, parser, prompt_ids
+        self.tail = list(prompt_ids[-self.CONTEXT:]) if prompt_ids else []
 
     def delta(self, text: str, token_ids: list[int], finished: bool) -> dict | None:
         if self.parser is None:
             return {"content": text} if text or finished else None
-        message = self.parser.parse_delta(text, list(token_ids), self.owner.request, self.prompt_ids,
-                                          finished=finished)
-        if message is None:
+        pieces = self._per_token(text, list(token_ids))
+        self.tail = (self.tail + list(token_ids))[-self.CONTEXT:]
+        out = None
+        for k, (piece, ids) in enumerate(pieces):
+            message = self.parser.parse_delta(piece, ids, self.owner.request, self.prompt_ids,
+                                              finished=finished and k == len(pieces) - 1)
+            if message is not None:
+                out = _joined(out, message.model_dump(exclude_unset=True, mode="json"))
+        if out is None:
             return None
-        out = message.model_dump(exclude_unset=True, mode="json")
         if not self.owner.request.include_reasoning:
             out.pop("reasoning", None)
         if not self.owner.tools_on:
             out.pop("tool_calls", None)
         return out
+
+    def _per_token(self, text: str, token_ids: list[int]) -> list[tuple[str, list[int]]]:
+        """The piece as (text, ids) one token each (a token whose bytes end mid-character goes with the next); the
+        piece whole when its tokens do not decode to exactly its text (a stop string cut it, say)."""
+        if len(token_ids) < 2:
+            return [(text, token_ids)]
+        skip = self.owner.skip_special_tokens
+        decode = self.owner.parsing.tokenizer.decode
+        seen = list(self.tail)
+        before = decode(seen, skip_special_tokens=skip).rstrip("\ufffd") if seen else ""  # a character the
+        # context's last token began is this piece's text
+        pieces, pending = [], []
+        for token in token_ids:
+            pending.append(token)
+            now = decode(seen + pending, skip_special_tokens=skip)
+            if now.endswith("\ufffd") or not now.startswith(before):
+                continue
+            pieces.append((now[len(before):], pending))
+            seen, before, pending = seen + pending, now, []
+        if pending:  # a character not finished in this piece: the engine sends it with the next
+            if not pieces:
+                return [(text, token_ids)]
+            pieces[-1] = (pieces[-1][0], pieces[-1][1] + pending)
+        if "".join(p for p, _ in pieces) != text:
+            return [(text, token_ids)]
+        return pieces
+
+
+def _joined(a: dict | None, b: dict) -> dict:
+    """Two chat deltas as one: text appended, a tool call's pieces joined under its index, as a client adds them."""
+    if a is None:
+        return b
+    for key, value in b.items():
+        if key == "tool_calls":
+            calls = {c.get("index"): c for c in a.setdefault("tool_calls", [])}
+            for call in value:
+                mine = calls.get(call.get("index"))
+                if mine is None:
+                    a["tool_calls"].append(call)
+                    calls[call.get("index")] = call
+                    continue
+                for field, v in call.items():
+                    if field == "function":
+                        fn = mine.setdefault("function", {})
+                        for name, part in (v or {}).items():
+                            fn[name] = (fn.get(name) or "") + part if isinstance(part, str) else fn.get(name, part)
+                    elif mine.get(field) is None:
+                        mine[field] = v
+        elif isinstance(value, str) and isinstance(a.get(key), str):
+            a[key] += value
+        elif a.get(key) is None:
+            a[key] = value
+    return a

@@ -63,9 +63,11 @@ def _conversation(base_url: str, family: Family, stream: bool, bias: dict) -> li
 
 
 def _same_message(a: dict, b: dict) -> bool:
+    """The same message as a client reads it: text stripped, and no text (a whole answer's None, a stream's
+    whitespace between its reasoning and its call) alike."""
     keys = ("content", "reasoning", "calls", "finish")
-    return {k: (a[k].strip() if isinstance(a[k], str) else a[k]) for k in keys} == {
-        k: (b[k].strip() if isinstance(b[k], str) else b[k]) for k in keys}
+    return {k: ((a[k].strip() or None) if isinstance(a[k], str) else a[k]) for k in keys} == {
+        k: ((b[k].strip() or None) if isinstance(b[k], str) else b[k]) for k in keys}
 
 
 # open-turns is GLM-4's turn layout with Hermes calls; glm4.5 runs that layout with its own parsers here (doctor
@@ -144,7 +146,9 @@ def test_a_family_tool_conversation_is_token_exact_and_parsed_as_the_engine_pars
         direct = openai.OpenAI(base_url=f"{engine.base_url}/v1", api_key="sk-test", max_retries=0)
         for stream, turns in got.items():
             for turn, (messages, answer) in enumerate(turns):
-                expected = ask(direct, messages, re.escape(_forced(family, turn)), stream, bias, engine.served_model)
+                # the engine's whole answer is the reference for both: its own stream garbles some families' calls
+                # when it is busy enough to send several tokens a piece (the proxy's does not: test_vllm_parsing.py)
+                expected = ask(direct, messages, re.escape(_forced(family, turn)), False, bias, engine.served_model)
                 assert _same_message(answer, expected), (stream, turn, answer, expected)
                 assert bool(answer["calls"]) == (turn < 2), answer
                 assert answer["finish"] == ("tool_calls" if turn < 2 else "stop")
