@@ -106,7 +106,9 @@ class ProxyServer:
                                          "db_path": str(self.config.db_path), "admin_token": self.config.admin_token})
 
     # A sync caller (tests, the demo) runs the proxy on its own loop in a thread.
-    def start_in_thread(self, timeout_s: float = 60.0) -> str:
+    def start_in_thread(self, timeout_s: float = 60.0, *, spawns: bool = False) -> str:
+        """Start the proxy on a loop of its own in a thread; `spawns`: that loop starts agent processes too
+        (new_event_loop)."""
         ready = threading.Event()
         errors: list[BaseException] = []
 
@@ -123,7 +125,7 @@ class ProxyServer:
             await self.stop()
 
         def run():
-            self._loop = new_event_loop()
+            self._loop = new_event_loop(spawns)
             self._loop.run_until_complete(main())
             self._loop.close()
 
@@ -191,18 +193,22 @@ def loop_kind() -> str:
     return "uvloop"
 
 
-def new_event_loop() -> asyncio.AbstractEventLoop:
-    """A new event loop of `loop_kind()`."""
-    if loop_kind() == "uvloop":
+def new_event_loop(spawns: bool = False) -> asyncio.AbstractEventLoop:
+    """A new event loop of `loop_kind()`; asyncio's for a loop that also starts agent processes (`spawns`: harness
+    run's and the trainer's). uvloop forks a child itself and runs the parent's at-fork handlers in it, and the
+    children of a process that has run torch and tokenizers then die of a segmentation fault before they start
+    (tests/running/test_spawning.py); asyncio starts them by CPython's subprocess, which runs no Python code in
+    the child."""
+    if loop_kind() == "uvloop" and not spawns:
         import uvloop
 
         return uvloop.new_event_loop()
     return asyncio.new_event_loop()
 
 
-def run(coro):
-    """`asyncio.run(coro)` on the proxy's event loop (new_event_loop)."""
-    with asyncio.Runner(loop_factory=new_event_loop) as runner:
+def run(coro, spawns: bool = False):
+    """`asyncio.run(coro)` on the proxy's event loop (new_event_loop(spawns))."""
+    with asyncio.Runner(loop_factory=lambda: new_event_loop(spawns)) as runner:
         return runner.run(coro)
 
 

@@ -160,7 +160,8 @@ def _run(args) -> int:
             tasks, config, engine, args.run_dir, success_threshold=args.success_threshold, sampling=sampling,
             token_exact=not args.no_token_exact, reasoning_history=args.reasoning_history, progress=not args.debug,
             interceptor=interceptor, roles=roles, more_upstreams=tuple((args.upstream or [])[1:]),
-            record_only=args.record_only, upstream_key_env=args.upstream_key_env, proxy_settings=settings))
+            record_only=args.record_only, upstream_key_env=args.upstream_key_env, proxy_settings=settings),
+            spawns=True)  # the runner starts the agents on the proxy's loop
     except options.hop_errors(interceptor) as exc:  # the transparent hop could not start
         print(f"error: {exc}", file=sys.stderr)
         return 1

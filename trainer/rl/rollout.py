@@ -95,7 +95,7 @@ class Rollouts:
         self.server = ProxyServer(config)
         self._runner: Runner | None = None  # the collect under way
         self._stopped = False  # stop() was called: every collect from then on ends at once
-        self.url = self.server.start_in_thread()
+        self.url = self.server.start_in_thread(spawns=True)  # the runner starts the agents on its loop
         self.admin_token = config.admin_token
         self.interceptor = interceptor  # transparent mode's hop (proxy/transparent.py), or None
         if interceptor is not None:
