@@ -290,7 +290,11 @@ def test_asynchronous_rollouts_learn_and_train_nothing_staler_than_the_bound(eng
     first = [r for s, r in rows if s <= ASYNC_WINDOW]
     last = [r for s, r in rows if ASYNC_STEPS - ASYNC_WINDOW < s <= ASYNC_STEPS]
     t = _welch_t(first, last)
-    assert t > 3.0, f"mean reward {statistics.mean(first):.3f} -> {statistics.mean(last):.3f}, Welch t = {t:.2f}"
+    per_step = db_rows(db, "SELECT m.step, round(avg(r.reward), 3), any_value(m.value) FROM rewards r JOIN metrics m "
+                       "ON m.step = CAST(split_part(r.run_id, '-train', 2) AS INTEGER) AND m.name = 'actor/grad_norm' "
+                       "WHERE r.run_id LIKE '%-train%' GROUP BY m.step ORDER BY m.step")
+    assert t > 3.0, (f"mean reward {statistics.mean(first):.3f} -> {statistics.mean(last):.3f}, Welch t = {t:.2f}; "
+                     f"(step, mean reward, grad norm): {per_step}; the run's log: {out.stderr[-3000:]}")
     val = db_rows(db, "SELECT step FROM metrics WHERE name = 'val/pass@n' ORDER BY step")
     assert val == [(4,), (8,)]
     overlapping = db_rows(db, """
