@@ -37,6 +37,7 @@ PAGE_SIZE = 100
 _SORTS = {"reward": "reward", "started_at": "started_at", "task_id": "task_id", "n_calls": "n_calls",
           "duration_ms": "duration_ms", "step": "step", "status": "status"}
 _CURVES = ("reward_mean", "val_pass_at_n", "kl", "entropy", "response_length")
+_UPDATE = ("computed_ratio", "update_s")  # the update: sample tokens per position computed (trainer.layout), its time
 # Episodes with their step and kind read off the run id, reward, calls and roles; {where} filters episode_outcomes.
 _EPISODES = """
     WITH per_call AS (
@@ -102,10 +103,15 @@ class Viewer:
                    CAST(sum(m.n_drift) AS DOUBLE) / nullif(sum(m.n_followups), 0) AS drift_rate
             FROM episode_merges m JOIN episode_outcomes o USING (episode_id)
             WHERE starts_with(o.run_id, ? || '-train') GROUP BY 1""", [run_id])
+        update = self.query("""
+            SELECT step, arg_max(value, created_at) FILTER (WHERE name = 'update/computed_ratio') AS computed_ratio,
+                   arg_max(value, created_at) FILTER (WHERE name = 'time/train_s') AS update_s
+            FROM metrics WHERE run_id = ? GROUP BY step""", [run_id])
         by_step = {r["step"]: r for r in merges if r["step"] is not None}
         steps = sorted({r["step"] for r in curve} | set(by_step))
-        at = {r["step"]: r for r in curve}
-        series = {name: [(at.get(s) or {}).get(name) for s in steps] for name in _CURVES}
+        updates = {u["step"]: u for u in update}
+        at = {r["step"]: {**r, **updates.get(r["step"], {})} for r in curve}
+        series = {name: [(at.get(s) or {}).get(name) for s in steps] for name in (*_CURVES, *_UPDATE)}
         for name in ("drift_rate", "merge_ratio"):
             series[name] = [(by_step.get(s) or {}).get(name) for s in steps]
         return {"steps": steps, "series": series}

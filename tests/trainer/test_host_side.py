@@ -35,7 +35,7 @@ N_ROWS = 6
 def _cfg(*overrides: str):
     return load_config(ROOT / "examples/train/terse.yaml",
                        ["model.path=/nowhere", "rollout.batch_size=3", "trainer.mini_batch_size=null",
-                        "trainer.ppo_epochs=1", "rollout.temperature=0.7", *overrides])
+                        "trainer.ppo_epochs=1", "rollout.temperature=0.7", "trainer.layout=padded", *overrides])
 
 
 def _sample(episode: str, n: int, seed: int) -> Sample:
@@ -123,7 +123,8 @@ def _plain_update(model, optimizer, old, ref, cfg) -> tuple[dict, list]:
         stats["actor/entropy"] = stats.get("actor/entropy", 0.0) + ent.item()
         share = float(mask.sum()) / all_tokens
         for key, value in algo.policy_metrics(log_ratio, adv, mask, t.clip_low, t.clip_high, t.dual_clip).items():
-            stats[f"actor/{key}"] = stats.get(f"actor/{key}", 0.0) + value * share
+            before = stats.get(f"actor/{key}", 0.0)
+            stats[f"actor/{key}"] = max(before, value) if key == "ratio_max" else before + value * share
     stats["actor/grad_norm"] = float(torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip or float("inf")))
     grads = _grads(model)  # clipped, as the optimizer steps with them
     optimizer.step()
@@ -191,7 +192,11 @@ def test_the_rl_update_is_bitwise_the_plain_loop_s(tiny_model_dir, dist, terms):
             grads = recorded.grads
         results.append((stats, grads, [p.detach().clone() for p in model.parameters()]))
     (want, want_grads, want_params), (got, got_grads, got_params) = results
+    counts = {key: got.pop(key) for key in ("update/tokens", "update/tokens_computed", "update/computed_ratio")}
     assert got == want  # every metric, exactly
+    padded_positions = sum(collate([ROWS[i] for i in idx], 0).n_computed for idx in micro_batches(ROWS, 40))
+    assert counts == {"update/tokens": sum(len(r.token_ids) for r in ROWS), "update/tokens_computed": padded_positions,
+                      "update/computed_ratio": sum(len(r.token_ids) for r in ROWS) / padded_positions}
     _assert_same(got_grads, want_grads)
     _assert_same(got_params, want_params)
 
@@ -243,7 +248,9 @@ def test_the_offline_step_and_data_nll_are_bitwise_the_plain_loop_s(tiny_model_d
                                                       clip_high=t.clip_high, dual_clip=t.dual_clip)
             loss = (losses * w).sum()
             for key, value in algo.policy_metrics(log_ratio, adv, mask, t.clip_low, t.clip_high, t.dual_clip).items():
-                want[f"actor/{key}"] = want.get(f"actor/{key}", 0.0) + value * (float(mask.sum()) / tokens)
+                before = want.get(f"actor/{key}", 0.0)
+                want[f"actor/{key}"] = max(before, value) if key == "ratio_max" else \
+                    before + value * (float(mask.sum()) / tokens)
             want["actor/pg_loss"] = want.get("actor/pg_loss", 0.0) + loss.item()
             diff = float(((logprobs.detach() - batch.engine_logprobs).abs() * mask).sum()) / tokens
             want["logprob/behaviour_mean_abs_diff"] = want.get("logprob/behaviour_mean_abs_diff", 0.0) + diff
@@ -259,6 +266,10 @@ def test_the_offline_step_and_data_nll_are_bitwise_the_plain_loop_s(tiny_model_d
             logprobs, _ = _plain_logprobs(model, batch, 1.0, loss_only=True)
             nll_sum, nll_tokens = nll_sum + float(-(logprobs * batch.loss_mask).sum()), \
                 nll_tokens + float(batch.loss_mask.sum())
+    padded_positions = sum(collate([ROWS[i] for i in idx], 0).n_computed for idx in micro_batches(ROWS, 40))
+    assert got.pop("update/tokens_computed") == padded_positions
+    assert got.pop("update/tokens") == sum(len(r.token_ids) for r in ROWS)
+    assert got.pop("update/computed_ratio") == sum(len(r.token_ids) for r in ROWS) / padded_positions
     assert got == want
     _assert_same(got_grads, want_grads)
     assert got_nll == nll_sum / nll_tokens

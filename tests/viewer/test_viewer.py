@@ -27,7 +27,8 @@ def recorded(tmp_path_factory):
     [(run_id,)] = db_rows(db, "SELECT run_id FROM runs")
     with Store.open(db) as store:  # what the trainer logs per step
         for step, reward in ((1, 0.2), (2, 0.5), (3, 0.7)):
-            store.add_metrics(run_id, step, {"reward/mean": reward, "actor/kl": step / 100})
+            store.add_metrics(run_id, step, {"reward/mean": reward, "actor/kl": step / 100,
+                                             "update/computed_ratio": 1 + step, "time/train_s": step / 10})
     return db, run_id
 
 
@@ -56,6 +57,7 @@ def test_runs_and_curves(view):
     assert curves["steps"] == [1, 2, 3]
     assert curves["series"]["reward_mean"] == [0.2, 0.5, 0.7] and curves["series"]["kl"] == [0.01, 0.02, 0.03]
     assert curves["series"]["entropy"] == [None, None, None]
+    assert curves["series"]["computed_ratio"] == [2, 3, 4] and curves["series"]["update_s"] == [0.1, 0.2, 0.3]
 
 
 def test_episodes_filter_sort_and_page(view):

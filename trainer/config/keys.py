@@ -319,6 +319,11 @@ class TrainerConfig:
                                        "rollout.batch_size; null: one optimizer step per epoch", ge=1)
     micro_batch_tokens: int = _key(8192, "tokens per forward/backward pass (gradient accumulation packs sequences "
                                    "up to this; a longer sequence goes alone)", ge=1)
+    layout: Literal["padded", "packed", "tree"] = _key(
+        "tree", "where a micro-batch's tokens sit in the forward pass: padded (a sample a row, padded to the "
+        "longest), packed (samples side by side in rows, each attending only to itself) or tree (samples sharing "
+        "a token prefix share its positions: each shared token computed once); the same losses and gradients "
+        "(docs/training.md)")
     total_steps: int | None = _key(None, "training steps; null: one pass over the training tasks", ge=1)
     test_freq: int = _key(10, "validate every N steps (and after the last); 0: never; needs data.validation", ge=0)
     val_before_train: bool = _key(False, "validate once before the first step; needs data.validation")

@@ -32,6 +32,7 @@ __all__ = [
     "POLICY_METRICS",
     "ESTIMATORS",
     "KL_KINDS",
+    "add_policy_metrics",
     "aggregate",
     "call_reward_tokens",
     "entropy_bonus",
@@ -461,6 +462,14 @@ def policy_metrics(
     """policy_loss's metrics (see there) from the log-ratios ppo_token_losses returns."""
     values = policy_metric_values(log_ratio, advantages, mask, clip_low, clip_high, dual_clip)
     return dict(zip(POLICY_METRICS, values.tolist(), strict=True))
+
+
+def add_policy_metrics(total: Tensor, values: Tensor, share: float) -> Tensor:
+    """Running policy metrics over the micro-batches of a mini-batch: each micro-batch's means weighted by its
+    share of the trained tokens, its ratio_max a maximum (so neither depends on how the samples were split)."""
+    out = total + values * share
+    out[-1] = torch.maximum(total[-1], values[-1])
+    return out
 
 
 def policy_metric_values(

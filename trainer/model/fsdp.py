@@ -243,21 +243,28 @@ def most_over_ranks(count: int, dist: Dist) -> int:
     return int(most.item())
 
 
-def metrics_over_ranks(stats: dict[str, float], weight: float, dist: Dist, summed=()) -> dict[str, float]:
-    """Each rank's metrics of its share of a batch, combined (every rank gets them): those named in `summed` are
-    parts of a whole (weighted sums) and add up; the others are this rank's means, averaged weighted by `weight`
-    (its tokens). A collective when world > 1: every rank passes the same keys."""
+def metrics_over_ranks(stats: dict[str, float], weight: float, dist: Dist, summed=(), maxed=()) -> dict[str, float]:
+    """Each rank's metrics of its share of a batch, combined (every rank gets them): those named in `maxed` are
+    maxima and the largest wins; those in `summed` are parts of a whole (weighted sums) and add up; the others are
+    this rank's means, averaged weighted by `weight` (its tokens). A collective when world > 1: every rank passes
+    the same keys."""
     if dist.world == 1:
         return dict(stats)
     import torch
     import torch.distributed
 
-    keys = sorted(stats)
+    keys = sorted(k for k in stats if k not in maxed)
     parts = [stats[k] if k in summed else stats[k] * weight for k in keys]
     tensor = torch.tensor([*parts, float(weight)], dtype=torch.float64, device=dist.device)
     torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.SUM)
     values, total = tensor[:-1].tolist(), max(tensor[-1].item(), 1e-12)
-    return {k: v if k in summed else v / total for k, v in zip(keys, values, strict=True)}
+    out = {k: v if k in summed else v / total for k, v in zip(keys, values, strict=True)}
+    highest = sorted(k for k in stats if k in maxed)
+    if highest:
+        tensor = torch.tensor([stats[k] for k in highest], dtype=torch.float64, device=dist.device)
+        torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX)
+        out.update(zip(highest, tensor.tolist(), strict=True))
+    return {k: out[k] for k in stats}
 
 
 def launch(nprocs: int, argv: list[str]) -> int:

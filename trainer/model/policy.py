@@ -25,9 +25,10 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from harness.core.records import Sample
+from trainer.model.layout import Layout, lay_out, plan
 
 __all__ = ["Batch", "activations", "collate", "device_of", "load_policy", "micro_batches", "padded", "to_device",
-           "token_logprobs"]
+           "token_logprobs", "tree_mask"]
 
 # Models whose logits are not just output_layer(hidden): they take the plain (unchunked) path.
 _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
@@ -45,6 +46,12 @@ class Batch:
     sample_index: list[int]  # each row's position in the caller's list of samples (to put results back in order)
     n_tokens: int  # real (unpadded) tokens in the batch
     n_trained: int  # tokens with loss_mask > 0 (none is a row's first token: collate refuses that)
+    layout: Layout | None = None  # where the forward runs (trainer/model/layout.py); None: on these padded rows
+
+    @property
+    def n_computed(self) -> int:
+        """Positions the forward computes: the padded rows', or the layout's."""
+        return self.layout.n_computed if self.layout is not None else self.token_ids.numel()
 
     @property
     def n_predicted(self) -> int:
@@ -62,7 +69,8 @@ def to_device(device: torch.device | str, batch: Batch, *tensors: torch.Tensor) 
     copy is issued on a CPU-only machine too (where it returns the buffer itself), so there is one call per
     micro-batch either way."""
     names = [f.name for f in fields(batch) if isinstance(getattr(batch, f.name), torch.Tensor)]
-    host = [getattr(batch, name) for name in names] + list(tensors)
+    laid = [f.name for f in fields(Layout) if isinstance(getattr(batch.layout, f.name, None), torch.Tensor)]
+    host = [getattr(batch, name) for name in names] + [getattr(batch.layout, name) for name in laid] + list(tensors)
     # widest dtypes first: every piece then starts at a multiple of its element size, so its view is aligned
     order = sorted(range(len(host)), key=lambda i: -host[i].element_size())
     pieces = [host[i].detach().cpu().contiguous().reshape(-1).view(torch.uint8) for i in order]
@@ -75,16 +83,21 @@ def to_device(device: torch.device | str, batch: Batch, *tensors: torch.Tensor) 
         out[i] = moved[start:start + piece.numel()].view(host[i].dtype).view(host[i].shape)
         start += piece.numel()
     moved_batch = replace(batch, **dict(zip(names, out[:len(names)], strict=True)))
-    return (moved_batch, *out[len(names):])
+    if laid:
+        moved_batch.layout = replace(batch.layout, **dict(zip(laid, out[len(names):len(names) + len(laid)],
+                                                              strict=True)))
+    return (moved_batch, *out[len(names) + len(laid):])
 
 
 def collate(samples: Sequence[Sample], pad_id: int, episode_ids: Sequence[str] | None = None, *,
-            indices: Sequence[int] | None = None) -> Batch:
+            indices: Sequence[int] | None = None, layout: str = "padded") -> Batch:
     """Pad `samples` on the right into one Batch, rows in the order given.
 
     `episode_ids` numbers the episodes (a sample's episode_index is the position of its episode_id there); by
     default episodes are numbered in order of first appearance. `indices` are the samples' positions in the
-    caller's list (default 0..B-1): pass a micro-batch's indices to find each row's sample again.
+    caller's list (default 0..B-1): pass a micro-batch's indices to find each row's sample again. `layout` is
+    where the forward runs (trainer/model/layout.py: padded, packed or tree); the rows here stay padded, one a
+    sample, for the losses.
     """
     if not samples:
         raise ValueError("collate needs at least one sample, got none")
@@ -115,7 +128,8 @@ def collate(samples: Sequence[Sample], pad_id: int, episode_ids: Sequence[str] |
         episode_index[row] = episode_of[sample.episode_id]
     return Batch(token_ids, attention_mask, loss_mask, engine_logprobs, episode_index, indices,
                  n_tokens=sum(len(s.token_ids) for s in samples),
-                 n_trained=sum(1 for s in samples for m in s.loss_mask if m > 0))
+                 n_trained=sum(1 for s in samples for m in s.loss_mask if m > 0),
+                 layout=lay_out(samples, layout, pad_id))
 
 
 def _check_sample(sample: Sample, index: int) -> None:
@@ -138,24 +152,12 @@ def padded(rows: Sequence[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def micro_batches(samples: Sequence[Sample], max_tokens: int) -> list[list[int]]:
-    """Split sample indices into micro-batches of at most `max_tokens` padded tokens (rows x longest row).
-
-    Longest samples first, so rows of similar length share a micro-batch and padding stays small; a sample
-    longer than the budget gets a micro-batch of its own. Every index appears exactly once.
-    """
-    if max_tokens < 1:
-        raise ValueError(f"max_tokens must be a positive number of tokens, got {max_tokens!r}")
-    order = sorted(range(len(samples)), key=lambda i: -len(samples[i].token_ids))
-    batches: list[list[int]] = []
-    width = 0  # the longest row of the current micro-batch: its first, since rows come longest first
-    for i in order:
-        if batches and (len(batches[-1]) + 1) * width <= max_tokens:
-            batches[-1].append(i)
-        else:
-            batches.append([i])
-            width = len(samples[i].token_ids)
-    return batches
+def micro_batches(samples: Sequence[Sample], max_tokens: int, layout: str = "padded") -> list[list[int]]:
+    """Split sample indices into micro-batches whose forward computes at most `max_tokens` positions in `layout`
+    (padded: rows x longest row, longest samples first so rows of similar length share a micro-batch; packed and
+    tree: trainer/model/layout.py). A sample longer than the budget gets a micro-batch of its own; every index
+    appears exactly once."""
+    return plan(samples, max_tokens, layout)
 
 
 def load_policy(model_dir: str | Path, dtype: torch.dtype = torch.float32, gradient_checkpointing: bool = False,
@@ -221,18 +223,19 @@ def token_logprobs(model, batch: Batch, temperature: float = 1.0, with_entropy: 
     n = batch.n_trained if loss_only else batch.n_predicted
     at = torch.nonzero_static(keep.flatten(), size=n).squeeze(1)
     targets = batch.token_ids.flatten().index_select(0, at + 1)
+    inputs, source = _inputs(model, batch, at, loss_only)
     with activations(offload_activations):
         head = _output_layer(model)
         if head is None:  # logits are more than output_layer(hidden): compute them all, then select
-            logits = model(input_ids=batch.token_ids, attention_mask=batch.attention_mask, use_cache=False).logits
-            chosen = logits.flatten(0, 1).index_select(0, at)
+            logits = model(**inputs, use_cache=False).logits
+            chosen = logits.flatten(0, 1).index_select(0, source)
             del logits
             pieces = [_score(chosen[s:s + chunk_tokens], targets[s:s + chunk_tokens], scale, with_entropy, None)
                       for s in range(0, n, chunk_tokens)]
         else:
             decoder = model.get_decoder()
-            hidden = decoder(input_ids=batch.token_ids, attention_mask=batch.attention_mask, use_cache=False)
-            chosen = hidden.last_hidden_state.flatten(0, 1).index_select(0, at)
+            hidden = decoder(**inputs, use_cache=False)
+            chosen = hidden.last_hidden_state.flatten(0, 1).index_select(0, source)
             pieces = []
             for s in range(0, n, chunk_tokens):
                 args = (chosen[s:s + chunk_tokens], targets[s:s + chunk_tokens], scale, with_entropy, head)
@@ -243,6 +246,68 @@ def token_logprobs(model, batch: Batch, temperature: float = 1.0, with_entropy: 
     logprobs = _place(batch, at + 1, [p[0] for p in pieces])
     entropy = _place(batch, at + 1, [p[1] for p in pieces]) if with_entropy else None
     return logprobs, entropy
+
+
+def _inputs(model, batch: Batch, at: torch.Tensor, loss_only: bool) -> tuple[dict, torch.Tensor]:
+    """The forward's inputs in the batch's layout, and the flat positions of its output that predict the tokens
+    scored (`at`: the padded rows' own positions)."""
+    laid = batch.layout
+    if laid is None:
+        return {"input_ids": batch.token_ids, "attention_mask": batch.attention_mask}, at
+    inputs = {"input_ids": laid.input_ids, "position_ids": laid.position_ids, "attention_mask": None}
+    if laid.attend is not None:  # the tree's own mask, in the form the model's attention takes
+        inputs["attention_mask"] = _tree_masks(model, laid)
+    return inputs, laid.trained_from if loss_only else laid.predicted_from
+
+
+def _tree_masks(model, laid) -> torch.Tensor | dict[str, torch.Tensor]:
+    """The tree's mask for the model: each token's ancestors, and within its sliding window where the model has
+    one (a key is in the window when its depth is less than `sliding_window` above the query's, as transformers
+    counts positions); a model that mixes full and sliding layers gets one mask per kind of layer."""
+    config = model.config
+    implementation, dtype = _attention(model), next(model.parameters()).dtype
+    full = tree_mask(laid.attend, implementation, dtype)
+    window = sliding_window(config)
+    if window is None:
+        return full
+    depth = laid.position_ids
+    near = laid.attend & ((depth[:, None, :, None] - depth[:, None, None, :]) < window)
+    windowed = tree_mask(near, implementation, dtype)
+    if "sliding_attention" in (getattr(config, "layer_types", None) or ()):
+        return {"full_attention": full, "sliding_attention": windowed}
+    return windowed
+
+
+def sliding_window(config) -> int | None:
+    """The sliding window the model's layers attend through (all of them, or those whose layer type says so), or
+    None."""
+    window = getattr(config, "sliding_window", None)
+    if not isinstance(window, int) or window <= 0:
+        return None
+    types = getattr(config, "layer_types", None)
+    if types is not None:
+        return window if "sliding_attention" in types else None
+    return window if getattr(config, "use_sliding_window", True) else None
+
+
+def tree_mask(attend: torch.Tensor, implementation: str, dtype: torch.dtype) -> torch.Tensor:
+    """A [R, 1, L, L] mask of who attends to whom for an attention implementation that takes a dense one: as is
+    (True: attend) for sdpa, added to the scores (0 or the dtype's lowest) for eager. flash attention takes no
+    such mask."""
+    if implementation == "sdpa":
+        return attend
+    if implementation == "eager":
+        return torch.zeros(attend.shape, dtype=dtype, device=attend.device).masked_fill(
+            ~attend, torch.finfo(dtype).min)
+    raise ValueError(f"the tree layout needs a dense attention mask, which attention implementation "
+                     f"{implementation!r} does not take: use trainer.layout packed (or padded), or load the model "
+                     "with sdpa or eager attention")
+
+
+def _attention(model) -> str:
+    """The attention implementation the model runs (transformers' config._attn_implementation)."""
+    config = getattr(model, "config", None)
+    return getattr(config, "_attn_implementation", None) or "sdpa"
 
 
 def _score(x: torch.Tensor, targets: torch.Tensor, scale: float, with_entropy: bool,

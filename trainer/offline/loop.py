@@ -248,17 +248,19 @@ def _step(model, rows: list[Sample], advantages: list[float], weights: list[torc
     t = cfg.trainer
     device = device_of(model)
     mine = list(range(dist.rank, len(rows), dist.world))
-    groups = [[mine[j] for j in g] for g in micro_batches([rows[i] for i in mine], t.micro_batch_tokens)] if mine \
-        else []
+    groups = [[mine[j] for j in g] for g in micro_batches([rows[i] for i in mine], t.micro_batch_tokens, t.layout)
+              ] if mine else []
     passes = most_over_ranks(len(groups), dist)
     temperature = cfg.rollout.temperature if loss_kind == "pg" else 1.0
     batch_tokens = max(sum(sum(r.loss_mask) for r in rows), 1)
     names = ["offline/nll"] if loss_kind == "sft" else \
         [*(f"actor/{key}" for key in algo.POLICY_METRICS), "actor/pg_loss", "logprob/behaviour_mean_abs_diff"]
     sums = torch.zeros(len(names), dtype=torch.float64, device=device)
+    computed = 0  # positions the forwards computed (trainer.layout decides)
     for n in range(passes):
         idx = groups[n] if n < len(groups) else None
-        batch = collate([rows[i] for i in idx] if idx else [filler], pad_id, indices=idx)
+        batch = collate([rows[i] for i in idx] if idx else [filler], pad_id, indices=idx, layout=t.layout)
+        computed += batch.n_computed if idx else 0
         w = padded([weights[i] for i in idx], batch.loss_mask) if idx else torch.zeros_like(batch.loss_mask)
         adv = torch.tensor([advantages[i] for i in idx] if idx else [0.0]).unsqueeze(-1) * batch.loss_mask
         batch, w, adv = to_device(device, batch, w, adv)  # the one copy
@@ -271,17 +273,23 @@ def _step(model, rows: list[Sample], advantages: list[float], weights: list[torc
                                                       clip_high=t.clip_high, dual_clip=t.dual_clip)
             loss = (losses * w).sum()
             share = batch.n_trained / batch_tokens if idx else 0.0  # of the whole batch, over all ranks
-            policy = algo.policy_metric_values(log_ratio, adv, mask, t.clip_low, t.clip_high, t.dual_clip) * share
             diff = ((logprobs.detach() - batch.engine_logprobs).abs() * mask).sum().double() / batch_tokens if idx \
                 else torch.zeros((), dtype=torch.float64, device=device)
-            sums = sums + torch.cat([policy, loss.detach().double().view(1), diff.view(1)])
+            policy = algo.policy_metric_values(log_ratio, adv, mask, t.clip_low, t.clip_high, t.dual_clip)
+            policy = algo.add_policy_metrics(sums[:len(algo.POLICY_METRICS)], policy, share) if idx else \
+                sums[:len(algo.POLICY_METRICS)]
+            sums = torch.cat([policy, sums[len(policy):] + torch.stack([loss.detach().double(), diff])])
         else:
             loss = nll
         (loss * dist.world).backward()  # FSDP averages gradients over ranks: undo it, the weights are global
         if loss_kind == "sft":  # (pg scores at rollout.temperature: offline/data_nll is its NLL at temperature 1)
             sums = sums + nll.detach().double().view(1)
     stats = dict(zip(names, sums.tolist(), strict=True)) if passes else {}  # the one read
-    return {**metrics_over_ranks(stats, 1.0, dist, summed=stats), "offline/tokens": float(batch_tokens)}
+    stats |= {"update/tokens": float(sum(len(rows[i].token_ids) for i in mine)),
+              "update/tokens_computed": float(computed)}
+    stats = metrics_over_ranks(stats, 1.0, dist, summed=stats, maxed=("actor/ratio_max",))
+    stats["update/computed_ratio"] = stats["update/tokens"] / max(stats["update/tokens_computed"], 1.0)
+    return {**stats, "offline/tokens": float(batch_tokens)}
 
 
 @torch.no_grad()
@@ -291,10 +299,12 @@ def _data_nll(model, samples: list[Sample], pad_id: int, cfg: TrainConfig, dist:
     device = device_of(model)
     mine = list(range(dist.rank, len(samples), dist.world))
     nll, tokens = torch.zeros((), dtype=torch.float64, device=device), 0
-    groups = micro_batches([samples[i] for i in mine], cfg.trainer.micro_batch_tokens) if mine else []
+    layout = cfg.trainer.layout
+    groups = micro_batches([samples[i] for i in mine], cfg.trainer.micro_batch_tokens, layout) if mine else []
     for n in range(most_over_ranks(len(groups), dist)):
         idx = [mine[j] for j in groups[n]] if n < len(groups) else None
-        (batch,) = to_device(device, collate([samples[i] for i in idx] if idx else [samples[0]], pad_id, indices=idx))
+        (batch,) = to_device(device, collate([samples[i] for i in idx] if idx else [samples[0]], pad_id, indices=idx,
+                                             layout=layout))
         logprobs, _ = token_logprobs(model, batch, 1.0, loss_only=True)
         if idx:
             nll, tokens = nll + (-(logprobs * batch.loss_mask).sum()).double(), tokens + batch.n_trained

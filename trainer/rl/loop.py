@@ -236,8 +236,9 @@ def _score_rows(model, reference, rows: list[Sample], pad_id: int, cfg: TrainCon
     order: list[int] = []
     worst, total = torch.zeros((), device=device), torch.zeros((), dtype=torch.float64, device=device)
     count = 0
-    for idx in micro_batches(rows, cfg.trainer.micro_batch_tokens) if rows else []:
-        (batch,) = to_device(device, collate([rows[i] for i in idx], pad_id, indices=idx))  # the one copy
+    layout = cfg.trainer.layout
+    for idx in micro_batches(rows, cfg.trainer.micro_batch_tokens, layout) if rows else []:
+        (batch,) = to_device(device, collate([rows[i] for i in idx], pad_id, indices=idx, layout=layout))  # one copy
         logprobs, _ = token_logprobs(model, batch, temperature, loss_only=True)
         diff = (logprobs - batch.engine_logprobs).abs() * batch.loss_mask
         worst, total = torch.maximum(worst, diff.max()), total + diff.sum().double()
@@ -272,18 +273,20 @@ def _update(model, optimizer, rows, tasks_of_rows, advantages, old, ref, pad_id:
     n_mini = max(1, cfg.rollout.batch_size // (t.mini_batch_size or cfg.rollout.batch_size))
     sums: dict[str, float] = {}
     steps = 0
+    computed = 0  # positions the forward computed in the first pass over the rows (this rank's)
     rng = random.Random(t.seed)
     tasks = list(dict.fromkeys(tasks_of_rows))
-    for _ in range(t.ppo_epochs if rows else 0):
+    for epoch in range(t.ppo_epochs if rows else 0):
         rng.shuffle(tasks)
         for k in range(min(n_mini, len(tasks))):
             chosen = set(tasks[k::n_mini])
             mini = [i for i, task in enumerate(tasks_of_rows) if task in chosen]
             weights = algo.token_weights([rows[i] for i in mini], t.loss_agg_mode)  # over the whole mini-batch
-            mine = list(range(dist.rank, len(mini), dist.world))  # this rank's share of it
-            stats = _mini_batch(model, [rows[mini[j]] for j in mine], [advantages[mini[j]] for j in mine],
-                                [old[mini[j]] for j in mine], [ref[mini[j]] for j in mine],
-                                [weights[j] for j in mine], rows[0], pad_id, cfg, dist)
+            mine = _share([rows[i] for i in mini], dist, t.layout)  # this rank's share of it
+            stats, positions = _mini_batch(model, [rows[mini[j]] for j in mine], [advantages[mini[j]] for j in mine],
+                                           [old[mini[j]] for j in mine], [ref[mini[j]] for j in mine],
+                                           [weights[j] for j in mine], rows[0], pad_id, cfg, dist)
+            computed += positions if epoch == 0 else 0
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip or float("inf"))
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -291,21 +294,39 @@ def _update(model, optimizer, rows, tasks_of_rows, advantages, old, ref, pad_id:
                 grad_norm = grad_norm.full_tensor()
             values = torch.stack([*stats.values(), grad_norm.to(torch.float64)]).tolist()  # the one read
             stats = metrics_over_ranks(dict(zip(stats, values[:-1], strict=True)),
-                                       sum(sum(rows[mini[j]].loss_mask) for j in mine), dist, _SUMMED)
+                                       sum(sum(rows[mini[j]].loss_mask) for j in mine), dist, _SUMMED, _MAXED)
             stats["actor/grad_norm"] = values[-1]
             for key, value in stats.items():
                 sums[key] = sums.get(key, 0.0) + value
             steps += 1
-    return {key: value / steps for key, value in sums.items()} if steps else {}
+    if not steps:
+        return {}
+    mine = range(dist.rank, len(rows), dist.world)
+    counts = metrics_over_ranks({"update/tokens": float(sum(len(rows[i].token_ids) for i in mine)),
+                                 "update/tokens_computed": float(computed)}, 1.0, dist,
+                                summed=("update/tokens", "update/tokens_computed"))
+    return {**{key: value / steps for key, value in sums.items()}, **counts,
+            "update/computed_ratio": counts["update/tokens"] / max(counts["update/tokens_computed"], 1.0)}
+
+
+def _share(rows: list[Sample], dist: Dist, layout: str) -> list[int]:
+    """The positions of this rank's rows: every world-th one; for the tree layout, a run of rows in token order
+    instead, so the rows that share prefixes share a rank (and its trees)."""
+    if layout != "tree":
+        return list(range(dist.rank, len(rows), dist.world))
+    order = sorted(range(len(rows)), key=lambda i: rows[i].token_ids)
+    return sorted(order[dist.rank * len(rows) // dist.world:(dist.rank + 1) * len(rows) // dist.world])
 
 
 _SUMMED = ("actor/pg_loss", "actor/entropy", "actor/kl")  # weighted sums of a mini-batch's parts: add up over ranks
+_MAXED = ("actor/ratio_max",)  # the largest over ranks
 
 
 def _mini_batch(model, rows, advantages, old, ref, weights, filler: Sample, pad_id: int, cfg: TrainConfig,
-                dist: Dist) -> dict[str, torch.Tensor]:
+                dist: Dist) -> tuple[dict[str, torch.Tensor], int]:
     """Accumulate the gradient of this rank's rows of one mini-batch over micro-batches; returns its metrics as
-    float64 scalars on the model's device (the caller reads them once).
+    float64 scalars on the model's device (the caller reads them once), and the positions its forwards computed
+    (trainer.layout decides how many: the samples' tokens, their padding, or each shared prefix once).
 
     Each micro-batch is built on the host and moved in one copy (to_device); its loss and metrics are computed
     on the device and nothing is read back inside the loop. Every rank runs as many forward/backward passes as
@@ -313,7 +334,7 @@ def _mini_batch(model, rows, advantages, old, ref, weights, filler: Sample, pad_
     weight."""
     t = cfg.trainer
     device = device_of(model)
-    groups = micro_batches(rows, t.micro_batch_tokens) if rows else []
+    groups = micro_batches(rows, t.micro_batch_tokens, t.layout) if rows else []
     passes = most_over_ranks(len(groups), dist)
     all_tokens = max(sum(sum(r.loss_mask) for r in rows), 1)
     zero = torch.zeros((), dtype=torch.float64, device=device)
@@ -321,10 +342,11 @@ def _mini_batch(model, rows, advantages, old, ref, weights, filler: Sample, pad_
     if t.kl_coef > 0:
         sums = {"actor/kl": zero, **sums}
     policy = torch.zeros(len(algo.POLICY_METRICS), dtype=torch.float64, device=device)
+    computed = 0
     for n in range(passes):
         if n < len(groups):
             idx = groups[n]
-            batch = collate([rows[i] for i in idx], pad_id, indices=idx)
+            batch = collate([rows[i] for i in idx], pad_id, indices=idx, layout=t.layout)
             mask = batch.loss_mask
             w = padded([weights[i] for i in idx], mask)
             old_lp, adv = padded([old[i] for i in idx], mask), _pad_advantages([advantages[i] for i in idx], mask)
@@ -356,8 +378,10 @@ def _mini_batch(model, rows, advantages, old, ref, weights, filler: Sample, pad_
         (loss * dist.world).backward()  # FSDP averages gradients over ranks: undo it, the weights are global
         sums["actor/pg_loss"] = sums["actor/pg_loss"] + pg_loss.detach().double()
         sums["actor/entropy"] = sums["actor/entropy"] + ent.detach().double()
-        policy = policy + pg_stats * (batch.n_trained / all_tokens)  # the micro-batch's share of the tokens
-    return {**sums, **{f"actor/{key}": value for key, value in zip(algo.POLICY_METRICS, policy, strict=True)}}
+        if n < len(groups):  # the filler's metrics are no part of the mini-batch's
+            policy = algo.add_policy_metrics(policy, pg_stats, batch.n_trained / all_tokens)
+            computed += batch.n_computed
+    return {**sums, **{f"actor/{key}": value for key, value in zip(algo.POLICY_METRICS, policy, strict=True)}}, computed
 
 
 # ---------------------------------------------------------------------------------------------- small helpers
