@@ -77,9 +77,10 @@ def one_pass(model, samples, layout: str) -> tuple[float, int]:
         logprobs, entropy = token_logprobs(model, batch, 1.0, with_entropy=True, loss_only=True)
         loss = -((logprobs - 0.01 * entropy) * batch.loss_mask).sum() / trained
         loss.backward()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
     seconds = time.perf_counter() - started
     model.zero_grad(set_to_none=True)
-    torch.cuda.synchronize() if torch.cuda.is_available() else None
     return seconds, computed
 
 
