@@ -22,8 +22,9 @@ from dataclasses import dataclass
 import torch
 
 from harness.core.records import Sample
+from trainer.model.fsdp import metrics_over_ranks
 
-__all__ = ["LAYOUTS", "Layout", "lay_out", "plan"]
+__all__ = ["LAYOUTS", "Layout", "computed_metrics", "lay_out", "plan"]
 
 LAYOUTS = ("padded", "packed", "tree")
 
@@ -70,6 +71,15 @@ def plan(samples: Sequence[Sample], max_tokens: int, layout: str = "padded") -> 
         batches.append([i])
         width, free = n, [0]
     return batches
+
+
+def computed_metrics(samples: Sequence[Sample], computed: int, dist) -> dict[str, float]:
+    """What one pass over `samples` (the same on every rank) cost in `layout`: their tokens, the positions the
+    forwards computed (`computed`: this rank's, added up over ranks), and tokens per position computed."""
+    done = metrics_over_ranks({"update/tokens_computed": float(computed)}, 1.0, dist,
+                              summed=("update/tokens_computed",))["update/tokens_computed"]
+    tokens = float(sum(len(s.token_ids) for s in samples))
+    return {"update/tokens": tokens, "update/tokens_computed": done, "update/computed_ratio": tokens / max(done, 1.0)}
 
 
 def _plan_tree(samples: Sequence[Sample], max_tokens: int) -> list[list[int]]:

@@ -43,6 +43,7 @@ from trainer.maths import algorithms as algo
 from trainer.model.build import build_policy
 from trainer.model.checkpoint import check_resume, find_resume, load, model_fingerprint, save, saved_state
 from trainer.model.fsdp import Dist, init_distributed, metrics_over_ranks, most_over_ranks, shutdown
+from trainer.model.layout import computed_metrics
 from trainer.model.policy import collate, device_of, micro_batches, padded, to_device, token_logprobs
 from trainer.offline.data import OfflineData, OfflineDataError
 from trainer.rl import parts
@@ -253,9 +254,9 @@ def _step(model, rows: list[Sample], advantages: list[float], weights: list[torc
     passes = most_over_ranks(len(groups), dist)
     temperature = cfg.rollout.temperature if loss_kind == "pg" else 1.0
     batch_tokens = max(sum(sum(r.loss_mask) for r in rows), 1)
-    names = ["offline/nll"] if loss_kind == "sft" else \
-        [*(f"actor/{key}" for key in algo.POLICY_METRICS), "actor/pg_loss", "logprob/behaviour_mean_abs_diff"]
+    names = ["offline/nll"] if loss_kind == "sft" else ["actor/pg_loss", "logprob/behaviour_mean_abs_diff"]
     sums = torch.zeros(len(names), dtype=torch.float64, device=device)
+    policy = torch.zeros(len(algo.POLICY_METRICS), dtype=torch.float64, device=device)  # pg only
     computed = 0  # positions the forwards computed (trainer.layout decides)
     for n in range(passes):
         idx = groups[n] if n < len(groups) else None
@@ -275,21 +276,20 @@ def _step(model, rows: list[Sample], advantages: list[float], weights: list[torc
             share = batch.n_trained / batch_tokens if idx else 0.0  # of the whole batch, over all ranks
             diff = ((logprobs.detach() - batch.engine_logprobs).abs() * mask).sum().double() / batch_tokens if idx \
                 else torch.zeros((), dtype=torch.float64, device=device)
-            policy = algo.policy_metric_values(log_ratio, adv, mask, t.clip_low, t.clip_high, t.dual_clip)
-            policy = algo.add_policy_metrics(sums[:len(algo.POLICY_METRICS)], policy, share) if idx else \
-                sums[:len(algo.POLICY_METRICS)]
-            sums = torch.cat([policy, sums[len(policy):] + torch.stack([loss.detach().double(), diff])])
+            if idx:  # the filler's metrics are no part of the batch's
+                values = algo.policy_metric_values(log_ratio, adv, mask, t.clip_low, t.clip_high, t.dual_clip)
+                policy = algo.add_policy_metrics(policy, values, share)
+            sums = sums + torch.stack([loss.detach().double(), diff])
         else:
             loss = nll
         (loss * dist.world).backward()  # FSDP averages gradients over ranks: undo it, the weights are global
         if loss_kind == "sft":  # (pg scores at rollout.temperature: offline/data_nll is its NLL at temperature 1)
             sums = sums + nll.detach().double().view(1)
+    if loss_kind == "pg":
+        names, sums = [*(f"actor/{key}" for key in algo.POLICY_METRICS), *names], torch.cat([policy, sums])
     stats = dict(zip(names, sums.tolist(), strict=True)) if passes else {}  # the one read
-    stats |= {"update/tokens": float(sum(len(rows[i].token_ids) for i in mine)),
-              "update/tokens_computed": float(computed)}
     stats = metrics_over_ranks(stats, 1.0, dist, summed=stats, maxed=("actor/ratio_max",))
-    stats["update/computed_ratio"] = stats["update/tokens"] / max(stats["update/tokens_computed"], 1.0)
-    return {**stats, "offline/tokens": float(batch_tokens)}
+    return {**stats, **computed_metrics(rows, computed, dist), "offline/tokens": float(batch_tokens)}
 
 
 @torch.no_grad()

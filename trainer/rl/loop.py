@@ -51,6 +51,7 @@ from trainer.maths.schedule import next_tasks
 from trainer.model.build import build_policy
 from trainer.model.checkpoint import check_resume, find_resume, load, model_fingerprint, save, saved_state
 from trainer.model.fsdp import Dist, init_distributed, metrics_over_ranks, most_over_ranks, shutdown
+from trainer.model.layout import computed_metrics
 from trainer.model.policy import collate, device_of, micro_batches, padded, to_device, token_logprobs
 from trainer.rl.async_rollouts import RolloutsAhead, keep_fresh, plan_steps
 from trainer.rl.experience import advantages_of, experience_of, gae_of, mean_token_kl
@@ -301,12 +302,7 @@ def _update(model, optimizer, rows, tasks_of_rows, advantages, old, ref, pad_id:
             steps += 1
     if not steps:
         return {}
-    mine = range(dist.rank, len(rows), dist.world)
-    counts = metrics_over_ranks({"update/tokens": float(sum(len(rows[i].token_ids) for i in mine)),
-                                 "update/tokens_computed": float(computed)}, 1.0, dist,
-                                summed=("update/tokens", "update/tokens_computed"))
-    return {**{key: value / steps for key, value in sums.items()}, **counts,
-            "update/computed_ratio": counts["update/tokens"] / max(counts["update/tokens_computed"], 1.0)}
+    return {**{key: value / steps for key, value in sums.items()}, **computed_metrics(rows, computed, dist)}
 
 
 def _share(rows: list[Sample], dist: Dist, layout: str) -> list[int]:
