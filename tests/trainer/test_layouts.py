@@ -24,7 +24,7 @@ from harness.core.records import Sample
 from trainer.config import ConfigError, load_config
 from trainer.maths import algorithms as algo
 from trainer.model.fsdp import init_distributed, launch
-from trainer.model.layout import lay_out, plan
+from trainer.model.layout import lay_out
 from trainer.model.lora import LoraSpec, with_adapter
 from trainer.model.policy import collate, micro_batches, token_logprobs
 from trainer.offline import loop as offline_loop
@@ -172,7 +172,7 @@ def test_micro_batches_hold_every_sample_once_within_the_budget(budget):
 
 def test_a_bad_layout_is_refused_naming_it():
     with pytest.raises(ValueError, match="layout must be one of padded, packed, tree, got 'ragged'"):
-        plan(STEP, 100, "ragged")
+        micro_batches(STEP, 100, "ragged")
     with pytest.raises(ValueError, match="'ragged'"):
         collate(STEP, 0, layout="ragged")
     with pytest.raises(ConfigError, match="trainer.layout"):

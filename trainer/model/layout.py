@@ -24,7 +24,7 @@ import torch
 from harness.core.records import Sample
 from trainer.model.fsdp import metrics_over_ranks
 
-__all__ = ["LAYOUTS", "Layout", "computed_metrics", "lay_out", "plan"]
+__all__ = ["LAYOUTS", "Layout", "computed_metrics", "lay_out", "micro_batches", "tree_masks"]
 
 LAYOUTS = ("padded", "packed", "tree")
 
@@ -41,9 +41,11 @@ class Layout:
     n_computed: int  # positions the forward runs on (R * L)
 
 
-def plan(samples: Sequence[Sample], max_tokens: int, layout: str = "padded") -> list[list[int]]:
+def micro_batches(samples: Sequence[Sample], max_tokens: int, layout: str = "padded") -> list[list[int]]:
     """Sample indices split into micro-batches whose forward computes at most `max_tokens` positions in `layout`
-    (a sample longer than that goes alone). Every index appears exactly once."""
+    (padded: rows x longest row, longest samples first so rows of similar length share a micro-batch; packed:
+    rows as wide as the longest; tree: its nodes). A sample longer than that goes alone; every index appears
+    exactly once."""
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be a positive number of tokens, got {max_tokens!r}")
     if layout == "tree":
@@ -193,3 +195,56 @@ def _tree(samples: Sequence[Sample]) -> Layout:
     predicted, trained = _maps(samples, lambda b, t: paths[b][t])
     return Layout(torch.tensor(tokens, dtype=torch.long).view(1, n), torch.tensor(depth, dtype=torch.long).view(1, n),
                   attend.view(1, 1, n, n), predicted, trained, n_computed=n)
+
+
+# ------------------------------------------------------------------------------------------- the tree's mask
+
+
+def tree_masks(model, laid: Layout) -> torch.Tensor | dict[str, torch.Tensor]:
+    """The tree's mask for the model: each token's ancestors, and within its sliding window where the model has
+    one (a key is in the window when its depth is less than `sliding_window` above the query's, as transformers
+    counts positions); a model that mixes full and sliding layers gets one mask per kind of layer."""
+    config = model.config
+    implementation, dtype = _attention(model), next(model.parameters()).dtype
+    full = _tree_mask(laid.attend, implementation, dtype)
+    window = _sliding_window(config)
+    if window is None:
+        return full
+    depth = laid.position_ids
+    near = laid.attend & ((depth[:, None, :, None] - depth[:, None, None, :]) < window)
+    windowed = _tree_mask(near, implementation, dtype)
+    if "sliding_attention" in (getattr(config, "layer_types", None) or ()):
+        return {"full_attention": full, "sliding_attention": windowed}
+    return windowed
+
+
+def _sliding_window(config) -> int | None:
+    """The sliding window the model's layers attend through (all of them, or those whose layer type says so), or
+    None."""
+    window = getattr(config, "sliding_window", None)
+    if not isinstance(window, int) or window <= 0:
+        return None
+    types = getattr(config, "layer_types", None)
+    if types is not None:
+        return window if "sliding_attention" in types else None
+    return window if getattr(config, "use_sliding_window", True) else None
+
+
+def _tree_mask(attend: torch.Tensor, implementation: str, dtype: torch.dtype) -> torch.Tensor:
+    """A [R, 1, L, L] mask of who attends to whom for an attention implementation that takes a dense one: as is
+    (True: attend) for sdpa, added to the scores (0 or the dtype's lowest) for eager. flash attention takes no
+    such mask."""
+    if implementation == "sdpa":
+        return attend
+    if implementation == "eager":
+        return torch.zeros(attend.shape, dtype=dtype, device=attend.device).masked_fill(
+            ~attend, torch.finfo(dtype).min)
+    raise ValueError(f"the tree layout needs a dense attention mask, which attention implementation "
+                     f"{implementation!r} does not take: use trainer.layout packed (or padded), or load the model "
+                     "with sdpa or eager attention")
+
+
+def _attention(model) -> str:
+    """The attention implementation the model runs (transformers' config._attn_implementation)."""
+    config = getattr(model, "config", None)
+    return getattr(config, "_attn_implementation", None) or "sdpa"

@@ -25,10 +25,10 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from harness.core.records import Sample
-from trainer.model.layout import Layout, lay_out, plan
+from trainer.model.layout import Layout, lay_out, micro_batches, tree_masks
 
 __all__ = ["Batch", "activations", "collate", "device_of", "load_policy", "micro_batches", "padded", "to_device",
-           "token_logprobs", "tree_mask"]
+           "token_logprobs"]
 
 # Models whose logits are not just output_layer(hidden): they take the plain (unchunked) path.
 _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
@@ -152,14 +152,6 @@ def padded(rows: Sequence[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def micro_batches(samples: Sequence[Sample], max_tokens: int, layout: str = "padded") -> list[list[int]]:
-    """Split sample indices into micro-batches whose forward computes at most `max_tokens` positions in `layout`
-    (padded: rows x longest row, longest samples first so rows of similar length share a micro-batch; packed and
-    tree: trainer/model/layout.py). A sample longer than the budget gets a micro-batch of its own; every index
-    appears exactly once."""
-    return plan(samples, max_tokens, layout)
-
-
 def load_policy(model_dir: str | Path, dtype: torch.dtype = torch.float32, gradient_checkpointing: bool = False,
                 device: torch.device | str = "cpu", trust_remote_code: bool = False):
     """The model in `model_dir` as a trainable policy: train mode, no KV cache, on `device`.
@@ -256,58 +248,8 @@ def _inputs(model, batch: Batch, at: torch.Tensor, loss_only: bool) -> tuple[dic
         return {"input_ids": batch.token_ids, "attention_mask": batch.attention_mask}, at
     inputs = {"input_ids": laid.input_ids, "position_ids": laid.position_ids, "attention_mask": None}
     if laid.attend is not None:  # the tree's own mask, in the form the model's attention takes
-        inputs["attention_mask"] = _tree_masks(model, laid)
+        inputs["attention_mask"] = tree_masks(model, laid)
     return inputs, laid.trained_from if loss_only else laid.predicted_from
-
-
-def _tree_masks(model, laid) -> torch.Tensor | dict[str, torch.Tensor]:
-    """The tree's mask for the model: each token's ancestors, and within its sliding window where the model has
-    one (a key is in the window when its depth is less than `sliding_window` above the query's, as transformers
-    counts positions); a model that mixes full and sliding layers gets one mask per kind of layer."""
-    config = model.config
-    implementation, dtype = _attention(model), next(model.parameters()).dtype
-    full = tree_mask(laid.attend, implementation, dtype)
-    window = sliding_window(config)
-    if window is None:
-        return full
-    depth = laid.position_ids
-    near = laid.attend & ((depth[:, None, :, None] - depth[:, None, None, :]) < window)
-    windowed = tree_mask(near, implementation, dtype)
-    if "sliding_attention" in (getattr(config, "layer_types", None) or ()):
-        return {"full_attention": full, "sliding_attention": windowed}
-    return windowed
-
-
-def sliding_window(config) -> int | None:
-    """The sliding window the model's layers attend through (all of them, or those whose layer type says so), or
-    None."""
-    window = getattr(config, "sliding_window", None)
-    if not isinstance(window, int) or window <= 0:
-        return None
-    types = getattr(config, "layer_types", None)
-    if types is not None:
-        return window if "sliding_attention" in types else None
-    return window if getattr(config, "use_sliding_window", True) else None
-
-
-def tree_mask(attend: torch.Tensor, implementation: str, dtype: torch.dtype) -> torch.Tensor:
-    """A [R, 1, L, L] mask of who attends to whom for an attention implementation that takes a dense one: as is
-    (True: attend) for sdpa, added to the scores (0 or the dtype's lowest) for eager. flash attention takes no
-    such mask."""
-    if implementation == "sdpa":
-        return attend
-    if implementation == "eager":
-        return torch.zeros(attend.shape, dtype=dtype, device=attend.device).masked_fill(
-            ~attend, torch.finfo(dtype).min)
-    raise ValueError(f"the tree layout needs a dense attention mask, which attention implementation "
-                     f"{implementation!r} does not take: use trainer.layout packed (or padded), or load the model "
-                     "with sdpa or eager attention")
-
-
-def _attention(model) -> str:
-    """The attention implementation the model runs (transformers' config._attn_implementation)."""
-    config = getattr(model, "config", None)
-    return getattr(config, "_attn_implementation", None) or "sdpa"
 
 
 def _score(x: torch.Tensor, targets: torch.Tensor, scale: float, with_entropy: bool,
