@@ -10,7 +10,8 @@ from aiohttp import web
 
 from harness.store.readonly import ReadOnlyError, check_read_only
 from proxy.http_json import ApiError, dumps_values, json_response, parse_json_object, read_body
-from proxy.state import CONFIG, EPISODES, RECORDER, STATE, STORE, request_key
+from proxy.roles import DEFAULT_POLICY, is_policy_name, policy_names
+from proxy.state import CONFIG, EPISODES, RECORDER, STATE, STORE, RunState, request_key
 
 
 def add_admin_routes(app: web.Application) -> None:
@@ -73,6 +74,9 @@ async def open_episode(request: web.Request) -> web.Response:
 
 
 async def set_weight_version(request: web.Request) -> web.Response:
+    """The weight version stamped on calls from now on, and with LoRA the engine's name for the new adapter: of the
+    default policy, or with "policy" of that policy (one adapter per trained role), whose calls go to it and are
+    stamped with this version from now on (each policy's adapter is pushed on its own)."""
     _check_admin(request)
     body = await _json_body(request)
     version = body.get("version")
@@ -83,11 +87,38 @@ async def set_weight_version(request: web.Request) -> web.Response:
     if model is not None and not (isinstance(model, str) and 0 < len(model) <= 256):
         raise ApiError(400, f"'model' must be the engine's name for the new policy (1-256 characters), got "
                        f"{model!r}", param="model")
+    policy = body.get("policy")
+    if policy is not None:
+        _check_policy(request, policy, model)
     state = request.app[STATE]
-    state.weight_version = version
-    if model is not None:  # LoRA: each version is served under a name of its own (trainer/model/weight_sync.py)
-        state.served_model = model
-    return json_response({"weight_version": version, "served_model": state.served_model})
+    if policy is None or policy == DEFAULT_POLICY:
+        state.weight_version = version
+        if model is not None:  # LoRA: each version is served under a name of its own (trainer/model/weight_sync.py)
+            state.served_model = model
+    else:  # that policy's calls go to its new adapter, stamped with its version; the others' stay as they are
+        state.policy_models[policy], state.policy_versions[policy] = model, version
+    return json_response({"weight_version": version, "served_model": state.served_model,
+                          "policy_models": _policy_models(request, state)})
+
+
+def _check_policy(request: web.Request, policy: object, model: str | None) -> None:
+    if not (is_policy_name(policy) and len(policy) <= 256):
+        raise ApiError(400, f"'policy' must be a policy name (1-256 letters, digits, '_', '-' or '.'), got "
+                       f"{policy!r}", param="policy")
+    if model is None:
+        raise ApiError(400, f"'model' is required with 'policy': the engine's name for policy {policy!r}'s new "
+                       "adapter, e.g. {\"version\": 3, \"policy\": \"planner\", \"model\": \"planner-v000003\"}",
+                       param="model")
+    known = policy_names(request.app[CONFIG].roles)
+    if policy not in known:
+        raise ApiError(400, f"'policy' {policy!r} serves no role of this proxy, whose policies are "
+                       f"{', '.join(map(repr, known))}: give the role rule that policy (RoleRule.policy), or name "
+                       "one of these", param="policy")
+
+
+def _policy_models(request: web.Request, state: RunState) -> dict[str, str | None]:
+    """Every policy of the proxy's roles, with the engine's model name its calls go to now."""
+    return {policy: state.engine_model(policy) for policy in policy_names(request.app[CONFIG].roles)}
 
 
 async def status(request: web.Request) -> web.Response:
@@ -95,6 +126,7 @@ async def status(request: web.Request) -> web.Response:
     state, recorder, episodes = request.app[STATE], request.app[RECORDER], request.app[EPISODES]
     return json_response({
         "run_id": state.run_id, "served_model": state.served_model, "weight_version": state.weight_version,
+        "policy_models": _policy_models(request, state),
         "calls_written": recorder.calls_written, "calls_spilled": recorder.calls_spilled,
         "pending_records": recorder.pending, "last_error": recorder.last_error and str(recorder.last_error),
         "episodes_in_memory": len(episodes), "episodes_forgotten": episodes.evicted, "disk_full": recorder.disk_full,

@@ -41,7 +41,7 @@ from proxy.openapi import openapi
 from proxy.parsing import harmony, reply_parsing
 from proxy.record_only import Forwarded, forwarded, redact
 from proxy.request import CHAT, COMPLETIONS, Prepared, as_sent, for_engine, read_request
-from proxy.roles import RoleRule, find_role
+from proxy.roles import DEFAULT_POLICY, RoleRule, find_role, policy_of
 from proxy.state import (
     CONFIG,
     ENGINE_CLIENT,
@@ -263,9 +263,10 @@ def _prepare(request: web.Request, endpoint: str, wire: Wire | None, raw: bytes,
              seed: int | None) -> tuple[Prepared, RoleRule | None]:
     """The request parsed (once), checked, and made what its upstream gets, with its role: our engine's request,
     or the agent's as sent for a frozen role's server (its own sampling) and for the API recorded in record-only
-    mode. An Azure deployment URL names the model when the body does not (AzureOpenAI sends both; a bare request
-    may send only the URL's); another API's request becomes a chat request: either is stored as it serialises,
-    any other request as the agent sent it."""
+    mode. Our engine gets it under the model name of the role's policy (proxy/roles.py). An Azure deployment URL
+    names the model when the body does not (AzureOpenAI sends both; a bare request may send only the URL's);
+    another API's request becomes a chat request: either is stored as it serialises, any other request as the
+    agent sent it."""
     config, state = request.app[CONFIG], request.app[STATE]
     body = parse_json_object(raw)
     if wire is not None:
@@ -278,7 +279,7 @@ def _prepare(request: web.Request, endpoint: str, wire: Wire | None, raw: bytes,
         return as_sent(agent, role.upstream_model), role
     if config.record_only:
         return as_sent(agent, None), role
-    return for_engine(agent, config, state.served_model, state.sampling, seed=seed,
+    return for_engine(agent, config, state.engine_model(policy_of(role)), state.sampling, seed=seed,
                       max_model_len=state.max_model_len), role
 
 
@@ -288,11 +289,11 @@ async def _plan_call(app: web.Application, prepared: Prepared, episode_id: str, 
     the capture, the URL, and for token-exact continuity the completions answer and the prefix hashes."""
     state = app[STATE]
     cap = Capture(prepared, run_id=state.run_id, episode_id=episode_id, call_index=call_index,
-                  weight_version=state.weight_version)
+                  weight_version=state.version_of(policy_of(role)) if base is not None else state.weight_version)
     cap.on_complete = app[RECORDER].journal_call  # a stream's record is journaled before its last bytes go out
     route = "chat/completions" if endpoint == CHAT else "completions"
     if role is not None:
-        cap.notes["role"] = role.name
+        cap.role = cap.notes["role"] = role.name  # the note too: SQL written before calls.role reads it
     if base is None:
         url, cap.notes["upstream"] = role.upstream_url(route), role.upstream
         key = os.environ.get(role.upstream_key_env) if role.upstream_key_env else None
@@ -308,6 +309,7 @@ async def _plan_call(app: web.Application, prepared: Prepared, episode_id: str, 
         cap.upstream_query = fwd.query
     else:
         cap.upstream_headers[EPISODE_HEADER] = episode_id
+        cap.policy = policy_of(role)
     if not app[ENGINES].single:
         cap.notes["engine"] = base
     answer, hashes, send = None, None, prepared.body
@@ -374,9 +376,10 @@ def _record(app: web.Application, cap: Capture, prepared: Prepared, hashes, base
         call.extra["flags"] = flags
         if guard.end_episode and (reason := degenerate(flags)):
             app[EPISODES].end(call.episode_id, "guard", ended_why(call.call_index, reason))
-    if (base is not None and call.weight_version != state.weight_version
-            and prepared.body.get("model") in (state.served_model, None)):  # new weights under the same name
-        call.extra["weights_changed_to"] = state.weight_version  # its later tokens may come from them
+    policy = call.policy or DEFAULT_POLICY
+    if (base is not None and call.weight_version != state.version_of(policy)  # new weights under the same name
+            and prepared.body.get("model") in (state.engine_model(policy), None)):
+        call.extra["weights_changed_to"] = state.version_of(policy)  # its later tokens may come from them
     app[RECORDER].record_call(call)
     if hashes is not None and call.status == OK:
         # Once the answer has left (it goes out in this loop turn, right after this): its agent's next call can only

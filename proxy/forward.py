@@ -119,6 +119,8 @@ class Capture:
         self.continuity: dict | None = None  # how a chat call was served (proxy/continuity.py), and why
         self.wire: str | None = None  # the wire format the agent spoke, when not chat ("responses", "messages")
         self.notes: dict = {}  # more for calls.extra: the role's name, the upstream that served a frozen role
+        self.role: str | None = None  # the matched role rule's name (calls.role)
+        self.policy: str | None = None  # the policy that served it, when the policy engine did (calls.policy)
         self.upstream_body = b""  # what goes upstream: the prepared body, or its completions form (continuity)
         self.upstream_headers: dict[str, str] = {}  # e.g. a frozen role's upstream key: sent, never recorded
         self.upstream_query = ""  # record-only: the agent's query string, sent as it came, never recorded
@@ -289,6 +291,8 @@ class Capture:
             prompt_tokens=prompt_tokens,
             completion_tokens=completion_tokens,
             extra=extra,
+            role=self.role,
+            policy=self.policy,
         )
 
 

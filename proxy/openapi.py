@@ -161,11 +161,16 @@ def openapi() -> dict:
         "type": "object", "properties": {"episode_id": {"type": "string", "pattern": EPISODE_ID},
                                          "meta": {"type": "object"}},
     }, {"type": "object", "required": ["episode_id", "api_key", "base_path"]})
-    paths["/harness/weights"] = _admin("post", "the policy weight version stamped on calls from now on", {
+    paths["/harness/weights"] = _admin("post", "the policy weight version stamped on calls from now on; with "
+                                       "model, the engine's name for the default policy's (or with policy, that "
+                                       "policy's) calls", {
         "type": "object", "required": ["version"],
         "properties": {"version": {"type": "integer", "minimum": 0, "maximum": 2**31 - 1},
-                       "model": {"type": "string", "minLength": 1, "maxLength": 256}},
-    }, {"type": "object", "required": ["weight_version", "served_model"]})
+                       "model": {"type": "string", "minLength": 1, "maxLength": 256},
+                       "policy": {"type": "string", "pattern": r"^[A-Za-z0-9_.-]{1,256}$"}},
+    }, {"type": "object", "required": ["weight_version", "served_model", "policy_models"],
+        "properties": {"policy_models": {"type": "object", "additionalProperties": {"type": "string",
+                                                                                     "nullable": True}}}})
     paths["/harness/status"] = _admin("get", "run id, weight version, recorder and episode counters", None,
                                       {"type": "object", "required": ["run_id", "weight_version"]})
     return {

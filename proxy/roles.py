@@ -10,7 +10,13 @@ the first rule that matches a call wins:
 
 A rule with an `upstream` sends its role's calls to that OpenAI-compatible server (a fixed model) instead of the
 policy engine; they are recorded all the same (with that server's token ids if it returns them), stamped with
-the role's name in `calls.extra`, and the trainer never trains on them.
+the role's name, and the trainer never trains on them.
+
+Every other role is served by a policy: the role's own (`policy`, e.g. one LoRA adapter per trained role of a
+planner-executor app) or the default one, `DEFAULT_POLICY`, which also serves the calls no rule matches. The proxy
+sends a policy's calls to the engine under that policy's current model name (a trainer sets it with
+`POST /harness/weights {"policy": ..., "model": ...}`), and records the role and the policy with each call
+(`calls.role`, `calls.policy`), so each policy trains on its own calls.
 """
 
 from __future__ import annotations
@@ -19,6 +25,14 @@ import re
 from dataclasses import dataclass
 
 _KINDS = ("model", "system", "key")
+DEFAULT_POLICY = "policy"  # the policy that serves calls whose role names none, and calls no rule matches
+_NAME = re.compile(r"[A-Za-z0-9_.-]+")  # role and policy names: they become parts of engine model and metric names
+
+
+def is_policy_name(name: object) -> bool:
+    """A policy name is letters, digits, '_', '-' and '.': it becomes part of the engine's model names
+    (`planner-v000003`) and of metric names, where anything else would need quoting."""
+    return isinstance(name, str) and _NAME.fullmatch(name) is not None
 
 
 @dataclass(frozen=True)
@@ -28,10 +42,17 @@ class RoleRule:
     upstream: str | None = None  # base URL (as an OpenAI SDK takes it) of a fixed model for this role's calls
     upstream_model: str | None = None  # the model name sent to that upstream; None: the one the agent asked for
     upstream_key_env: str | None = None  # environment variable holding that upstream's API key (never recorded)
+    policy: str | None = None  # the policy that serves and trains this role's calls; None: DEFAULT_POLICY
 
     def __post_init__(self):
-        if not self.name or not re.fullmatch(r"[A-Za-z0-9_.-]+", self.name):
+        if not self.name or not _NAME.fullmatch(self.name):
             raise ValueError(f"role name {self.name!r} must be letters, digits, '_', '-' or '.'")
+        if self.policy is not None and not is_policy_name(self.policy):
+            raise ValueError(f"role {self.name!r}: policy name {self.policy!r} must be letters, digits, '_', '-' or "
+                             "'.' (it becomes part of the engine's model names and of metric names)")
+        if self.policy is not None and self.upstream is not None:
+            raise ValueError(f"role {self.name!r} has an upstream ({self.upstream}) and a policy ({self.policy!r}): "
+                             "a frozen role is served by its fixed model and never trained; give it one or the other")
         kind, sep, value = self.match.partition(":")
         if not sep or kind not in _KINDS or not value:
             raise ValueError(f"role {self.name!r}: match {self.match!r} must be model:NAME, system:REGEX or "
@@ -68,18 +89,31 @@ class RoleRule:
 
 def parse_rules(matches: dict[str, str], upstreams: dict[str, str] | None = None,
                 upstream_models: dict[str, str] | None = None,
-                upstream_key_envs: dict[str, str] | None = None) -> tuple[RoleRule, ...]:
-    """Rules from name -> match mappings (config files and command lines), in the order given. A frozen upstream
-    for a role with no match is a mistake: it is named."""
+                upstream_key_envs: dict[str, str] | None = None, *,
+                policies: dict[str, str] | None = None) -> tuple[RoleRule, ...]:
+    """Rules from name -> match mappings (config files and command lines), in the order given; `policies`: role
+    name -> the policy that serves it. An upstream or a policy for a role with no match is a mistake: it is
+    named."""
     upstreams, upstream_models, upstream_key_envs = upstreams or {}, upstream_models or {}, upstream_key_envs or {}
+    policies = policies or {}
     for what, mapping in (("an upstream", upstreams), ("an upstream model", upstream_models),
-                          ("an upstream key", upstream_key_envs)):
+                          ("an upstream key", upstream_key_envs), ("a policy", policies)):
         unknown = sorted(set(mapping) - set(matches))
         if unknown:
             raise ValueError(f"role {unknown[0]!r} has {what} but no match: add it to the role matches, e.g. "
                              f"{unknown[0]}=model:NAME")
-    return tuple(RoleRule(name, spec, upstreams.get(name), upstream_models.get(name), upstream_key_envs.get(name))
-                 for name, spec in matches.items())
+    return tuple(RoleRule(name, spec, upstreams.get(name), upstream_models.get(name), upstream_key_envs.get(name),
+                          policies.get(name)) for name, spec in matches.items())
+
+
+def policy_of(role: RoleRule | None) -> str:
+    """The policy that serves a call of `role` (None: no rule matched) when it goes to the policy engine."""
+    return DEFAULT_POLICY if role is None or role.policy is None else role.policy
+
+
+def policy_names(rules: tuple[RoleRule, ...]) -> tuple[str, ...]:
+    """Every policy that serves calls under `rules`: the default first, then the roles' own, in rule order."""
+    return tuple(dict.fromkeys([DEFAULT_POLICY, *(r.policy for r in rules if r.policy is not None)]))
 
 
 def key_env_names(rules: tuple[RoleRule, ...]) -> tuple[str, ...]:

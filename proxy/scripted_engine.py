@@ -8,6 +8,8 @@ It also answers vLLM's dev routes the trainer uses, as vLLM does in dev mode: th
 and sleep mode's (POST /sleep?level=N, POST /wake_up, GET /is_sleeping). While it sleeps it refuses generation and
 weight reloads with 503 and counts them (`refused_asleep`): a test asserts the trainer never sends either.
 `targets` logs every request in arrival order, so a test can read the order of sleep, wake, push and calls.
+A LoRA adapter loaded by name is served under that name, as vLLM serves it: a request naming it is answered with
+it as the model (what the proxy records as `calls.served_model`); any other name gets `Script.model`.
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ class ScriptedEngine:
         self.cancelled = 0  # requests whose client went away before the answer ended
         self.sleep_level = 0  # 0: awake; else the level of the POST /sleep it sleeps at
         self.refused_asleep: list[str] = []  # requests refused because it was asleep (generation, reloads)
+        self.adapters: set[str] = set()  # LoRA adapters loaded (/v1/load_lora_adapter) and not unloaded since
         self.app = web.Application()
         self.app.router.add_post("/v1/chat/completions", self._chat)
         self.app.router.add_post("/v1/completions", self._completions)
@@ -116,6 +119,15 @@ class ScriptedEngine:
         if self.sleep_level and request.path in ("/collective_rpc", "/v1/load_lora_adapter"):
             self.refused_asleep.append(request.raw_path)
             return _error(503, "the engine is sleeping: wake it up before loading weights")
+        if request.path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
+            try:
+                name = orjson.loads(await request.read()).get("lora_name")
+            except (orjson.JSONDecodeError, AttributeError):  # accepted all the same, as before
+                name = None
+            if isinstance(name, str) and request.path == "/v1/load_lora_adapter":
+                self.adapters.add(name)
+            elif isinstance(name, str):
+                self.adapters.discard(name)
         return web.json_response({"success": True} if request.path == "/reset_prefix_cache" else {})
 
     async def _models(self, request: web.Request) -> web.Response:
@@ -198,7 +210,7 @@ class ScriptedEngine:
             for choice in choices:
                 choice.pop("token_ids"), choice.pop("prompt_token_ids", None)
         out = {"id": "scripted-1", "object": "chat.completion" if chat else "text_completion",
-               "created": int(time.time()), "model": self.script.model, "choices": choices,
+               "created": int(time.time()), "model": self._model(body), "choices": choices,
                "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": n * len(ids),
                          "total_tokens": len(prompt_ids) + n * len(ids)}}
         if chat and self.script.token_ids:
@@ -211,7 +223,7 @@ class ScriptedEngine:
         s = self.script
         sent = 0
         base = {"id": "scripted-1", "object": "chat.completion.chunk" if chat else "text_completion",
-                "created": int(time.time()), "model": s.model}
+                "created": int(time.time()), "model": self._model(body)}
         for i in range(n):
             if chat:
                 first = dict(base, choices=[{"index": i, "delta": {"role": "assistant", "content": ""},
@@ -262,6 +274,11 @@ class ScriptedEngine:
             await asyncio.sleep(s.linger_after_done_s)
         await resp.write_eof()
         return resp
+
+    def _model(self, body: dict) -> str:
+        """The model an answer names: the adapter the request asked for when one is loaded, else the base."""
+        asked = body.get("model")
+        return asked if asked in self.adapters else self.script.model
 
     def _delta(self, pos: int, token: int, count: int) -> dict:
         """Text, or a tool call streamed the way vLLM does: id and name first, then the arguments in pieces."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import aiohttp
 from aiohttp import web
@@ -21,13 +21,28 @@ from proxy.wire.common import ConversationStore
 @dataclass
 class RunState:
     run_id: str
-    served_model: str | None
-    weight_version: int = 0  # set by the trainer after each weight sync
+    served_model: str | None  # the engine's model name for the default policy's calls (None: the agent's name)
+    # The engine's model name for each policy that has its own (one LoRA adapter per trained role, set by POST
+    # /harness/weights with "policy"); a policy not here is served under `served_model`.
+    policy_models: dict[str, str] = field(default_factory=dict)
+    weight_version: int = 0  # set by the trainer after each weight sync (of the default policy, with several)
+    policy_versions: dict[str, int] = field(default_factory=dict)  # the version of each policy with its own name
     warned_no_ids: bool = False  # said once that the engine returns no token ids
     timelines: Timelines | None = None  # token-exact continuity (None: off, or the engine returns no ids)
     sampling: SamplingOverrides | None = None  # the overrides in force; starts as the config's, a trainer may swap it
     max_model_len: int | None = None  # the engine's context, as its /v1/models said at start (None: not said)
     parsing: ReplyParsing | None = None
+
+    def engine_model(self, policy: str) -> str | None:
+        """The engine's model name `policy`'s calls go to now: its own once a trainer set one, else the default
+        policy's (a policy whose first adapter is not pushed yet is served as the default one is)."""
+        return self.policy_models.get(policy, self.served_model)
+
+    def version_of(self, policy: str) -> int:
+        """The weight version `policy`'s calls are sampled with now: each policy's adapter is pushed on its own, so
+        a call is stamped with its own policy's version, never with one pushed for another policy a moment
+        earlier."""
+        return self.policy_versions.get(policy, self.weight_version)
 
 
 CONFIG = web.AppKey("config", ProxyConfig)

@@ -4,13 +4,14 @@
         recorded episodes as SFT chat records or RL token records (harness/store/export.py, docs/export.md)
     harness export --merge ADAPTER --out DIR
         a LoRA adapter merged into its base model: a plain model directory that transformers and vLLM load without
-        peft (docs/training.md, LoRA)
+        peft (docs/training.md, LoRA); a run's <run>/adapter with several policies: DIR/<policy>, one model each
     harness retokenize --model DIR|HUB_ID [--run RUN]
         token ids for calls recorded as text only, marked as a tokenizer's (harness/store/retokenize.py)
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -80,9 +81,19 @@ def main(args) -> int:
 def _merge_main(args) -> int:
     adapter, out = args.merge, args.out
     config_path = adapter / "adapter_config.json"
+    entries = sorted(adapter.iterdir()) if adapter.is_dir() and not config_path.is_file() else []
+    policies = entries if entries and all((d / "adapter_config.json").is_file() for d in entries) else []
+    if policies:  # a run of several policies (roles.policies): <run>/adapter/<policy>/ alone, one model each
+        out.mkdir()
+        for one in policies:
+            code = _merge_main(argparse.Namespace(**{**vars(args), "merge": one, "out": out / one.name}))
+            if code:
+                return code
+        return 0
     if not config_path.is_file():
         print(f"error: {str(adapter)!r} is not a LoRA adapter directory (no adapter_config.json): give one of "
-              "<run>/adapters/v...", file=sys.stderr)
+              "<run>/adapters/v..., or a run's <run>/adapter (with several policies: one model each)",
+              file=sys.stderr)
         return 2
     named = json.loads(config_path.read_text()).get("base_model_name_or_path")
     if args.model is None and not named:

@@ -62,6 +62,10 @@ class Call:
     prompt_tokens: int | None = None  # usage: prompt length in tokens
     completion_tokens: int | None = None  # usage: sampled tokens over all choices
     extra: dict = field(default_factory=dict)  # free-form notes (e.g. sampling overrides that were applied)
+    role: str | None = None  # the name of the role rule the call matched (proxy/roles.py); None: no rule matched
+    # The policy that served it (the role's own, or "policy", the default) when the policy engine did; None for a
+    # frozen role's call (its fixed model served it) and in record-only mode (no policy serves there).
+    policy: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,7 +18,8 @@ from harness.core.records import Call
 # Call fields stored as they are, by Arrow type (inserts match columns by name, so order does not matter).
 _PLAIN_CALL_FIELDS = {
     pa.string(): ("call_id", "run_id", "episode_id", "endpoint", "requested_model", "served_model",
-                  "role_key", "system_hash", "tools_hash", "token_source", "status", "error"),  # fmt: skip
+                  "role_key", "system_hash", "tools_hash", "token_source", "status", "error", "role",
+                  "policy"),  # fmt: skip
     pa.int32(): ("call_index", "http_status", "weight_version", "prompt_tokens", "completion_tokens"),
     pa.float64(): ("latency_ms", "ttft_ms"),
     pa.bool_(): ("stream",),

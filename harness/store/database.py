@@ -368,7 +368,7 @@ class Store:
     def episode_calls(self, episode_id: str) -> list[dict]:
         """An episode's calls in order, as judges see them (request and response parsed)."""
         sql = ("SELECT call_index, status, http_status, request, response, prompt_tokens, completion_tokens, "
-               "requested_model, extra->>'role', extra->>'engine_fault' FROM calls WHERE episode_id = ? "
+               "requested_model, role, extra->>'engine_fault' FROM calls WHERE episode_id = ? "
                "ORDER BY call_index")
         with self.cursor() as cur:
             rows = cur.execute(sql, [episode_id]).fetchall()

@@ -350,5 +350,30 @@ MIGRATIONS: list[tuple[str, str]] = [
         ALTER TABLE merge_breaks ADD COLUMN parent_tool_call_id VARCHAR;
         """,
     ),
+    (
+        # One policy per trained role (proxy/roles.py): each call says which role rule it matched and which policy
+        # served it, in columns a trainer filters on. Calls recorded before get their role from extra.role (still
+        # written, for SQL that reads it) and a NULL policy: which policy served them was not recorded.
+        "calls_role_and_policy",
+        """
+        ALTER TABLE calls ADD COLUMN role VARCHAR;
+        ALTER TABLE calls ADD COLUMN policy VARCHAR;
+        UPDATE calls SET role = extra->>'role' WHERE extra->>'role' IS NOT NULL;
+        CREATE OR REPLACE VIEW roles AS
+        SELECT run_id, role_key,
+               arg_min(role, started_at) AS role,
+               arg_min(requested_model, started_at) AS requested_model,
+               arg_min(system_hash, started_at) AS system_hash,
+               arg_min(tools_hash, started_at) AS tools_hash,
+               count(*) AS calls,
+               count(DISTINCT episode_id) AS episodes,
+               arg_min(coalesce(extra->>'upstream', 'policy'), started_at) AS served_by,
+               arg_min(call_id, started_at) AS example_call_id,
+               arg_min(left(json_extract_string(request, '$.messages[0].content'), 200), started_at)
+                   AS first_message,
+               arg_min(policy, started_at) AS policy
+        FROM calls WHERE role_key <> '' GROUP BY run_id, role_key;
+        """,
+    ),
 ]
 SCHEMA_VERSION = len(MIGRATIONS)

@@ -38,6 +38,9 @@ _SORTS = {"reward": "reward", "started_at": "started_at", "task_id": "task_id", 
           "duration_ms": "duration_ms", "step": "step", "status": "status"}
 _CURVES = ("reward_mean", "val_pass_at_n", "kl", "entropy", "response_length")
 _UPDATE = ("computed_ratio", "update_s")  # the update: sample tokens per position computed (trainer.layout), its time
+# With several policies (roles.policies), each one's curves: its metric name under policy/<name>/, and the label
+_PER_POLICY = {"reward/mean": "reward", "actor/kl": "kl", "actor/entropy": "entropy", "actor/grad_norm": "grad norm",
+               "advantage/abs_mean": "|advantage|", "update/tokens": "tokens trained"}
 # Episodes with their step and kind read off the run id, reward, calls and roles; {where} filters episode_outcomes.
 _EPISODES = """
     WITH per_call AS (
@@ -114,6 +117,14 @@ class Viewer:
         series = {name: [(at.get(s) or {}).get(name) for s in steps] for name in (*_CURVES, *_UPDATE)}
         for name in ("drift_rate", "merge_ratio"):
             series[name] = [(by_step.get(s) or {}).get(name) for s in steps]
+        per_policy: dict[str, dict[int, float]] = {}
+        for r in self.query("SELECT step, name, arg_max(value, created_at) AS value FROM metrics WHERE run_id = ? "
+                            "AND starts_with(name, 'policy/') GROUP BY step, name", [run_id]):
+            policy, _, metric = r["name"].removeprefix("policy/").partition("/")
+            if metric in _PER_POLICY:
+                per_policy.setdefault(f"{policy}: {_PER_POLICY[metric]}", {})[r["step"]] = r["value"]
+        for name in sorted(per_policy):
+            series[name] = [per_policy[name].get(s) for s in steps]
         return {"steps": steps, "series": series}
 
     def episodes(self, run_id: str, args) -> dict:

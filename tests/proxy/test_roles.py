@@ -86,6 +86,12 @@ def test_matching_by_fingerprint_and_first_match_wins():
     (lambda: RoleRule("critic", "model:m", upstream="ftp://x"), "must start with http"),
     (lambda: parse_rules({"solver": "model:m"}, {"critic": "http://x"}), "role 'critic' has an upstream but no match"),
     (lambda: parse_assignments(["critic"], "--role"), "--role 'critic' must look like NAME=VALUE"),
+    (lambda: RoleRule("planner", "model:m", policy="planner v2"), "role 'planner': policy name 'planner v2'"),
+    (lambda: RoleRule("planner", "model:m", policy=""), "role 'planner': policy name ''"),
+    (lambda: RoleRule("critic", "model:m", upstream="http://x", policy="critic"),
+     "role 'critic' has an upstream .* and a policy .*: a frozen role"),
+    (lambda: parse_rules({"solver": "model:m"}, policies={"planner": "planner"}),
+     "role 'planner' has a policy but no match"),
 ])
 def test_bad_role_rules_are_refused_by_name(make, message):
     with pytest.raises(ValueError, match=message):

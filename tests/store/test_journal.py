@@ -3,6 +3,7 @@ in by the next opening of the file, once, and the journal is gone afterwards."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import signal
 import subprocess
@@ -11,9 +12,11 @@ import textwrap
 import time
 from pathlib import Path
 
+import orjson
+
 from harness.core.records import FINISHED, Episode
 from harness.store.database import Store
-from harness.store.journal import encode_record, journal_segments, pending_records
+from harness.store.journal import decode_record, encode_record, journal_segments, pending_records
 from harness.store.recorder import Recorder
 from tests.store.support import make_call
 
@@ -90,6 +93,21 @@ def test_replay_skips_calls_the_file_has_keeps_the_later_record_and_a_cut_short_
         assert rows == [(written.call_id, "ok"), (final.call_id, "ok")]  # once each; the final record of call 1
         assert store.query("SELECT episode_id FROM episodes").rows == [("ep-1",)]
     assert journal_segments(db) == [] and not list(tmp_path.glob("*.unreadable"))
+
+
+def test_a_journaled_call_keeps_its_role_and_policy_through_replay(tmp_path):
+    db = tmp_path / "harness.duckdb"
+    served = dataclasses.replace(make_call("ep-1", 0, n_choices=1, prompt_tokens=50), role="planner", policy="planner")
+    frozen = dataclasses.replace(make_call("ep-1", 1, n_choices=1, prompt_tokens=50), role="critic")
+    assert decode_record(orjson.loads(encode_record("call", served))) == served
+    db.with_name(db.name + ".journal.1").write_bytes(encode_record("call", served) + encode_record("call", frozen))
+    with Store.open(db) as store:
+        assert store.query("SELECT role, policy FROM calls ORDER BY call_index").rows == [("planner", "planner"),
+                                                                                           ("critic", None)]
+    old = orjson.loads(encode_record("call", served))  # a journal a harness wrote before the two fields
+    del old["record"]["role"], old["record"]["policy"]
+    decoded = decode_record(old)
+    assert (decoded.role, decoded.policy) == (None, None)
 
 
 def test_an_unreadable_line_keeps_its_segment_and_the_rest_is_written(tmp_path, caplog):

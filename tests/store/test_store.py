@@ -19,6 +19,7 @@ import pytest
 
 from harness.core.flags import DEGENERATE, TRUNCATED, flag
 from harness.core.records import CANCELLED, ERROR, NONE, Episode
+from harness.store.arrow_tables import calls_table, choices_table
 from harness.store.database import (
     MIGRATIONS,
     SCHEMA_VERSION,
@@ -75,13 +76,14 @@ def test_calls_recorded_under_primary_keys_are_kept_when_the_keys_go(tmp_path: P
         con.execute("INSERT INTO schema_migrations VALUES (?, ?, now()::TIMESTAMP)", [version, name])
     con.close()
     calls = [make_call("ep-0", i) for i in range(3)]
-    con = duckdb.connect(":memory:")  # the file as the previous harness wrote it
-    con.execute(f"ATTACH '{path}' AS harness")
-    keyed = Store(path, con, read_only=False)
-    keyed.add_calls(calls)
+    con = duckdb.connect(str(path))  # the file as the previous harness wrote it: calls without the later columns
+    con.register("old_calls", calls_table(calls).drop_columns(["role", "policy"]))
+    con.register("old_choices", choices_table(calls))
+    con.execute("INSERT INTO calls BY NAME SELECT * FROM old_calls")
+    con.execute("INSERT INTO choices BY NAME SELECT * FROM old_choices")
     with pytest.raises(duckdb.ConstraintException):  # the previous schema had the key...
-        keyed.add_calls([calls[0]])
-    keyed.close()
+        con.execute("INSERT INTO calls BY NAME SELECT * FROM old_calls LIMIT 1")
+    con.close()
     with Store.open(path) as store:
         got = store.query("SELECT call_id, call_index, len(prompt_ids) FROM calls ORDER BY call_index").rows
         assert got == [(c.call_id, c.call_index, len(c.prompt_ids)) for c in calls]
@@ -91,6 +93,32 @@ def test_calls_recorded_under_primary_keys_are_kept_when_the_keys_go(tmp_path: P
         assert keys == [(0,)]  # ...and now none holds memory
         store.add_calls([make_call("ep-0", 3)])
         assert store.episode_progress("ep-0") == (False, 4, None)
+
+
+def test_calls_recorded_before_the_role_column_get_their_role_from_extra_and_no_policy(tmp_path: Path):
+    path = tmp_path / "before-roles.duckdb"
+    con = duckdb.connect(str(path))
+    con.execute("CREATE TABLE schema_migrations (version INTEGER, name VARCHAR, applied_at TIMESTAMP)")
+    added = [name for name, _ in MIGRATIONS].index("calls_role_and_policy")
+    for version, (name, sql) in enumerate(MIGRATIONS[:added], start=1):  # the file before the columns came
+        con.execute(sql)
+        con.execute("INSERT INTO schema_migrations VALUES (?, ?, now()::TIMESTAMP)", [version, name])
+    insert = ("INSERT INTO calls (call_id, run_id, episode_id, call_index, endpoint, stream, role_key, request, "
+              "token_source, status, http_status, started_at, latency_ms, weight_version, extra) "
+              "VALUES (?, 'run-1', 'ep-0', ?, 'chat', false, ?, '{}', 'engine', 'ok', 200, now()::TIMESTAMP, 1.0, "
+              "0, ?)")
+    con.execute(insert, ["named", 0, "key-a", '{"role": "planner"}'])  # as the proxy wrote a matched call's role
+    con.execute(insert, ["unnamed", 1, "key-b", "{}"])
+    con.execute(insert, ["bare", 2, "key-b", None])
+    con.close()
+    with Store.open(path) as store:
+        rows = store.query("SELECT call_id, role, policy FROM calls ORDER BY call_index").rows
+        assert rows == [("named", "planner", None), ("unnamed", None, None), ("bare", None, None)]
+        roles = store.query("SELECT role_key, role, calls, served_by, policy FROM roles ORDER BY role_key").rows
+        assert roles == [("key-a", "planner", 1, "policy", None), ("key-b", None, 2, "policy", None)]
+        assert [(c.role, c.policy) for c in store.load_calls("ep-0")] == [("planner", None), (None, None), (None, None)]
+        store.add_calls([dataclasses.replace(make_call("ep-0", 3), role="planner", policy="planner")])  # and on
+        assert store.query("SELECT role, policy FROM calls WHERE call_index = 3").rows == [("planner", "planner")]
 
 
 def test_a_file_from_a_newer_harness_is_refused_naming_both_versions(tmp_path: Path):
@@ -263,12 +291,13 @@ def test_query_reports_types_and_truncates_at_max_rows(store: Store):
 
 
 def test_load_calls_gives_back_the_records_that_were_added(store: Store):
-    first, second = make_call(), make_call()
+    first, second = make_call(), dataclasses.replace(make_call(), role="planner", policy="planner")
     store.add_calls([first, second])
     loaded = {c.call_id: c for c in store.load_calls(first.episode_id)}
     for call in (first, second):
         got = loaded[call.call_id]
         assert got.prompt_ids == call.prompt_ids and got.role_key == call.role_key
+        assert (got.role, got.policy) == (call.role, call.policy)
         assert [c.completion_ids for c in got.choices] == [c.completion_ids for c in call.choices]
         assert got.choices[0].logprobs == pytest.approx(call.choices[0].logprobs, abs=1e-6)
         assert orjson.loads(got.request) == orjson.loads(call.request)

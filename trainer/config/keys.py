@@ -248,6 +248,10 @@ class RolesConfig:
                                           "name the agent asked for")
     upstream_key_env: dict[str, str] = _key({}, "frozen role name -> environment variable holding its upstream's "
                                             "API key (never recorded)")
+    policies: dict[str, str] = _key({}, "trained role name -> the policy it learns as: roles naming one policy share "
+                                    "it, trained roles left out (and, with roles.train empty, calls no rule matches) "
+                                    "share the default one, 'policy'; two or more policies train one LoRA adapter "
+                                    "each over one frozen base (trainer.lora)")
 
 
 @dataclass(frozen=True)

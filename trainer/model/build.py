@@ -6,6 +6,7 @@ it: the frozen reference (trainer.kl_coef > 0) and the critic (adv_estimator: ga
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -15,7 +16,7 @@ import torch
 from trainer.maths.schedule import lr_factor
 from trainer.model.critic import Critic
 from trainer.model.fsdp import Dist, shard
-from trainer.model.lora import LoraSpec, spec_of, with_adapter
+from trainer.model.lora import LoraSpec, adapter_parameters, spec_of, with_adapter, with_adapters
 from trainer.model.policy import load_policy
 
 if TYPE_CHECKING:
@@ -35,22 +36,35 @@ class BuiltPolicy:
     reference: torch.nn.Module | None  # the initial policy, sharded, in eval mode, never optimised; rl with kl_coef > 0
     critic: Critic | None  # the value model with its own optimizer; rl with adv_estimator: gae
     pad_id: int  # the tokenizer's padding id (its eos id when it has none)
+    adapters: tuple[str, ...] = ()  # with several policies (roles.policies), their adapters' names; () with one
 
 
-def build_policy(cfg: TrainConfig, dist: Dist, total_steps: int, mode: Mode = "rl") -> BuiltPolicy:
+def build_policy(cfg: TrainConfig, dist: Dist, total_steps: int, mode: Mode = "rl",
+                 adapters: Sequence[str] = ()) -> BuiltPolicy:
     """The policy of `cfg` on this rank: loaded, with LoRA, sharded, with its AdamW and its schedule over
     `total_steps`; in mode rl also the reference and the critic when the config asks for them (offline training,
-    modes from_run and sft, uses neither)."""
+    modes from_run and sft, uses neither). `adapters`: with several policies (trainer.config.checks adapters_of),
+    one LoRA adapter each over the one base."""
     t = cfg.trainer
     offload = t.fsdp.param_offload or t.fsdp.optimizer_offload  # FSDP2 offloads parameters and optimizer state together
     policy = load_policy(cfg.model.path, dtype_of(cfg), cfg.model.gradient_checkpointing,
                          trust_remote_code=cfg.model.trust_remote_code)
     lora = spec_of(t.lora)
-    if lora is not None:  # adapters train, the base stays frozen; the engine serves base + adapter
+    adapters = tuple(adapters)
+    if adapters and lora is None:
+        raise ValueError(f"adapters {list(adapters)!r} need trainer.lora.rank > 0")
+    if adapters:  # one adapter per policy over the one frozen base
+        policy = with_adapters(policy, lora, adapters)
+    elif lora is not None:  # adapters train, the base stays frozen; the engine serves base + adapter
         policy = with_adapter(policy, lora)
     model = shard(policy, dist, mixed_precision=t.fsdp.mixed_precision, param_offload=offload)
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay)
+    # one AdamW, a parameter group per adapter: a step moves only the parameters that have gradients (the active
+    # adapter's), so each adapter keeps moments and step counts of its own
+    groups = [{"params": adapter_parameters(model, name)} for name in adapters] or \
+        [{"params": [p for p in model.parameters() if p.requires_grad]}]
+    optimizer = torch.optim.AdamW(groups, lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay)
+    if adapters:
+        _zero_moments(optimizer)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(t.warmup_steps, t.lr_schedule, total_steps))
 
     reference = None
@@ -59,7 +73,18 @@ def build_policy(cfg: TrainConfig, dist: Dist, total_steps: int, mode: Mode = "r
                           dist, param_offload=offload).eval()
     pad_id = pad_id_of(cfg.model.path, cfg.model.trust_remote_code)
     critic = Critic(cfg, dist, total_steps) if mode == "rl" and t.adv_estimator == "gae" else None
-    return BuiltPolicy(model, optimizer, scheduler, lora, reference, critic, pad_id)
+    return BuiltPolicy(model, optimizer, scheduler, lora, reference, critic, pad_id, adapters)
+
+
+def _zero_moments(optimizer: torch.optim.AdamW) -> None:
+    """AdamW's state for every parameter now, as its first step would make it (step 0, zero moments): an adapter
+    that has not trained yet then has state to save and load like the others. Without it, loading a checkpoint
+    gives such an adapter a state made by a step of torch's own (torch.distributed.checkpoint fills missing
+    optimizer state so), and the resumed run would count one step more for it than the uninterrupted one."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            optimizer.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
+                                  "exp_avg_sq": torch.zeros_like(p)}
 
 
 def dtype_of(cfg: TrainConfig) -> torch.dtype:

@@ -30,6 +30,7 @@ import os
 import random
 import re
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -135,10 +136,11 @@ def _refusal(path: str | Path, what: str, mode: str) -> ResumeError:
                        "start fresh with --set trainer.resume=disable, or give this run its own experiment_name")
 
 
-def model_fingerprint(cfg: TrainConfig) -> dict[str, Any]:
+def model_fingerprint(cfg: TrainConfig, adapters: Sequence[str] = ()) -> dict[str, Any]:
     """The model a run trains, as its checkpoints record it: model.path (a Hub id and the snapshot's commit for a
     model in the Hugging Face cache, else the absolute directory), the trainer's dtype, the LoRA settings (rank 0:
-    the whole model trains) and the tie of the embeddings (trainer/model/tied.py). JSON, keyed by the config keys."""
+    the whole model trains), the tie of the embeddings (trainer/model/tied.py) and, with several policies, their
+    adapters' names (trainer.config.checks adapters_of). JSON, keyed by the config keys."""
     from trainer.model.tied import ties_embeddings
 
     lora, full = cfg.trainer.lora, cfg.trainer.lora.rank == 0
@@ -153,6 +155,7 @@ def model_fingerprint(cfg: TrainConfig) -> dict[str, Any]:
         "trainer.lora.target_modules": None if full else sorted(lora.target_modules),
         "tied_embeddings": tied,
         "untied_engine_view": tied and full,  # the engines serve the untied view (rollout.py engine_model_dir)
+        "roles.policies": list(adapters) or None,  # an adapter each
     }
 
 

@@ -14,6 +14,7 @@ of VLLM_RANKS, at least the adapter's rank.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -21,7 +22,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["ADAPTER_NAME", "ENGINE_ENV", "LoraSpec", "adapters_in_use", "engine_args", "spec_of", "with_adapter"]
+__all__ = ["ADAPTER_NAME", "ENGINE_ENV", "LoraSpec", "activate", "adapter_parameters", "adapters_in_use",
+           "engine_args", "spec_of", "with_adapter", "with_adapters"]
 
 ADAPTER_NAME = "policy-lora"  # the model name the engine serves base + adapter under
 ENGINE_ENV = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}  # /v1/load_lora_adapter and /v1/unload_lora_adapter
@@ -76,13 +78,57 @@ def with_adapter(model: torch.nn.Module, spec: LoraSpec) -> torch.nn.Module:
     return get_peft_model(model, config)
 
 
-def save_adapter(model: torch.nn.Module, out: Path, state_dict: dict | None = None) -> int:
+def with_adapters(model: torch.nn.Module, spec: LoraSpec, names: Sequence[str]) -> torch.nn.Module:
+    """`model` with one fresh adapter of `spec` per name (one per policy: roles.policies), each zero at first, the
+    first one active. Every adapter's parameters require gradients, always: a forward through the active adapter
+    gives only its parameters gradients (the others' stay None, which AdamW and FSDP2 skip), so nothing about
+    what trains changes after the model is sharded."""
+    from peft import LoraConfig, get_peft_model
+
+    if len(set(names)) != len(names) or not names:
+        raise ValueError(f"adapter names {list(names)!r} must be distinct, and at least one")
+    config = LoraConfig(r=spec.rank, lora_alpha=spec.alpha, target_modules=list(spec.target_modules),
+                        lora_dropout=spec.dropout, bias="none", task_type="CAUSAL_LM")
+    peft_model = get_peft_model(model, config, adapter_name=names[0])
+    for name in names[1:]:
+        peft_model.add_adapter(name, config)
+    activate(peft_model, names[0])
+    return peft_model
+
+
+def activate(model: torch.nn.Module, name: str) -> None:
+    """Compute with adapter `name` from now on (a model of `with_adapters`, also sharded). peft's set_adapter marks
+    only the active adapter trainable; every adapter is made trainable again, as with_adapters keeps them."""
+    model.base_model.set_adapter(name)
+    for key, parameter in model.named_parameters():
+        if ".lora_" in key:
+            parameter.requires_grad_(True)
+
+
+def adapter_parameters(model: torch.nn.Module, name: str) -> list[torch.nn.Parameter]:
+    """The parameters of adapter `name` (peft names them `...lora_A.<name>.weight`), in the model's order."""
+    found = [p for key, p in model.named_parameters()
+             if any(f".{part}.{name}." in key for part in ("lora_A", "lora_B"))]
+    if not found:
+        raise ValueError(f"the model has no adapter {name!r}")
+    return found
+
+
+def save_adapter(model: torch.nn.Module, out: Path, state_dict: dict | None = None, name: str | None = None) -> int:
     """Write the adapter of a peft model into `out` (vLLM's format); the bytes of its weights. `state_dict`: the
-    model's full state (e.g. gathered from FSDP shards), when its own parameters are not whole tensors."""
+    model's full state (e.g. gathered from FSDP shards), when its own parameters are not whole tensors. `name`: which
+    adapter of a model with several (with_adapters); None: its only one."""
     if not hasattr(model, "peft_config"):
         raise ValueError(f"pushing an adapter needs a peft model (trainer/model/lora.py with_adapter), got "
                          f"{type(model).__name__}")
-    model.save_pretrained(out, state_dict=state_dict, save_embedding_layers=False)
+    if name is None:
+        model.save_pretrained(out, state_dict=state_dict, save_embedding_layers=False)
+    else:  # peft writes an adapter not named "default" into a folder of its name: vLLM reads it from `out`
+        model.save_pretrained(out, state_dict=state_dict, save_embedding_layers=False, selected_adapters=[name])
+        if name != "default":
+            for file in (out / name).iterdir():
+                file.rename(out / file.name)
+            (out / name).rmdir()
     return (out / "adapter_model.safetensors").stat().st_size
 
 

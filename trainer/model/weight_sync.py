@@ -80,7 +80,8 @@ class WeightSync:
     def __init__(self, engine_url: str, work_dir: str | Path, proxy_url: str | None = None,
                  proxy_admin_token: str | None = None, timeout_s: float = 600.0, *,
                  model_dir: str | Path | None = None, keep: int = 2, more_engine_urls: tuple[str, ...] = (),
-                 adapter: str | None = None, dtype: torch.dtype | None = None, max_shard_bytes: int = 2**30) -> None:
+                 adapter: str | None = None, dtype: torch.dtype | None = None, max_shard_bytes: int = 2**30,
+                 peft_adapter: str | None = None, policy: str | None = None) -> None:
         """`work_dir` receives one weights directory per version (`v000042/`), the newest `keep` kept (the
         engine reads from the newest; with LoRA, the newest `keep` adapters also stay loaded, for calls still
         generating on them: asynchronous rollouts keep K + 2). `model_dir` is the model the engine started from:
@@ -91,6 +92,9 @@ class WeightSync:
         proxy hears of the new version only once all serve it.
         `dtype` is the engine's (`engine_dtype`): full weights are written in it (None: in their own, as the
         trainer holds them), in files of at most `max_shard_bytes`, the most host memory a push adds.
+        With several policies (roles.policies) each has its own sync: `peft_adapter` names the adapter of the
+        trainer's model it writes, `adapter` the base of the engine's names for it, and the proxy hears the new
+        name as `policy`'s (its calls go there).
         """
         if keep < 1:
             raise ValueError(f"keep must be at least 1 (the weights the engine serves), got {keep!r}")
@@ -109,6 +113,8 @@ class WeightSync:
             shutil.rmtree(stale, ignore_errors=True)
         self.can_pause: bool | None = None  # None until the engine was asked: False if it has no /pause
         self.adapter = adapter  # LoRA: the adapter's base name; None: full weights
+        self.peft_adapter = peft_adapter  # which adapter of a model with several; None: its only one
+        self.policy = policy  # the policy whose calls the proxy sends to this adapter; None: the default one
         self.dtype = dtype  # full weights are written in it; None: as they come
         if max_shard_bytes < 1:
             raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes!r}")
@@ -145,7 +151,7 @@ class WeightSync:
         tmp.mkdir()
         try:
             if self.adapter is not None:
-                save_adapter(weights, tmp, dict(state) if state is not None else None)
+                save_adapter(weights, tmp, dict(state) if state is not None else None, self.peft_adapter)
                 files = [tmp / "adapter_model.safetensors"]
             else:
                 state = weights.state_dict() if isinstance(weights, torch.nn.Module) else weights
@@ -278,6 +284,8 @@ class WeightSync:
             return
         url = f"{self.proxy_url}/harness/weights"
         body = {"version": version} if model is None else {"version": version, "model": model}
+        if model is not None and self.policy is not None:
+            body["policy"] = self.policy
         status, answer = _post(url, body, self.timeout_s, self.proxy_admin_token)
         if status == 401:
             raise WeightSyncError(f"POST {url} answered HTTP 401: the admin token is wrong (it is in the run's "

@@ -125,6 +125,7 @@ def keep_fresh(exp: Experience, version: int, max_staleness: int) -> tuple[Exper
         exp, samples=[exp.samples[i] for i in keep], versions=[exp.versions[i] for i in keep],
         units=[exp.unit(i) for i in keep] if exp.units is not None else None,
         call_spans=[exp.call_spans[i] for i in keep] if exp.call_spans is not None else None,
+        policies=[exp.policies[i] for i in keep] if exp.policies is not None else None,
         rewards={u: r for u, r in exp.rewards.items() if exp.groups[u] not in stale},
         groups={u: g for u, g in exp.groups.items() if g not in stale})
     return fresh, metrics

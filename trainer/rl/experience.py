@@ -15,6 +15,7 @@ import torch
 
 from harness.core.records import FINISHED, Sample
 from trainer.config import TrainConfig, trains
+from trainer.config.checks import adapters_of, policy_of
 from trainer.maths import algorithms as algo
 from trainer.rl.rollout import StepRollout
 
@@ -32,6 +33,7 @@ class Experience:
     tasks: dict[str, str] | None = None  # unit -> task (mini-batches keep a task's samples together); None: groups
     versions: list[int] | None = None  # per sample, the oldest weight version its calls were sampled with
     baselines: dict[str, float] | None = None  # remax: task -> the reward of its greedy episode this step
+    policies: list[str] | None = None  # per sample, the policy it trains (roles.policies); None: one policy
 
     def unit(self, i: int) -> str:
         return self.units[i] if self.units is not None else self.samples[i].episode_id
@@ -43,7 +45,7 @@ class Experience:
 def experience_of(rollout: StepRollout, cfg: TrainConfig) -> Experience:
     """Which episodes count (the failed-episode policy), which of their samples learn (the trained roles), their
     rewards (the episode's, or the judge's per-role ones) and the rollout's metrics."""
-    samples, units, rewards, groups, tasks, spans, versions = [], [], {}, {}, {}, [], []
+    samples, units, rewards, groups, tasks, spans, versions, policies = [], [], {}, {}, {}, [], [], []
     failed = unjudged = frozen = 0
     per_role: dict[str, int] = {}
     for e in rollout.episodes:
@@ -70,6 +72,7 @@ def experience_of(rollout: StepRollout, cfg: TrainConfig) -> Experience:
                 per_role[role] = per_role.get(role, 0) + 1
             spans.append(e.call_spans[k])
             versions.append(e.sample_versions[k])
+            policies.append(policy_of(cfg, role))
     all_rewards = [e.reward for e in rollout.episodes if e.reward is not None]
     metrics = {
         "reward/mean": mean(all_rewards), "reward/max": max(all_rewards, default=None),
@@ -96,8 +99,14 @@ def experience_of(rollout: StepRollout, cfg: TrainConfig) -> Experience:
     if rollout.baselines is not None:
         metrics["remax/baseline_mean"] = mean(rollout.baselines.values())
         metrics["remax/tasks_without_baseline"] = len({e.task_id for e in rollout.episodes} - set(rollout.baselines))
+    several = bool(adapters_of(cfg))
+    if several:  # each policy's samples and their units' mean reward
+        for name in adapters_of(cfg):
+            mine = {units[i] for i, p in enumerate(policies) if p == name}
+            metrics[f"policy/{name}/samples"] = sum(p == name for p in policies)
+            metrics[f"policy/{name}/reward/mean"] = mean([rewards[u] for u in mine])
     return Experience(samples, rewards, groups, metrics, spans if any(spans) else None, units, tasks, versions,
-                      rollout.baselines)
+                      rollout.baselines, policies if several else None)
 
 
 def mean(values) -> float | None:

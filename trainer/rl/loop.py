@@ -44,7 +44,7 @@ from harness.running.gpus import Placement
 from harness.running.tasks import read_tasks
 from harness.running.vllm_server import EngineError
 from trainer.config import TrainConfig, run_dir, save_resolved
-from trainer.config.checks import placement_of
+from trainer.config.checks import adapters_of, placement_of
 from trainer.maths import algorithms as algo
 from trainer.maths.estimators import adaptive_kl_coef
 from trainer.maths.schedule import next_tasks
@@ -52,6 +52,7 @@ from trainer.model.build import build_policy
 from trainer.model.checkpoint import check_resume, find_resume, load, model_fingerprint, save, saved_state
 from trainer.model.fsdp import Dist, init_distributed, metrics_over_ranks, most_over_ranks, shutdown
 from trainer.model.layout import computed_metrics
+from trainer.model.lora import activate
 from trainer.model.policy import collate, device_of, micro_batches, padded, to_device, token_logprobs
 from trainer.rl.async_rollouts import RolloutsAhead, keep_fresh, plan_steps
 from trainer.rl.experience import advantages_of, experience_of, gae_of, mean_token_kl
@@ -102,10 +103,11 @@ def _train(cfg: TrainConfig, dist: Dist, placement: Placement | None) -> dict[st
     batch_size = min(cfg.rollout.batch_size, len(tasks))
     total_steps = t.total_steps or math.ceil(len(tasks) / batch_size)
 
-    this_model, checkpoint = model_fingerprint(cfg), find_resume(out, t.resume)
+    this_model, checkpoint = model_fingerprint(cfg, adapters_of(cfg)), find_resume(out, t.resume)
     if checkpoint is not None:  # before the model loads: a checkpoint of another run or model is refused at once
         check_resume(saved_state(checkpoint), checkpoint, "rl", model=this_model, experiment=cfg.experiment_name)
-    built = build_policy(cfg, dist, total_steps, "rl")  # the policy, the reference (kl_coef > 0), the critic (gae)
+    # the policy (one LoRA adapter per policy with several), the reference (kl_coef > 0), the critic (gae)
+    built = build_policy(cfg, dist, total_steps, "rl", adapters_of(cfg))
     model, optimizer, scheduler = built.model, built.optimizer, built.scheduler
     reference, critic, pad_id = built.reference, built.critic, built.pad_id
 
@@ -158,7 +160,7 @@ def _train(cfg: TrainConfig, dist: Dist, placement: Placement | None) -> dict[st
 
             # ------------------------------------------------ 2. old and reference logprobs, at the rollout weights
             t0 = time.perf_counter()
-            old, ref, engine_diff = _score_rows(model, reference, experience.samples, pad_id, cfg)
+            old, ref, engine_diff = _score(model, reference, experience, built.adapters, pad_id, cfg)
             metrics.update(engine_diff)
             metrics["time/logprobs_s"] = time.perf_counter() - t0
 
@@ -183,8 +185,9 @@ def _train(cfg: TrainConfig, dist: Dist, placement: Placement | None) -> dict[st
             if critic is not None:
                 metrics.update(critic.update(rows, tasks_of_rows, returns, values, pad_id))
             if critic is None or step > t.critic.warmup_steps:  # the critic's warm-up: only the critic learns
-                metrics.update(_update(model, optimizer, rows, tasks_of_rows, advantages, old, ref, pad_id, cfg,
-                                       dist))
+                policies = [experience.policies[i] for i in keep] if built.adapters else None
+                metrics.update(_update_policies(model, optimizer, built.adapters, policies, rows, tasks_of_rows,
+                                                advantages, old, ref, pad_id, cfg, dist))
             scheduler.step()
             metrics["actor/lr"] = scheduler.get_last_lr()[0]
             metrics["time/train_s"] = time.perf_counter() - t0
@@ -223,6 +226,37 @@ def _train(cfg: TrainConfig, dist: Dist, placement: Placement | None) -> dict[st
 
 
 # ---------------------------------------------------------------------------------------------- the step's parts
+
+
+def _score(model, reference, experience, adapters: tuple[str, ...], pad_id: int, cfg: TrainConfig):
+    """`_score_rows` over the step's samples; with several policies each policy's samples through its adapter, and
+    the engine agreement per policy too."""
+    rows = experience.samples
+    if not adapters:
+        return _score_rows(model, reference, rows, pad_id, cfg)
+    old: list[torch.Tensor | None] = [None] * len(rows)
+    ref: list[torch.Tensor | None] = [None] * len(rows)
+    metrics: dict[str, float | None] = {}
+    worst, total, count = None, 0.0, 0
+    for name, idx in _by_policy(adapters, experience.policies):
+        activate(model, name)
+        mine_old, mine_ref, diff = _score_rows(model, reference, [rows[i] for i in idx], pad_id, cfg)
+        for k, i in enumerate(idx):
+            old[i], ref[i] = mine_old[k], mine_ref[k]
+        metrics.update({f"policy/{name}/{key}": value for key, value in diff.items()})
+        n = sum(sum(rows[i].loss_mask) for i in idx)
+        if diff["logprob/engine_max_abs_diff"] is not None:
+            worst = max(worst or 0.0, diff["logprob/engine_max_abs_diff"])
+            total, count = total + diff["logprob/engine_mean_abs_diff"] * n, count + n
+    metrics.update({"logprob/engine_max_abs_diff": worst, "logprob/engine_mean_abs_diff": total / count if count
+                    else None})
+    return old, ref, metrics
+
+
+def _by_policy(adapters: tuple[str, ...], policies: list[str]) -> list[tuple[str, list[int]]]:
+    """Each policy that has samples, with the positions of its samples."""
+    out = [(name, [i for i, p in enumerate(policies) if p == name]) for name in adapters]
+    return [(name, idx) for name, idx in out if idx]
 
 
 @torch.no_grad()
@@ -264,6 +298,29 @@ def _score_rows(model, reference, rows: list[Sample], pad_id: int, cfg: TrainCon
             ref[i] = pieces[k * per_row + 1]
     return old, ref, {"logprob/engine_max_abs_diff": worst_diff if count else None,
                       "logprob/engine_mean_abs_diff": total_diff / count if count else None}
+
+
+def _update_policies(model, optimizer, adapters: tuple[str, ...], policies: list[str] | None, rows, tasks_of_rows,
+                     advantages, old, ref, pad_id: int, cfg: TrainConfig, dist: Dist) -> dict:
+    """`_update` over the rows; with several policies, over each policy's rows through its adapter in turn, with its
+    own gradient clipping and optimizer steps (the AdamW moves only the parameters that have gradients: the
+    active adapter's), metrics under `policy/<name>/`. A policy without rows this step is left as it was."""
+    if not adapters:
+        return _update(model, optimizer, rows, tasks_of_rows, advantages, old, ref, pad_id, cfg, dist)
+    metrics: dict[str, float] = {}
+    tokens = computed = 0.0
+    for name, idx in _by_policy(adapters, policies):
+        activate(model, name)
+        mine = _update(model, optimizer, [rows[i] for i in idx], [tasks_of_rows[i] for i in idx],
+                       [advantages[i] for i in idx], [old[i] for i in idx], [ref[i] for i in idx], pad_id, cfg, dist)
+        mine["advantage/abs_mean"] = sum(abs(advantages[i]) for i in idx) / len(idx)
+        metrics.update({f"policy/{name}/{key}": value for key, value in mine.items()})
+        tokens += mine.get("update/tokens", 0.0)
+        computed += mine.get("update/tokens_computed", 0.0)
+    if computed:
+        metrics.update({"update/tokens": tokens, "update/tokens_computed": computed,
+                        "update/computed_ratio": tokens / computed})
+    return metrics
 
 
 def _update(model, optimizer, rows, tasks_of_rows, advantages, old, ref, pad_id: int, cfg: TrainConfig,

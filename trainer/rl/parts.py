@@ -14,6 +14,7 @@ from harness.running.report import pass_at_k
 from harness.running.vllm_server import cuda_gpus, sleep, wake_up
 from proxy.config import SamplingOverrides
 from trainer.config import TrainConfig, config_to_dict, run_dir
+from trainer.config.checks import adapters_of
 from trainer.model.checkpoint import save_hf
 from trainer.model.fsdp import Dist, full_state_dict, shutdown
 from trainer.model.lora import ADAPTER_NAME, adapters_in_use, save_adapter, spec_of
@@ -25,17 +26,25 @@ from trainer.rl.tracking import Tracker
 log = logging.getLogger("harness.train")
 
 
-def weight_sync(rollouts: Rollouts, cfg: TrainConfig, out) -> WeightSync:
-    """How new weights reach the rollouts' engines: a full checkpoint per push, or with LoRA the adapter."""
+def weight_sync(rollouts: Rollouts, cfg: TrainConfig, out) -> WeightSync | dict[str, WeightSync]:
+    """How new weights reach the rollouts' engines: a full checkpoint per push, or with LoRA the adapter; with
+    several policies (roles.policies) one sync per policy, each pushing its adapter under names of its own
+    (`<policy>-lora-v000042`) that the proxy sends the policy's calls to."""
     lora, model_dir = spec_of(cfg.trainer.lora) is not None, engine_model_dir(cfg, out)
     # pushes are written in the dtype of the engines we start; an engine the user runs gets the trainer's
     dtype = None if cfg.rollout.engine.url else engine_dtype(model_dir, cfg.rollout.engine.extra_args,
                                                              gpu=cuda_gpus() > 0)
-    return WeightSync(rollouts.engine.base_url, out / ("adapters" if lora else "weights"), proxy_url=rollouts.url,
-                      proxy_admin_token=rollouts.admin_token, model_dir=model_dir,
-                      keep=adapters_in_use(cfg.rollout.async_.max_staleness) if lora else 2,
-                      more_engine_urls=tuple(e.base_url for e in rollouts.more_engines),
-                      adapter=ADAPTER_NAME if lora else None, dtype=dtype)
+
+    def sync(folder, adapter: str | None, policy: str | None = None) -> WeightSync:
+        return WeightSync(rollouts.engine.base_url, folder, proxy_url=rollouts.url,
+                          proxy_admin_token=rollouts.admin_token, model_dir=model_dir,
+                          keep=adapters_in_use(cfg.rollout.async_.max_staleness) if lora else 2,
+                          more_engine_urls=tuple(e.base_url for e in rollouts.more_engines), adapter=adapter,
+                          dtype=dtype, peft_adapter=policy, policy=policy)
+
+    if adapters := adapters_of(cfg):
+        return {name: sync(out / "adapters" / name, f"{name}-lora", name) for name in adapters}
+    return sync(out / ("adapters" if lora else "weights"), ADAPTER_NAME if lora else None)
 
 
 def tracker_for(store, run_id: str, cfg: TrainConfig) -> Tracker:
@@ -58,7 +67,8 @@ def wind_down(tracker: Tracker | None, rollouts: Rollouts | None) -> None:
     shutdown()
 
 
-def push_weights(model, sync: WeightSync | None, dist: Dist, version: int) -> dict[str, float]:
+def push_weights(model, sync: WeightSync | dict[str, WeightSync] | None, dist: Dist,
+                 version: int) -> dict[str, float]:
     """Write the weights and load them into the engine (rank 0); every rank takes part in the gathers (collectives).
     Full weights are gathered tensor by tensor as the push writes them (at most one shard in host memory); with
     LoRA the whole state is gathered and peft writes the adapter from it."""
@@ -67,7 +77,10 @@ def push_weights(model, sync: WeightSync | None, dist: Dist, version: int) -> di
         state = full_state_dict(model, dist)
         if not dist.is_main:
             return {}
-        timings = sync.push(model, version, state=state)
+        timings = {}
+        for one in sync.values() if isinstance(sync, dict) else (sync,):  # each policy's adapter
+            for phase, seconds in one.push(model, version, state=state).items():
+                timings[phase] = timings.get(phase, 0.0) + seconds
     elif dist.is_main:
         timings = sync.push(model, version)
     else:
@@ -133,12 +146,18 @@ def write_trained(model, cfg: TrainConfig, out, dist: Dist) -> None:
     """The end of a run: the trained model as a plain model directory that transformers and vLLM load
     (`<run>/hf`: weights in the trained dtype, the base's config, tokenizer and template, its embeddings tied as
     the base had them), or with LoRA the adapter alone (`<run>/adapter`; harness export --merge makes a whole
-    model of it). A collective: every rank calls it."""
+    model of it); with several policies each one's adapter (`<run>/adapter/<policy>`). A collective: every rank
+    calls it."""
     state = full_state_dict(model, dist)
     if not dist.is_main:
         return
     if spec_of(cfg.trainer.lora) is None:
         log.info("the trained model: %s", save_hf(state, cfg.model.path, out / "hf"))
+    elif adapters := adapters_of(cfg):
+        for name in adapters:
+            (out / "adapter" / name).mkdir(parents=True, exist_ok=True)
+            save_adapter(model, out / "adapter" / name, state, name)
+        log.info("the trained adapters: %s", ", ".join(str(out / "adapter" / name) for name in adapters))
     else:
         save_adapter(model, out / "adapter", state)
         log.info("the trained adapter: %s", out / "adapter")

@@ -32,7 +32,7 @@ from proxy.guard import DEGENERATE, GuardConfig
 from proxy.roles import RoleRule
 from proxy.server import ProxyServer
 from trainer.config import TrainConfig, role_rules, trains
-from trainer.config.checks import placement_of
+from trainer.config.checks import adapters_of, placement_of
 from trainer.model.lora import ENGINE_ENV, adapters_in_use, engine_args, spec_of
 from trainer.model.tied import engine_view, ties_embeddings
 
@@ -279,7 +279,7 @@ def start_engines(cfg: TrainConfig, out: Path) -> list[Engine]:
     if served != Path(cfg.model.path):  # tied embeddings: the engines serve the untied view
         engine_view(cfg.model.path, served)
     lora = spec_of(cfg.trainer.lora)
-    loaded = adapters_in_use(cfg.rollout.async_.max_staleness)
+    loaded = adapters_in_use(cfg.rollout.async_.max_staleness) * max(len(adapters_of(cfg)), 1)  # per policy
     extra, env = [*(engine_args(lora, loaded) if lora else []), *e.extra_args], ENGINE_ENV if lora else None
     placement = placement_of(cfg)  # checked at load
     started = []

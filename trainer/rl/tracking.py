@@ -68,11 +68,18 @@ class Tracker:
             self._plot()
 
     def _print(self, step: int, metrics: dict[str, float | None]) -> None:
-        shown = [(label, metrics[key]) for key, label in CONSOLE if key in metrics]
+        """One row of the CONSOLE columns; with several policies a row for each under it (`policy/<name>/...`)."""
+        policies = policies_in(metrics)
+        rows = [("all", "")] + [(name, f"policy/{name}/") for name in policies]
+        shown = [(key, label) for key, label in CONSOLE if any(prefix + key in metrics for _, prefix in rows)]
         table = Table(title=f"step {step}", title_justify="left", box=None, pad_edge=False)
-        for label, _ in shown:
+        if policies:
+            table.add_column("policy", justify="left")
+        for _, label in shown:
             table.add_column(label, justify="right")
-        table.add_row(*("-" if v is None else f"{v:.4g}" for _, v in shown))
+        for name, prefix in rows if policies else rows[:1]:
+            values = [metrics.get(prefix + key) for key, _ in shown]
+            table.add_row(*([name] if policies else []), *("-" if v is None else f"{v:.4g}" for v in values))
         self.console.print(table)
 
     def _plot(self) -> None:
@@ -81,7 +88,10 @@ class Tracker:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        panels = [(title, keys) for title, keys in CURVES if any(self.history.get(k) for k in keys)] or CURVES[:1]
+        policies = policies_in(self.history)
+        curves = [(title, (*keys, *(f"policy/{name}/{key}" for key in keys for name in policies)))
+                  for title, keys in CURVES]  # with several policies, each one's curve beside the whole run's
+        panels = [(title, keys) for title, keys in curves if any(self.history.get(k) for k in keys)] or curves[:1]
         fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3), squeeze=False)
         for ax, (title, keys) in zip(axes[0], panels, strict=True):
             for key in keys:
@@ -104,6 +114,11 @@ class Tracker:
                 backend.finish()
             except Exception:  # noqa: BLE001, S110 - closing a logger must not fail the run
                 pass
+
+
+def policies_in(metrics) -> list[str]:
+    """The policies whose metrics are among `metrics`' names (`policy/<name>/...`: roles.policies), in order."""
+    return sorted({key.split("/")[1] for key in metrics if key.startswith("policy/") and key.count("/") >= 2})
 
 
 def _swanlab(project: str, experiment: str, config: dict, run_dir: Path):
