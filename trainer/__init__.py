@@ -5,7 +5,7 @@ Its rooms, lowest first; a module imports only its own room and lower ones (test
     trainer.maths     the RL arithmetic: advantages, losses, estimators, schedules (algorithms, estimators, schedule)
     trainer.model     the model being trained: loading and batches (policy), FSDP, LoRA, tied embeddings, the
                       critic, checkpoints, model files, pushes into vLLM (weight_sync); build.py is its front door
-    trainer.config    `harness train config.yaml`: the keys, loading, the reference, the checks
+    trainer.config    `harness train config.yaml`: the keys, loading, the reference, the checks, the roles section
     trainer.rl        the closed RL loop, top to bottom in loop.py (its parts in parts.py): rollouts (async ahead),
                       experience, tracking, OOM advice, and verl_backbone.py (`backbone: verl`)
     trainer.offline   training without rollouts (`--from-run`, `harness sft`): loop.py, data.py, chat_data.py

@@ -14,7 +14,7 @@ import torch
 
 from tests.trainer.test_layouts import ADVANTAGES, STEP, TASKS
 from trainer.config import ConfigError, load_config
-from trainer.config.checks import adapters_of, policies_of, policy_of
+from trainer.config.roles import adapters_of, policies_of, policy_of
 from trainer.model.build import build_policy
 from trainer.model.fsdp import full_state_dict, init_distributed, launch
 from trainer.model.lora import activate, save_adapter

@@ -32,17 +32,14 @@ from harness.running.gpus import (
     this_machine,
     trainer_memory,
 )
+from trainer.config.errors import ConfigError
 from trainer.config.keys import GROUP_ESTIMATORS, TrainConfig
 from trainer.config.reference import in_range, key_name, range_text
+from trainer.config.roles import check_roles
 
-__all__ = ["ConfigError", "MemoryPlan", "Mode", "adapters_of", "check", "memory_plan", "placement_of", "policies_of",
-           "policy_of", "role_rules"]
+__all__ = ["ConfigError", "MemoryPlan", "Mode", "check", "memory_plan", "placement_of"]
 
 Mode = Literal["rl", "from_run", "sft"]
-
-
-class ConfigError(ValueError):
-    """A config that can't be used; the message names the key, the value and what to do."""
 
 
 
@@ -129,14 +126,9 @@ def check(cfg: TrainConfig, where: str, mode: Mode = "rl", gpus: Gpus | None = N
         check_reasoning_parser(r.reasoning_parser)
     except ValueError as exc:
         raise ConfigError(f"rollout: {exc}") from None
-    _check_roles(cfg)
-    if (several := adapters_of(cfg)) and (mode != "rl" or t.adv_estimator == "gae"):
-        what = ("harness sft trains one policy on chat records, which carry no roles" if mode == "sft" else
-                "training on a recorded run (offline.run, --from-run) trains one policy so far" if mode != "rl"
-                else "trainer.adv_estimator gae would need a critic per policy, which is not built")
-        raise ConfigError(f"roles.policies makes {len(several)} policies ({', '.join(several)}), but {what}: leave "
-                          "roles.policies out" + (", or use another trainer.adv_estimator (grpo, rloo...)"
-                                                  if mode == "rl" else ""))
+    if (r.llm_hosts or r.refuse_other_hosts) and not r.transparent:
+        raise ConfigError("rollout.llm_hosts and rollout.refuse_other_hosts need rollout.transparent: true")
+    check_roles(cfg, mode)
 
 
 def _check_engine_args(cfg: TrainConfig) -> None:
@@ -385,129 +377,6 @@ def _check_offline(cfg: TrainConfig, where: str, mode: Mode) -> None:
     for failed, message in problems:
         if failed:
             raise ConfigError(message)
-
-
-def role_rules(cfg: TrainConfig):
-    """The proxy's role rules (proxy/roles.py) from the roles section."""
-    from proxy.roles import parse_rules
-
-    roles = cfg.roles
-    return parse_rules(roles.match, roles.upstream, roles.upstream_model, roles.upstream_key_env,
-                       policies=roles.policies)
-
-
-def trains(cfg: TrainConfig, role: str | None) -> bool:
-    """Whether samples of this role learn: never a role served by another upstream; with roles.train set, only
-    the roles it names; else every role."""
-    if role is not None and role in cfg.roles.upstream:
-        return False
-    return not cfg.roles.train or role in cfg.roles.train
-
-
-def policy_of(cfg: TrainConfig, role: str | None) -> str | None:
-    """The policy that samples and learns from `role`'s calls (None: calls no rule matched): the one
-    roles.policies names, else the default one; None for a role that does not learn."""
-    from proxy.roles import DEFAULT_POLICY
-
-    if not trains(cfg, role):
-        return None
-    return cfg.roles.policies.get(role, DEFAULT_POLICY) if role is not None else DEFAULT_POLICY
-
-
-def policies_of(cfg: TrainConfig) -> tuple[str, ...]:
-    """Every policy the run trains, the default one first when it has any role: a trained role roles.policies
-    leaves out or, with roles.train empty, calls no rule matches. One policy (the default) unless roles.policies
-    says otherwise."""
-    from proxy.roles import DEFAULT_POLICY
-
-    roles = cfg.roles
-    learning = roles.train or [r for r in roles.match if r not in roles.upstream]
-    default = not roles.train or any(r not in roles.policies for r in learning)
-    named = [roles.policies[r] for r in roles.match if r in roles.policies]
-    return tuple(dict.fromkeys([DEFAULT_POLICY] * default + named))
-
-
-def adapters_of(cfg: TrainConfig) -> tuple[str, ...]:
-    """The LoRA adapters the trainer holds, one per policy, when the run trains several policies; () with one
-    (the single policy trains as trainer.lora says, adapter or whole model)."""
-    policies = policies_of(cfg)
-    return policies if len(policies) > 1 else ()
-
-
-def _check_roles(cfg: TrainConfig) -> None:
-    roles = cfg.roles
-    try:
-        role_rules(cfg)
-    except ValueError as exc:
-        raise ConfigError(f"roles: {exc}") from None
-    unknown = [name for name in roles.train if name not in roles.match]
-    if unknown:
-        raise ConfigError(f"roles.train names {unknown[0]!r}, which roles.match does not define: add "
-                          f"roles.match.{unknown[0]}: model:NAME (or system:REGEX, key:FINGERPRINT)")
-    frozen = [name for name in roles.train if name in roles.upstream]
-    if frozen:
-        raise ConfigError(f"role {frozen[0]!r} is in roles.train but served by roles.upstream "
-                          f"{roles.upstream[frozen[0]]!r}: a role that learns must be served by the policy engine")
-    if roles.train and not set(roles.train) - set(roles.upstream):
-        raise ConfigError("roles.train names no role the policy serves")
-    if (cfg.rollout.llm_hosts or cfg.rollout.refuse_other_hosts) and not cfg.rollout.transparent:
-        raise ConfigError("rollout.llm_hosts and rollout.refuse_other_hosts need rollout.transparent: true")
-    _check_policies(cfg)
-
-
-def _check_policies(cfg: TrainConfig) -> None:
-    """roles.policies: each names a role that learns; two or more policies train LoRA adapters over one base, in
-    the harness backbone, with an engine that holds every policy's adapters in use."""
-    roles, t, e = cfg.roles, cfg.trainer, cfg.rollout.engine
-    for role, policy in roles.policies.items():
-        if not trains(cfg, role):
-            why = (f"roles.upstream serves it from {roles.upstream[role]}" if role in roles.upstream
-                   else f"roles.train {roles.train!r} leaves it out")
-            raise ConfigError(f"roles.policies.{role}: {policy!r} is a policy no role learns as ({role!r} is frozen: "
-                              f"{why}): remove roles.policies.{role}, or add {role!r} to roles.train")
-    policies = policies_of(cfg)
-    if len(policies) < 2:
-        return
-    named = ", ".join(policies)
-    if cfg.backbone != "harness":
-        raise ConfigError(f"roles.policies makes {len(policies)} policies ({named}); backbone {cfg.backbone!r} trains "
-                          "one: use backbone harness, or leave roles.policies out")
-    if t.lora.rank == 0:
-        raise ConfigError(f"roles.policies makes {len(policies)} policies ({named}), and trainer.lora.rank 0 would "
-                          f"train each with its full weights: {_full_weights_memory(cfg, len(policies))}. Train one "
-                          "LoRA adapter per policy over one frozen base instead: set trainer.lora.rank (e.g. 16)")
-    from trainer.model.lora import adapters_in_use
-
-    needed = len(policies) * adapters_in_use(cfg.rollout.async_.max_staleness)
-    slots = _flag_int(e.extra_args, "--max-loras")
-    if slots is not None and slots < needed:
-        raise ConfigError(f"rollout.engine.extra_args --max-loras {slots} holds fewer adapters than the run uses at "
-                          f"once: {len(policies)} policies ({named}) x {needed // len(policies)} versions each (the "
-                          f"newest and the ones calls may still run on) = {needed}; leave --max-loras out (harness "
-                          f"sets it) or give at least {needed}")
-
-
-def _full_weights_memory(cfg: TrainConfig, policies: int) -> str:
-    """What full-weight training of `policies` policies would hold, when the model's size can be read."""
-    parameters = count_parameters(cfg.model.path) if cfg.model.path else None
-    if not parameters:
-        return f"{policies} copies of the weights, their gradients and AdamW's moments"
-    one = _trainer_memory(dataclasses.replace(cfg, trainer=dataclasses.replace(
-        cfg.trainer, lora=dataclasses.replace(cfg.trainer.lora, rank=0))), parameters)
-    each = one.peak
-    return (f"{policies} copies of {parameters / 1e9:.2f}B parameters with their gradients and AdamW's moments, "
-            f"{policies * each / GIB:.1f} GiB ({each / GIB:.1f} GiB each, over {cfg.trainer.fsdp.nprocs} rank(s))")
-
-
-def _flag_int(args: list[str], flag: str) -> int | None:
-    """The integer value of `flag` in vLLM arguments (`--flag N` or `--flag=N`; the last wins), None without it."""
-    value = None
-    for i, arg in enumerate(args):
-        name, eq, text = arg.partition("=")
-        if name == flag and (eq or i + 1 < len(args)):
-            text = text if eq else args[i + 1]
-            value = int(text) if text.isdigit() else value
-    return value
 
 
 def _split_ok(command: str) -> bool:

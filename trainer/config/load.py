@@ -32,7 +32,7 @@ import yaml
 
 from harness.running.gpus import Gpus
 from harness.running.hub import ModelNotFoundError, hub_id_of, model_reference, resolve_model
-from trainer.config.checks import ConfigError, Mode, check, role_rules, trains
+from trainer.config.checks import ConfigError, Mode, check
 from trainer.config.keys import (
     ADV_ESTIMATORS,
     GROUP_ESTIMATORS,
@@ -52,6 +52,7 @@ from trainer.config.keys import (
     ValidationSampling,
 )
 from trainer.config.reference import describe_config, iter_keys, key_name, optional_inner, type_text
+from trainer.config.roles import role_rules, trains
 
 __all__ = ["ConfigError", "role_rules", "trains", "load_config", "read_config", "config_to_dict", "save_resolved",
            "describe_config", "run_dir", "iter_keys", "Mode", "TrainConfig", "ModelConfig", "DataConfig",

@@ -15,7 +15,7 @@ import torch
 
 from harness.core.records import FINISHED, Sample
 from trainer.config import TrainConfig, trains
-from trainer.config.checks import adapters_of, policy_of
+from trainer.config.roles import adapters_of, policy_of
 from trainer.maths import algorithms as algo
 from trainer.rl.rollout import StepRollout
 

@@ -14,7 +14,7 @@ from harness.running.report import pass_at_k
 from harness.running.vllm_server import cuda_gpus, sleep, wake_up
 from proxy.config import SamplingOverrides
 from trainer.config import TrainConfig, config_to_dict, run_dir
-from trainer.config.checks import adapters_of
+from trainer.config.roles import adapters_of
 from trainer.model.checkpoint import save_hf
 from trainer.model.fsdp import Dist, full_state_dict, shutdown
 from trainer.model.lora import ADAPTER_NAME, adapters_in_use, save_adapter, spec_of

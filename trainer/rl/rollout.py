@@ -32,7 +32,8 @@ from proxy.guard import DEGENERATE, GuardConfig
 from proxy.roles import RoleRule
 from proxy.server import ProxyServer
 from trainer.config import TrainConfig, role_rules, trains
-from trainer.config.checks import adapters_of, placement_of
+from trainer.config.checks import placement_of
+from trainer.config.roles import adapters_of
 from trainer.model.lora import ENGINE_ENV, adapters_in_use, engine_args, spec_of
 from trainer.model.tied import engine_view, ties_embeddings
 
