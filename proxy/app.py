@@ -377,9 +377,10 @@ def _record(app: web.Application, cap: Capture, prepared: Prepared, hashes, base
         if guard.end_episode and (reason := degenerate(flags)):
             app[EPISODES].end(call.episode_id, "guard", ended_why(call.call_index, reason))
     policy = call.policy or DEFAULT_POLICY
-    if (base is not None and call.weight_version != state.version_of(policy)  # new weights under the same name
+    version = state.version_of(policy)
+    if (base is not None and call.weight_version != version  # new weights under the same name
             and prepared.body.get("model") in (state.engine_model(policy), None)):
-        call.extra["weights_changed_to"] = state.version_of(policy)  # its later tokens may come from them
+        call.extra["weights_changed_to"] = version  # its later tokens may come from them
     app[RECORDER].record_call(call)
     if hashes is not None and call.status == OK:
         # Once the answer has left (it goes out in this loop turn, right after this): its agent's next call can only

@@ -333,13 +333,20 @@ WORKER = textwrap.dedent(
 )
 
 
-def test_the_tree_on_two_fsdp_ranks_makes_the_padded_update_of_one_process(tmp_path, tiny_model_dir, monkeypatch):
-    script = tmp_path / "layout_worker.py"
-    script.write_text(WORKER)
+def two_ranks_and_one(worker: str, tmp_path: Path, monkeypatch, args: list[str], two: tuple[str, ...] = (),
+                      one: tuple[str, ...] = ()) -> tuple[dict, dict]:
+    """Run the `worker` script on 2 FSDP ranks and on 1 process (`args`, then its output file, then `two` or
+    `one`); what each saved."""
+    script = tmp_path / "worker.py"
+    script.write_text(worker)
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-    assert launch(2, [str(script), str(tiny_model_dir), str(tmp_path / "two.pt"), "tree"]) == 0
-    assert launch(1, [str(script), str(tiny_model_dir), str(tmp_path / "one.pt"), "padded"]) == 0
-    two, one = (torch.load(tmp_path / name, weights_only=True) for name in ("two.pt", "one.pt"))
+    assert launch(2, [str(script), *args, str(tmp_path / "two.pt"), *two]) == 0
+    assert launch(1, [str(script), *args, str(tmp_path / "one.pt"), *one]) == 0
+    return tuple(torch.load(tmp_path / name, weights_only=True) for name in ("two.pt", "one.pt"))
+
+
+def test_the_tree_on_two_fsdp_ranks_makes_the_padded_update_of_one_process(tmp_path, tiny_model_dir, monkeypatch):
+    two, one = two_ranks_and_one(WORKER, tmp_path, monkeypatch, [str(tiny_model_dir)], ("tree",), ("padded",))
     tree, padded = (d["stats"].pop("update/tokens_computed") for d in (two, one))
     assert tree < padded / 1.5  # even split over two ranks, each rank's tree shares what its rows share
     for d in (two, one):

@@ -5,18 +5,17 @@ never moves, and the adapter a push writes is the one the trainer computes with.
 
 from __future__ import annotations
 
-import os
 import textwrap
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.trainer.test_layouts import ADVANTAGES, STEP, TASKS
+from tests.trainer.test_layouts import ADVANTAGES, STEP, TASKS, two_ranks_and_one
 from trainer.config import ConfigError, load_config
 from trainer.config.roles import adapters_of, policies_of, policy_of
 from trainer.model.build import build_policy
-from trainer.model.fsdp import full_state_dict, init_distributed, launch
+from trainer.model.fsdp import full_state_dict, init_distributed
 from trainer.model.lora import activate, save_adapter
 from trainer.model.policy import collate, token_logprobs
 from trainer.rl import loop as rl_loop
@@ -265,12 +264,7 @@ WORKER = textwrap.dedent(
 
 
 def test_two_fsdp_ranks_train_the_policies_as_one_process_does(tmp_path, tiny_model_dir, monkeypatch):
-    script = tmp_path / "policies_worker.py"
-    script.write_text(WORKER)
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-    assert launch(2, [str(script), str(tiny_model_dir), str(tmp_path / "two.pt")]) == 0
-    assert launch(1, [str(script), str(tiny_model_dir), str(tmp_path / "one.pt")]) == 0
-    two, one = (torch.load(tmp_path / name, weights_only=True) for name in ("two.pt", "one.pt"))
+    two, one = two_ranks_and_one(WORKER, tmp_path, monkeypatch, [str(tiny_model_dir)])
     for key in ("policy/plans/actor/pg_loss", "policy/acts/actor/pg_loss", "policy/plans/actor/grad_norm"):
         assert two["stats"][key] == pytest.approx(one["stats"][key], rel=1e-4, abs=1e-6), key
     for name, value in one["state"].items():  # two AdamW steps at 1e-4 (each ~lr x sign(grad)): within them

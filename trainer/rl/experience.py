@@ -99,14 +99,13 @@ def experience_of(rollout: StepRollout, cfg: TrainConfig) -> Experience:
     if rollout.baselines is not None:
         metrics["remax/baseline_mean"] = mean(rollout.baselines.values())
         metrics["remax/tasks_without_baseline"] = len({e.task_id for e in rollout.episodes} - set(rollout.baselines))
-    several = bool(adapters_of(cfg))
-    if several:  # each policy's samples and their units' mean reward
-        for name in adapters_of(cfg):
-            mine = {units[i] for i, p in enumerate(policies) if p == name}
-            metrics[f"policy/{name}/samples"] = sum(p == name for p in policies)
-            metrics[f"policy/{name}/reward/mean"] = mean([rewards[u] for u in mine])
+    adapters = adapters_of(cfg)
+    for name in adapters:  # with several policies: each one's samples and their units' mean reward
+        mine = {units[i] for i, p in enumerate(policies) if p == name}
+        metrics[f"policy/{name}/samples"] = sum(p == name for p in policies)
+        metrics[f"policy/{name}/reward/mean"] = mean([rewards[u] for u in mine])
     return Experience(samples, rewards, groups, metrics, spans if any(spans) else None, units, tasks, versions,
-                      rollout.baselines, policies if several else None)
+                      rollout.baselines, policies if adapters else None)
 
 
 def mean(values) -> float | None:
