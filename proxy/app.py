@@ -66,8 +66,9 @@ log = logging.getLogger("harness.proxy")
 def create_app(config: ProxyConfig) -> web.Application:
     app = web.Application(client_max_size=config.max_body_bytes, middlewares=[error_middleware])
     app[CONFIG] = config
-    state = app[STATE] = RunState(run_id=uuid.uuid4().hex[:16], served_model=config.served_model,
-                                  sampling=config.sampling)
+    state = app[STATE] = RunState(
+        run_id=uuid.uuid4().hex[:16], served_model=config.default_model, sampling=config.sampling,
+        policy_models={p: m for p, m in config.policy_models.items() if p != DEFAULT_POLICY})
     if config.token_exact and harmony(config.tokenizer):
         log.warning("token-exact continuity is off for %s: gpt-oss renders and parses the harmony format with "
                     "openai_harmony, not the chat template that /tokenize renders; every call is served by the "

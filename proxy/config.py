@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from proxy.guard import GuardConfig
-from proxy.roles import RoleRule
+from proxy.roles import DEFAULT_POLICY, RoleRule, policy_names
 from proxy.tool_parsers import check_reasoning_parser, check_tool_parser
 
 
@@ -71,6 +71,10 @@ class ProxyConfig:
     continuity_episodes: int = 4096  # episodes whose replies are kept in memory for token-exact continuation...
     continuity_tokens: int = 32_000_000  # ...and the ids they may hold together (4 bytes each)
     roles: tuple[RoleRule, ...] = ()  # named roles; a frozen one's calls go to its own upstream (proxy/roles.py)
+    # policy -> the engine's model name its calls go to from the start (harness run --trained: a trained run's
+    # adapters, loaded with the engine); the default policy's is served_model's. A trainer moves them later
+    # (POST /harness/weights); a policy not named is served as the default one.
+    policy_models: dict[str, str] = field(default_factory=dict)
     # Record-only, in front of any OpenAI-compatible API (a hosted one): each request goes upstream as the agent sent
     # it (its model name, its sampling, nothing added), with the agent's API key, which is never stored; the proxy's
     # own tokens (auth_token, episode tokens) are not forwarded: `upstream_key_env` names the variable holding the
@@ -116,6 +120,19 @@ class ProxyConfig:
                              "hosted tools it offers, recording which) or refuse (answer it 400)")
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes {self.max_body_bytes!r} is too small: use at least 1024")
+        known = policy_names(self.roles)
+        for policy, model in self.policy_models.items():
+            if policy not in known:
+                raise ValueError(f"policy_models names policy {policy!r}, which serves no role of this proxy (its "
+                                 f"policies: {', '.join(map(repr, known))}): give a role rule that policy")
+            if not (isinstance(model, str) and 0 < len(model) <= 256):
+                raise ValueError(f"policy_models[{policy!r}] {model!r} must be the engine's model name for that "
+                                 "policy (1-256 characters)")
+
+    @property
+    def default_model(self) -> str | None:
+        """The engine's model name for the default policy's calls (None: asked from the engine at start)."""
+        return self.policy_models.get(DEFAULT_POLICY, self.served_model)
 
     @property
     def upstream_base(self) -> str:

@@ -148,7 +148,7 @@ def _run(args) -> int:
         if args.record_only:  # a hosted API: nothing to probe (it may want a key), every call goes on as sent
             engine = Engine(args.upstream[0].rstrip("/").removesuffix("/v1"), "", returns_token_ids=False)
         else:
-            engine = start_or_attach(model=args.model, upstream=(args.upstream or [None])[0],
+            engine = start_or_attach(model=options.model(args), upstream=(args.upstream or [None])[0],
                                      run_dir=args.run_dir, max_model_len=args.max_model_len,
                                      extra_args=engine_args, **options.parsers(args))
     except (TaskError, JudgeError, EngineError, ValueError) as exc:

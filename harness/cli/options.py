@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 
@@ -40,8 +41,17 @@ def add_role_args(p) -> None:
 
 
 def role_rules(args):
+    """The role rules --role and its kin give; with --trained, the trained run's own (and --role is refused)."""
     from proxy.roles import parse_assignments, parse_rules
 
+    if run := trained(args):
+        given = [flag for flag, value in (("--role", args.role), ("--role-upstream", args.role_upstream),
+                                          ("--role-model", args.role_model), ("--role-key-env", args.role_key_env))
+                 if value]
+        if given:
+            raise ValueError(f"{given[0]} with --trained: the run's roles are served as it trained them "
+                             f"({run.run_dir / 'config.resolved.yaml'}, roles); drop {given[0]}")
+        return run.roles
     return parse_rules(parse_assignments(args.role, "--role"), parse_assignments(args.role_upstream, "--role-upstream"),
                        parse_assignments(args.role_model, "--role-model"),
                        parse_assignments(args.role_key_env, "--role-key-env"))
@@ -64,7 +74,8 @@ def add_limit_args(p) -> None:
 
 
 def proxy_settings(args) -> dict:
-    """ProxyConfig's max_turns, guard and hosted_tools from add_limit_args' options (ValueError for bad values)."""
+    """ProxyConfig's max_turns, guard and hosted_tools from add_limit_args' options (ValueError for bad values),
+    and with --trained its policy_models: each trained policy's calls go to its adapter from the first call."""
     from proxy.guard import GuardConfig
 
     if args.max_turns is not None and args.max_turns < 1:
@@ -72,7 +83,7 @@ def proxy_settings(args) -> dict:
     if args.guard_end_episode and not args.guard:
         raise ValueError("--guard-end-episode acts on what the guard finds: add --guard")
     return {"max_turns": args.max_turns, "guard": GuardConfig(enabled=args.guard, end_episode=args.guard_end_episode),
-            "hosted_tools": args.hosted_tools}
+            "hosted_tools": args.hosted_tools, "policy_models": run.policy_models if (run := trained(args)) else {}}
 
 
 def add_record_only_args(p) -> None:
@@ -139,6 +150,11 @@ def add_engine_args(p) -> None:
     src.add_argument("--model", help="model to serve with vLLM (started as a subprocess): a model directory, or a "
                      "Hugging Face id such as Qwen/Qwen2.5-1.5B-Instruct, taken from the local cache or downloaded "
                      "into it")  # a str, not a Path: Path("./org/name") would drop the "./" that makes it a path
+    src.add_argument("--trained", type=Path, metavar="RUN_DIR",
+                     help="serve what the harness train run in RUN_DIR (<logging.run_dir>/<experiment_name>) trained: "
+                     "its model, its adapter, or one adapter per policy (roles.policies), each role's calls sent to "
+                     "its policy's under the run's own role rules; calls record the adapter as served_model "
+                     "(<policy>-lora-<run>)")
     src.add_argument("--upstream", action="append", metavar="URL",
                      help="URL of an engine already running, e.g. http://127.0.0.1:8000; repeat it for several "
                      "engines serving the same model (an episode stays on one; a failed engine's calls move on)")
@@ -178,7 +194,29 @@ def engine_args(args) -> list[str]:
     if args.engine_args and args.upstream:
         raise ValueError("--engine-args go to the engine harness starts with --model; with --upstream the engine "
                          "is already running: start it with them yourself, or drop --engine-args")
-    return check_engine_args(split_engine_args(args.engine_args), "--engine-args")
+    given = check_engine_args(split_engine_args(args.engine_args), "--engine-args")
+    run = trained(args)
+    return [*run.engine_args(), *given] if run else given  # the user's flags last: a --max-loras of theirs wins
+
+
+def model(args) -> str | None:
+    """The model the engine starts on: --model, or the model --trained's run serves (None: --upstream)."""
+    run = trained(args)
+    return run.model if run else args.model
+
+
+def trained(args):
+    """The trained run --trained names (harness/cli/trained.py Trained), read once; None without --trained.
+    A ValueError names what the run lacks."""
+    path = getattr(args, "trained", None)
+    return None if path is None else _read_trained(str(path))
+
+
+@functools.lru_cache(maxsize=4)
+def _read_trained(path: str):
+    from harness.cli.trained import read_trained
+
+    return read_trained(path)
 
 
 def parsers(args) -> dict:

@@ -53,7 +53,8 @@ def _serve(args) -> int:
     try:
         sampling = options.sampling(args)
         settings = options.proxy_settings(args)  # before an engine starts
-        engine = start_or_attach(model=args.model, upstream=(args.upstream or [None])[0], run_dir=args.run_dir,
+        roles = options.role_rules(args)
+        engine = start_or_attach(model=options.model(args), upstream=(args.upstream or [None])[0], run_dir=args.run_dir,
                                  max_model_len=args.max_model_len, extra_args=engine_args,
                                  **options.parsers(args))
     except (EngineError, ValueError) as exc:
@@ -66,7 +67,7 @@ def _serve(args) -> int:
             upstream_url=engine.base_url, db_path=db, served_model=engine.served_model,
             returns_token_ids=engine.returns_token_ids, host=args.host, port=args.port,
             auth_token=args.auth_token, auto_episodes=not args.strict_episodes, sampling=sampling,
-            token_exact=not args.no_token_exact, **engine_parsing(engine), roles=options.role_rules(args),
+            token_exact=not args.no_token_exact, **engine_parsing(engine), roles=roles,
             reasoning_history=args.reasoning_history,
             more_upstreams=tuple((args.upstream or [])[1:]), db_memory_mb=args.db_memory_mb, **settings,
         )

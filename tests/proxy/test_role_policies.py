@@ -9,10 +9,14 @@ The agent is the real openai SDK, the database the real DuckDB file.
 
 from __future__ import annotations
 
+import re
+
+import pytest
 import requests
 from openai import OpenAI
 
 from harness.store.database import Store
+from proxy.config import ProxyConfig
 from proxy.roles import parse_rules
 from proxy.scripted_engine import Script
 from tests.support import RunningProxy, ScriptedUpstream, db_rows
@@ -148,3 +152,35 @@ def test_bad_per_policy_weights_are_a_400_naming_the_key_and_change_nothing(upst
         assert message in error["message"], (body, error)
     assert status["weight_version"] == 0 and status["policy_models"] == {
         "policy": "scripted-model", "planner": "scripted-model", "executor": "scripted-model"}
+
+
+def test_policy_models_given_at_start_serve_each_policy_from_the_first_call(upstream, tmp_path):
+    """`harness run --trained`: the engine starts with the run's adapters loaded, and the proxy is told at start
+    which policy each one is (ProxyConfig.policy_models), so no call goes to the base first."""
+    for name in ("planner-lora-run", "policy-lora-run"):
+        assert requests.post(upstream.url + "/v1/load_lora_adapter", json={"lora_name": name, "lora_path": "/a"},
+                             timeout=10).status_code == 200
+    proxy = RunningProxy(upstream.url, tmp_path / "rec.duckdb", roles=parse_rules(RULES, policies=POLICIES),
+                         policy_models={"planner": "planner-lora-run", "policy": "policy-lora-run"})
+    try:
+        client = OpenAI(base_url=f"{proxy.url}/e/ep1/v1", api_key="sk-agent", max_retries=0)
+        _say(client, "gpt-4o-mini", PLANNER, "Plan.")
+        _say(client, "executor-model", EXECUTOR, "Do.")  # no adapter of its own: served as the default policy
+        _say(client, "other-model", "You chat.", "hi")
+        status = _admin(proxy, "GET", "status").json()
+    finally:
+        proxy.close()
+    assert status["served_model"] == "policy-lora-run" and status["policy_models"] == {
+        "policy": "policy-lora-run", "planner": "planner-lora-run", "executor": "policy-lora-run"}
+    assert [r["model"] for r in upstream.engine.requests] == ["planner-lora-run", "policy-lora-run", "policy-lora-run"]
+    assert db_rows(proxy.db_path, "SELECT role, policy, served_model FROM calls ORDER BY call_index") == [
+        ("planner", "planner", "planner-lora-run"), ("executor", "executor", "policy-lora-run"),
+        (None, "policy", "policy-lora-run")]
+
+
+def test_policy_models_naming_a_policy_no_role_has_is_refused(upstream, tmp_path):
+    rules = parse_rules(RULES, policies=POLICIES)
+    for models, message in (({"planer": "x"}, "names policy 'planer', which serves no role of this proxy"),
+                            ({"planner": ""}, "policy_models['planner'] '' must be the engine's model name")):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            ProxyConfig(upstream_url=upstream.url, db_path=tmp_path / "x.duckdb", roles=rules, policy_models=models)

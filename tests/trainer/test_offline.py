@@ -21,7 +21,8 @@ import torch
 from proxy.scripted_engine import Script
 from tests.support import TERSE, ScriptedUpstream, db_rows
 
-TERSE_YAML = Path(__file__).resolve().parents[2] / "examples" / "train" / "terse.yaml"
+ROOT = Path(__file__).resolve().parents[2]
+TERSE_YAML = ROOT / "examples" / "train" / "terse.yaml"
 
 JUDGE = '''
 import random
@@ -257,6 +258,48 @@ def test_from_run_pg_weighs_tokens_by_trained_over_sampling_probability_and_says
     assert diff > 1.0
     ratio = _metric(tmp_path, "actor/ratio_mean")[1]
     assert ratio < 0.1  # the tiny model finds the scripted tokens far less likely than exp(-0.5)
+
+
+def test_from_run_with_a_policy_per_role_trains_each_adapter_on_its_roles_samples(tiny_model_dir, tmp_path):
+    """examples/planner_executor recorded with its roles named (harness run --role), then trained offline as
+    examples/train/planner_executor.yaml says: one LoRA adapter per role, each stepped on its role's samples."""
+    from safetensors.torch import load_file
+
+    example, config = ROOT / "examples/planner_executor", ROOT / "examples/train/planner_executor.yaml"
+    judge = tmp_path / "spread.py"
+    judge.write_text(JUDGE)
+    upstream = ScriptedUpstream(Script(token_ids=True))
+    try:
+        out = subprocess.run([sys.executable, "-m", "harness.cli", "run", str(example / "agent.py"), "--data",
+                              str(example / "train.jsonl"), "--limit", "3", "--repeat", "3", "--judge",
+                              f"{judge}:spread", "--upstream", upstream.url, "--run-dir", str(tmp_path / "rec"),
+                              "--role", "planner=model:gpt-4o", "--role", "executor=model:gpt-4o-mini"],
+                             capture_output=True, text=True, timeout=600)
+    finally:
+        upstream.close()
+    assert out.returncode == 0, out.stderr[-3000:]
+    db = tmp_path / "rec" / "harness.duckdb"
+    (run_id,), = db_rows(db, "SELECT DISTINCT run_id FROM episode_outcomes")
+    done = subprocess.run([sys.executable, "-m", "harness.cli", "train", str(config), f"--from-run={run_id}",
+                           f"--db={db}", f"--set=model.path={tiny_model_dir}", f"--set=logging.run_dir={tmp_path}",
+                           "--set=experiment_name=offline", "--set=trainer.lora.rank=8", "--set=trainer.lr=1e-2",
+                           "--set=offline.batch_size=64", "--set=data.validation=null",
+                           "--set=trainer.val_before_train=false", "--set=trainer.test_freq=0",
+                           "--set=logging.console=false", "--set=logging.curve_png=false"],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for role in ("planner", "executor"):  # each role's 9 calls, one sample each
+        assert _metric(tmp_path, f"policy/{role}/offline/samples") == {0: 9.0}, role
+        assert _metric(tmp_path, f"policy/{role}/actor/grad_norm")[1] > 0, role
+        nll = _metric(tmp_path, f"policy/{role}/offline/data_nll")
+        assert sorted(nll) == [0, 1] and nll[1] < nll[0], (role, nll)
+    assert not _metric(tmp_path, "actor/grad_norm")  # per policy only
+    trained = {role: load_file(tmp_path / "offline" / "adapter" / role / "adapter_model.safetensors")
+               for role in ("planner", "executor")}
+    for role, state in trained.items():  # B starts at zero: each adapter moved
+        assert any(k.endswith("lora_B.weight") and state[k].abs().sum() > 0 for k in state), role
+    planner, executor = trained["planner"], trained["executor"]
+    assert planner.keys() == executor.keys() and any(not torch.equal(planner[k], executor[k]) for k in planner)
 
 
 def test_from_run_refuses_what_it_cannot_train_with_what_to_do(engine_ids_run, tiny_model_dir, tmp_path, capsys):

@@ -77,3 +77,73 @@ def test_one_adapter_per_role_served_side_by_side_and_trained_apart(tiny_model_d
         assert want.keys() == again.keys() and all(torch.equal(want[k], again[k]) for k in want), policy
     served = db_rows(db, "SELECT DISTINCT policy, served_model FROM calls WHERE weight_version = 2 AND status = 'ok'")
     assert sorted(served) == [("critic", "critic-lora-v000002"), ("solver", "solver-lora-v000002")], served
+
+    # the app as trained: `harness run --trained` serves each role on its policy's final adapter
+    _evaluate_as_trained(tiny_model_dir, run, tmp_path / "eval")
+
+
+def _evaluate_as_trained(tiny_model_dir: Path, run: Path, eval_dir: Path) -> None:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    example = ROOT / "examples/multi_agent"
+    out = subprocess.run(
+        [sys.executable, "-m", "harness.cli", "run", str(example / "agent.py"), "--data", str(example / "tasks.jsonl"),
+         "--limit", "2", "--trained", str(run), "--run-dir", str(eval_dir), "--max-model-len", "1024",
+         "--judge", f"{example / 'judge.py'}:solver_and_critic", "--temperature", "1.0", "--max-tokens-cap", "6"],
+        capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-4000:]
+    db = eval_dir / "harness.duckdb"
+    served = db_rows(db, "SELECT DISTINCT role, policy, served_model FROM calls WHERE status = 'ok' ORDER BY ALL")
+    assert served == [("critic", "critic", "critic-lora-multi_agent"), ("solver", "solver", "solver-lora-multi_agent")]
+
+    # what the engine served is what the trained adapter computes (and not what the base does)
+    for policy in POLICIES:
+        prompt, completion, recorded = db_rows(
+            db, "SELECT c.prompt_ids, ch.completion_ids, ch.logprobs FROM calls c JOIN choices ch USING (call_id) "
+                "WHERE c.policy = ? AND c.status = 'ok' ORDER BY c.started_at LIMIT 1", [policy])[0]
+        base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+        with torch.no_grad():
+            plain = _logprobs(base, prompt, completion)
+            adapted = _logprobs(PeftModel.from_pretrained(base, run / "adapter" / policy).eval(), prompt, completion)
+        diff = (adapted - torch.tensor(recorded)).abs().max().item()
+        assert diff <= 1e-3, (policy, diff)
+        assert (plain - torch.tensor(recorded)).abs().max().item() > diff, policy
+
+
+def _logprobs(model, prompt: list[int], completion: list[int]):
+    ids = torch.tensor([prompt + completion])
+    logits = model(ids).logits[0, len(prompt) - 1:-1].float()
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(completion)[:, None])[:, 0]
+
+
+def test_policies_with_asynchronous_rollouts_two_engines_and_the_tree_layout(tiny_model_dir, tmp_path):
+    """Item 5 of the issue: the same two-policy run with rollouts one step ahead (rollout.async.max_staleness 1),
+    two engines the run starts (each loads every policy's adapters, the proxy spreads episodes over them) and the
+    tree layout: every call names the adapter version that served it, none staler than the bound, both engines
+    served, and per policy the engines agree with the trainer after every push."""
+    out = subprocess.run(
+        [sys.executable, "-m", "harness.cli", "train", str(ROOT / "examples/train/multi_agent.yaml"),
+         f"--set=model.path={tiny_model_dir}", f"--set=logging.run_dir={tmp_path}", "--set=trainer.total_steps=3",
+         "--set=roles.train=[solver, critic]", "--set=roles.policies={solver: solver, critic: critic}",
+         "--set=trainer.lora.rank=8", "--set=trainer.lr=1e-3", "--set=rollout.max_tokens=6",
+         "--set=rollout.async.max_staleness=1", "--set=trainer.tis_cap=2.0", "--set=rollout.engines=2",
+         "--set=trainer.layout=tree", "--set=logging.curve_png=false", "--set=logging.console=false"],
+        capture_output=True, text=True, timeout=1500)
+    assert out.returncode == 0, out.stderr[-4000:]
+    db = tmp_path / "multi_agent" / "harness.duckdb"
+    calls = db_rows(db, "SELECT CAST(split_part(o.run_id, '-train', 2) AS INTEGER) AS step, c.policy, "
+                        "c.weight_version, c.served_model, c.extra->>'engine' FROM calls c JOIN episode_outcomes o "
+                        "USING (episode_id) WHERE o.run_id LIKE '%-train%' AND c.status = 'ok'")
+    assert {p for _, p, *_ in calls} == set(POLICIES)
+    for step, policy, version, served, _ in calls:
+        assert served == f"{policy}-lora-v{version:06d}" and 0 <= step - 1 - version <= 1, (step, policy, version)
+    assert len({e for *_, e in calls}) == 2, "both engines served episodes"
+    for policy in POLICIES:
+        diffs = db_rows(db, "SELECT step, value FROM metrics WHERE name = ? ORDER BY step",
+                        [f"policy/{policy}/logprob/engine_max_abs_diff"])
+        assert [s for s, _ in diffs] == [1, 2, 3] and all(v <= 1e-3 for _, v in diffs), (policy, diffs)
+        ratio = db_rows(db, "SELECT value FROM metrics WHERE name = ?", [f"policy/{policy}/update/computed_ratio"])
+        assert ratio and all(v > 1.0 for v, in ratio), (policy, ratio)  # the tree computed shared tokens once
+    stale = db_rows(db, "SELECT max(value) FROM metrics WHERE name = 'async/staleness_max'")
+    assert stale[0][0] is not None and stale[0][0] <= 1

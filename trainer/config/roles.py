@@ -93,9 +93,8 @@ def _check_policies(cfg: TrainConfig, mode: str) -> None:
     if len(policies) < 2:
         return
     named = ", ".join(policies)
-    if mode != "rl" or t.adv_estimator == "gae":
-        what = ("harness sft trains one policy on chat records, which carry no roles" if mode == "sft" else
-                "training on a recorded run (offline.run, --from-run) trains one policy so far" if mode != "rl"
+    if mode == "sft" or (mode == "rl" and t.adv_estimator == "gae"):
+        what = ("harness sft trains one policy on chat records, which carry no roles" if mode == "sft"
                 else "trainer.adv_estimator gae would need a critic per policy, which is not built")
         raise ConfigError(f"roles.policies makes {len(policies)} policies ({named}), but {what}: leave "
                           "roles.policies out" + (", or use another trainer.adv_estimator (grpo, rloo...)"

@@ -31,7 +31,8 @@ from harness.core.records import ENGINE, FINISHED, NONE, RETOKENIZED, Sample
 from harness.store.database import EPISODE_CALLS_NO_BODIES, calls_of
 from harness.store.export import ExportError, episodes, group_of
 from harness.store.sql import Reader, SqlError
-from trainer.config import TrainConfig, run_dir, trains
+from trainer.config import TrainConfig, run_dir
+from trainer.config.roles import adapters_of, policy_of
 from trainer.maths import algorithms as algo
 
 log = logging.getLogger("harness.train")
@@ -48,6 +49,9 @@ class OfflineData:
     samples: list[Sample]
     advantages: list[float]  # per sample: 1.0 for sft; the episode's outcome advantage for pg
     metrics: dict[str, float] = field(default_factory=dict)  # what was chosen and what was left out, and why
+    # per sample: the policy it trains (roles.policies, by the role its calls were recorded with), when the run
+    # trains several (one adapter each); None with one policy
+    policies: list[str] | None = None
 
 
 def database_of(cfg: TrainConfig) -> Path:
@@ -61,7 +65,7 @@ def recorded_samples(cfg: TrainConfig) -> OfflineData:
     o = cfg.offline
     db = database_of(cfg)
     sources = (ENGINE, RETOKENIZED) if o.allow_retokenized else (ENGINE,)
-    samples, advantages = [], []
+    samples, advantages, policies = [], [], []
     counts = {"text_only_calls": 0, "retokenized_calls_left_out": 0, "frozen_role_samples": 0,
               "no_signal_samples": 0, "unjudged_episodes": 0}
     try:
@@ -79,8 +83,8 @@ def recorded_samples(cfg: TrainConfig) -> OfflineData:
                 result = reader.query(EPISODE_CALLS_NO_BODIES, [ids])
                 calls = calls_of(result.columns, result.rows)
                 for episode_id in ids:
-                    _merge_into(samples, advantages, counts, calls.get(episode_id, []), advantage.get(episode_id),
-                                sources, cfg)
+                    _merge_into(samples, advantages, policies, counts, calls.get(episode_id, []),
+                                advantage.get(episode_id), sources, cfg)
     except (ExportError, SqlError) as exc:
         raise OfflineDataError(f"offline.run {o.run!r} in {str(db)!r}: {exc}") from None
     if not samples:
@@ -88,15 +92,19 @@ def recorded_samples(cfg: TrainConfig) -> OfflineData:
     metrics = {"offline/episodes": len(chosen), "offline/samples": len(samples),
                "offline/tokens_trained": sum(sum(s.loss_mask) for s in samples),
                **{f"offline/{k}": v for k, v in counts.items()}}
+    several = adapters_of(cfg)
+    for name in several:
+        metrics[f"policy/{name}/offline/samples"] = policies.count(name)
     left = {k: v for k, v in counts.items() if v}
     log.info("run %s: %d of its episodes chosen, %d samples to train%s", o.run, len(chosen), len(samples),
              f"; left out: {left}" if left else "")
-    return OfflineData(samples, advantages, metrics)
+    return OfflineData(samples, advantages, metrics, policies if several else None)
 
 
-def _merge_into(samples: list[Sample], advantages: list[float], counts: dict[str, int], calls: list,
-                advantage: float | None, sources: tuple[str, ...], cfg: TrainConfig) -> None:
-    """One episode's calls merged, its samples that train appended with its advantage; what is left out, counted."""
+def _merge_into(samples: list[Sample], advantages: list[float], policies: list[str], counts: dict[str, int],
+                calls: list, advantage: float | None, sources: tuple[str, ...], cfg: TrainConfig) -> None:
+    """One episode's calls merged, its samples that train appended with its advantage and its policy; what is left
+    out, counted."""
     counts["text_only_calls"] += sum(c.token_source == NONE for c in calls)
     counts["retokenized_calls_left_out"] += sum(c.token_source == RETOKENIZED and RETOKENIZED not in sources
                                                 for c in calls)
@@ -105,13 +113,15 @@ def _merge_into(samples: list[Sample], advantages: list[float], counts: dict[str
         return
     by_id = {c.call_id: c for c in calls}
     for sample in merge_episode(calls, sources).samples:
-        if not trains(cfg, by_id[sample.call_ids[0]].extra.get("role")):
+        policy = policy_of(cfg, by_id[sample.call_ids[0]].extra.get("role"))
+        if policy is None:
             counts["frozen_role_samples"] += 1
         elif advantage == 0.0:
             counts["no_signal_samples"] += 1
         else:
             samples.append(sample)
             advantages.append(advantage)
+            policies.append(policy)
 
 
 def _advantages(all_episodes: list[dict], cfg: TrainConfig) -> dict[str, float]:

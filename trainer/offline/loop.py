@@ -39,11 +39,13 @@ from harness.running.tasks import read_tasks
 from harness.store.database import Store
 from trainer.config import Mode, TrainConfig, config_to_dict, run_dir, save_resolved
 from trainer.config.checks import placement_of
+from trainer.config.roles import adapters_of
 from trainer.maths import algorithms as algo
 from trainer.model.build import build_policy
 from trainer.model.checkpoint import check_resume, find_resume, load, model_fingerprint, save, saved_state
 from trainer.model.fsdp import Dist, init_distributed, metrics_over_ranks, most_over_ranks, shutdown
 from trainer.model.layout import computed_metrics
+from trainer.model.lora import activate
 from trainer.model.policy import collate, device_of, micro_batches, padded, to_device, token_logprobs
 from trainer.offline.data import OfflineData, OfflineDataError
 from trainer.rl import parts
@@ -77,18 +79,19 @@ def _train(cfg: TrainConfig, mode: Mode, dist: Dist) -> dict[str, float]:
     data = parts.broadcast(_samples_or_error(cfg, mode) if dist.is_main else None, dist)
     if isinstance(data, Exception):  # on every rank, so each ends with the same clear error
         raise data
-    samples, advantages = data.samples, data.advantages
+    samples, advantages, policies = data.samples, data.advantages, data.policies
     _ignored(cfg)
     val_tasks = read_tasks(cfg.data.validation, split=cfg.data.validation_split,
                            limit=cfg.data.validation_limit) if cfg.data.validation else []
     plan = _batches(len(samples), o.batch_size, o.epochs, t.seed)
     total_steps = len(plan)
-    fingerprint, this_model = _fingerprint(mode, samples, cfg), model_fingerprint(cfg)
+    adapters = adapters_of(cfg)  # several policies: one LoRA adapter each, each trained on its own samples
+    fingerprint, this_model = _fingerprint(mode, data, cfg), model_fingerprint(cfg, adapters)
     checkpoint = find_resume(out, t.resume)
     if checkpoint is not None:  # before the model loads: a checkpoint of another run, model or data is refused
         check_resume(saved_state(checkpoint), checkpoint, mode, fingerprint, model=this_model,
                      experiment=cfg.experiment_name)
-    built = build_policy(cfg, dist, total_steps, mode)  # offline: no reference, no critic
+    built = build_policy(cfg, dist, total_steps, mode, adapters)  # offline: no reference, no critic
     model, optimizer, scheduler, pad_id = built.model, built.optimizer, built.scheduler, built.pad_id
     start = 0
     if checkpoint is not None:
@@ -117,7 +120,7 @@ def _train(cfg: TrainConfig, mode: Mode, dist: Dist) -> dict[str, float]:
     if start > 0 and sync is not None:  # the engine serves the checkpoint's weights
         parts.push_weights(model, sync, dist, version=start)
     if start == 0:
-        before = {**data.metrics, "offline/data_nll": _data_nll(model, samples, pad_id, cfg, dist)}
+        before = {**data.metrics, **_data_nll_metrics(model, samples, policies, adapters, pad_id, cfg, dist)}
         if t.val_before_train and val_tasks:
             before.update(parts.validate(rollouts, 0, val_tasks, cfg) if dist.is_main else {})
         parts.log_metrics(tracker, 0, before)
@@ -129,24 +132,27 @@ def _train(cfg: TrainConfig, mode: Mode, dist: Dist) -> dict[str, float]:
             epoch, batch = plan[step - 1]
             # ------------------------------------------------ 1. one optimizer step over the batch, all ranks
             rows, advs = [samples[i] for i in batch], [advantages[i] for i in batch]
-            weights = algo.token_weights(rows, t.loss_agg_mode)
-            metrics = _step(model, rows, advs, weights, samples[0], pad_id, cfg, dist, o.loss)
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip or float("inf"))
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            if not adapters:
+                metrics = _optimizer_step(model, optimizer, rows, advs, samples[0], pad_id, cfg, dist)
+            else:  # each policy's samples through its adapter, with its own clipping and optimizer step
+                metrics = {}
+                for name, idx in parts.by_policy(adapters, [policies[i] for i in batch]):
+                    activate(model, name)
+                    mine = _optimizer_step(model, optimizer, [rows[i] for i in idx], [advs[i] for i in idx],
+                                           samples[0], pad_id, cfg, dist)
+                    metrics.update({f"policy/{name}/{key}": value for key, value in mine.items()})
             scheduler.step()
-            grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # FSDP: DTensor
-            metrics.update({"actor/grad_norm": float(grad_norm), "actor/lr": scheduler.get_last_lr()[0],
-                            "offline/epoch": epoch + 1})
-            if step == 1 and o.loss == "pg" and metrics["logprob/behaviour_mean_abs_diff"] > _DISAGREE:
+            metrics.update({"actor/lr": scheduler.get_last_lr()[0], "offline/epoch": epoch + 1})
+            disagree = max((v for k, v in metrics.items() if k.endswith("logprob/behaviour_mean_abs_diff")), default=0)
+            if step == 1 and o.loss == "pg" and disagree > _DISAGREE:
                 log.warning("the trainer's logprobs differ from the run's stored ones by %.3f on average before any "
                             "update: is model.path the model that sampled run %s, and rollout.temperature its "
-                            "sampling temperature?", metrics["logprob/behaviour_mean_abs_diff"], o.run)
+                            "sampling temperature?", disagree, o.run)
 
             # ------------------------------------------------ 2. after an epoch: the NLL of all the data
             last = step == total_steps
             if last or plan[step][0] != epoch:
-                metrics["offline/data_nll"] = _data_nll(model, samples, pad_id, cfg, dist)
+                metrics.update(_data_nll_metrics(model, samples, policies, adapters, pad_id, cfg, dist))
 
             # ------------------------------------------------ 3. validation with the agent, checkpoint, metrics
             if val_tasks and t.test_freq and (step % t.test_freq == 0 or last):
@@ -186,10 +192,13 @@ def check_data(cfg: TrainConfig, mode: Mode) -> str | None:
     return str(found) if isinstance(found, Exception) else None
 
 
-def _fingerprint(mode: str, samples: list[Sample], cfg: TrainConfig) -> str:
-    """What a checkpoint must have been trained on to be continued: the samples, their order's seed and batching."""
+def _fingerprint(mode: str, data: OfflineData, cfg: TrainConfig) -> str:
+    """What a checkpoint must have been trained on to be continued: the samples (and the policy each trains),
+    their order's seed and batching."""
     o = cfg.offline
-    items = [mode, o.epochs, o.batch_size, cfg.trainer.seed, [(s.episode_id, s.token_ids) for s in samples]]
+    items = [mode, o.epochs, o.batch_size, cfg.trainer.seed, [(s.episode_id, s.token_ids) for s in data.samples]]
+    if data.policies is not None:
+        items.append(data.policies)
     return hashlib.sha256(json.dumps(items).encode()).hexdigest()[:16]
 
 
@@ -238,6 +247,20 @@ def _batches(n: int, batch_size: int, epochs: int, seed: int) -> list[tuple[int,
         random.Random(seed * 1_000_003 + epoch).shuffle(order)
         plan += [(epoch, order[k:k + batch_size]) for k in range(0, n, batch_size)]
     return plan
+
+
+def _optimizer_step(model, optimizer, rows: list[Sample], advantages: list[float], filler: Sample, pad_id: int,
+                    cfg: TrainConfig, dist: Dist) -> dict[str, float]:
+    """One optimizer step over `rows` (through the active adapter, with several policies: the AdamW moves only the
+    parameters that have gradients): the gradient (_step), clipped, applied; its metrics and gradient norm."""
+    t = cfg.trainer
+    weights = algo.token_weights(rows, t.loss_agg_mode)
+    metrics = _step(model, rows, advantages, weights, filler, pad_id, cfg, dist, cfg.offline.loss)
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip or float("inf"))
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # FSDP: DTensor
+    return {**metrics, "actor/grad_norm": float(grad_norm)}
 
 
 def _step(model, rows: list[Sample], advantages: list[float], weights: list[torch.Tensor], filler: Sample,
@@ -290,6 +313,22 @@ def _step(model, rows: list[Sample], advantages: list[float], weights: list[torc
     stats = dict(zip(names, sums.tolist(), strict=True)) if passes else {}  # the one read
     stats = metrics_over_ranks(stats, 1.0, dist, summed=stats, maxed=("actor/ratio_max",))
     return {**stats, **computed_metrics(rows, computed, dist), "offline/tokens": float(batch_tokens)}
+
+
+def _data_nll_metrics(model, samples: list[Sample], policies: list[str] | None, adapters: tuple[str, ...],
+                      pad_id: int, cfg: TrainConfig, dist: Dist) -> dict[str, float]:
+    """offline/data_nll over every sample; with several policies, each policy's samples through its adapter
+    (policy/<name>/offline/data_nll), and their token-weighted mean as offline/data_nll."""
+    if not adapters:
+        return {"offline/data_nll": _data_nll(model, samples, pad_id, cfg, dist)}
+    out, total, tokens = {}, 0.0, 0
+    for name, idx in parts.by_policy(adapters, policies):
+        activate(model, name)
+        mine = [samples[i] for i in idx]
+        out[f"policy/{name}/offline/data_nll"] = nll = _data_nll(model, mine, pad_id, cfg, dist)
+        count = sum(sum(s.loss_mask) for s in mine)
+        total, tokens = total + nll * count, tokens + count
+    return {**out, "offline/data_nll": total / max(tokens, 1)}
 
 
 @torch.no_grad()

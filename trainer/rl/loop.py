@@ -60,6 +60,7 @@ from trainer.rl.experience import advantages_of, experience_of, gae_of, mean_tok
 from trainer.rl.oom import oom_explained
 from trainer.rl.parts import (
     broadcast,
+    by_policy,
     log_metrics,
     push_weights,
     seed_all,
@@ -239,7 +240,7 @@ def _score(model, reference, experience, adapters: tuple[str, ...], pad_id: int,
     ref: list[torch.Tensor | None] = [None] * len(rows)
     metrics: dict[str, float | None] = {}
     worst, total, count = None, 0.0, 0
-    for name, idx in _by_policy(adapters, experience.policies):
+    for name, idx in by_policy(adapters, experience.policies):
         activate(model, name)
         mine_old, mine_ref, diff = _score_rows(model, reference, [rows[i] for i in idx], pad_id, cfg)
         for k, i in enumerate(idx):
@@ -252,12 +253,6 @@ def _score(model, reference, experience, adapters: tuple[str, ...], pad_id: int,
     metrics.update({"logprob/engine_max_abs_diff": worst, "logprob/engine_mean_abs_diff": total / count if count
                     else None})
     return old, ref, metrics
-
-
-def _by_policy(adapters: tuple[str, ...], policies: list[str]) -> list[tuple[str, list[int]]]:
-    """Each policy that has samples, with the positions of its samples."""
-    out = [(name, [i for i, p in enumerate(policies) if p == name]) for name in adapters]
-    return [(name, idx) for name, idx in out if idx]
 
 
 @torch.no_grad()
@@ -310,7 +305,7 @@ def _update_policies(model, optimizer, adapters: tuple[str, ...], policies: list
         return _update(model, optimizer, rows, tasks_of_rows, advantages, old, ref, pad_id, cfg, dist)
     metrics: dict[str, float] = {}
     tokens = computed = 0.0
-    for name, idx in _by_policy(adapters, policies):
+    for name, idx in by_policy(adapters, policies):
         activate(model, name)
         mine = _update(model, optimizer, [rows[i] for i in idx], [tasks_of_rows[i] for i in idx],
                        [advantages[i] for i in idx], [old[i] for i in idx], [ref[i] for i in idx], pad_id, cfg, dist)

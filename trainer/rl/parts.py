@@ -67,6 +67,12 @@ def wind_down(tracker: Tracker | None, rollouts: Rollouts | None) -> None:
     shutdown()
 
 
+def by_policy(adapters: tuple[str, ...], policies: list[str]) -> list[tuple[str, list[int]]]:
+    """Each policy (adapter) that has samples, with the positions of its samples in `policies` (each sample's)."""
+    out = [(name, [i for i, p in enumerate(policies) if p == name]) for name in adapters]
+    return [(name, idx) for name, idx in out if idx]
+
+
 def push_weights(model, sync: WeightSync | dict[str, WeightSync] | None, dist: Dist,
                  version: int) -> dict[str, float]:
     """Write the weights and load them into the engine (rank 0); every rank takes part in the gathers (collectives).
