@@ -19,6 +19,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+import requests
 from aiohttp import web
 
 from proxy.transparent import Interceptor, TransparentOptions, mitm_python
@@ -253,3 +254,30 @@ def test_the_anthropic_sdk_with_its_default_host_is_recorded_through_the_hop(hop
     proxy.close()
     assert db_rows(proxy.db_path, "SELECT requested_model, extra->>'wire', status FROM calls") == [
         ("claude-haiku-4-5", "messages", "ok")]
+
+
+def test_each_roles_calls_through_the_hop_go_to_its_policys_adapter(upstream, tmp_path):
+    """A policy per role (roles.policies) in transparent mode: the hop hands every call to the same proxy, which
+    sends each role's calls to its policy's adapter and records role, policy and adapter."""
+    from proxy.roles import parse_rules
+
+    for name in ("fast-lora-v000001", "qwen-lora-v000001"):
+        assert requests.post(upstream.url + "/v1/load_lora_adapter", json={"lora_name": name, "lora_path": "/a"},
+                             timeout=10).status_code == 200
+    rules = parse_rules({"fast": "model:gpt-4o-mini", "qwen": "model:qwen-plus"},
+                        policies={"fast": "fast", "qwen": "qwen"})
+    proxy = RunningProxy(upstream.url, tmp_path / "rec.duckdb", roles=rules,
+                         policy_models={"fast": "fast-lora-v000001", "qwen": "qwen-lora-v000001"})
+    interceptor = Interceptor(TransparentOptions(home=tmp_path / "home"), log_path=tmp_path / "hop.log")
+    try:
+        interceptor.start(proxy.url)
+        for vendor in ("openai", "dashscope"):
+            done = _agent(interceptor, f"ep-{vendor}", {"question": "6 * 7?", "vendor": vendor})
+            assert done.returncode == 0, done.stderr
+    finally:
+        interceptor.close()
+        proxy.close()
+    rows = db_rows(proxy.db_path, "SELECT episode_id, role, policy, served_model, count(*) FROM calls "
+                   "WHERE status = 'ok' GROUP BY ALL ORDER BY ALL")
+    assert rows == [("ep-dashscope", "qwen", "qwen", "qwen-lora-v000001", 2),
+                    ("ep-openai", "fast", "fast", "fast-lora-v000001", 2)]
