@@ -120,8 +120,13 @@ def _logprobs(model, prompt: list[int], completion: list[int]):
 def test_policies_with_asynchronous_rollouts_two_engines_and_the_tree_layout(tiny_model_dir, tmp_path):
     """Item 5 of the issue: the same two-policy run with rollouts one step ahead (rollout.async.max_staleness 1),
     two engines the run starts (each loads every policy's adapters, the proxy spreads episodes over them) and the
-    tree layout: every call names the adapter version that served it, none staler than the bound, both engines
-    served, and per policy the engines agree with the trainer after every push."""
+    tree layout: every call names the adapter version that served it, none staler than the bound, and what each
+    engine served after a push is what that version of the policy's adapter computes. (The trainer's
+    logprob/engine_* compare the current weights with every sample's, a step older ones included: with rollouts
+    ahead they measure the off-policy gap, not the push.)"""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
     out = subprocess.run(
         [sys.executable, "-m", "harness.cli", "train", str(ROOT / "examples/train/multi_agent.yaml"),
          f"--set=model.path={tiny_model_dir}", f"--set=logging.run_dir={tmp_path}", "--set=trainer.total_steps=3",
@@ -131,18 +136,35 @@ def test_policies_with_asynchronous_rollouts_two_engines_and_the_tree_layout(tin
          "--set=trainer.layout=tree", "--set=logging.curve_png=false", "--set=logging.console=false"],
         capture_output=True, text=True, timeout=1500)
     assert out.returncode == 0, out.stderr[-4000:]
-    db = tmp_path / "multi_agent" / "harness.duckdb"
-    calls = db_rows(db, "SELECT CAST(split_part(o.run_id, '-train', 2) AS INTEGER) AS step, c.policy, "
-                        "c.weight_version, c.served_model, c.extra->>'engine' FROM calls c JOIN episode_outcomes o "
-                        "USING (episode_id) WHERE o.run_id LIKE '%-train%' AND c.status = 'ok'")
+    run = tmp_path / "multi_agent"
+    db = run / "harness.duckdb"
+    calls = db_rows(db, "SELECT CAST(split_part(o.run_id, '-train', 2) AS INTEGER), c.policy, c.weight_version, "
+                        "c.served_model, c.extra->>'engine', c.prompt_ids, ch.completion_ids, ch.logprobs "
+                        "FROM calls c JOIN choices ch USING (call_id) JOIN episode_outcomes o USING (episode_id) "
+                        "WHERE o.run_id LIKE '%-train%' AND c.status = 'ok' ORDER BY c.started_at")
     assert {p for _, p, *_ in calls} == set(POLICIES)
-    for step, policy, version, served, _ in calls:
+    for step, policy, version, served, *_ in calls:
         assert served == f"{policy}-lora-v{version:06d}" and 0 <= step - 1 - version <= 1, (step, policy, version)
-    assert len({e for *_, e in calls}) == 2, "both engines served episodes"
-    for policy in POLICIES:
+    assert {(e, v > 0) for _, _, v, _, e, *_ in calls} == {(e, x) for e in {c[4] for c in calls} for x in (0, 1)}
+    assert len({c[4] for c in calls}) == 2, "both engines served before and after a push"
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    checked = set()
+    for _, policy, version, _, engine, prompt, completion, recorded in calls:
+        if version == 0 or (policy, engine) in checked:
+            continue
+        checked.add((policy, engine))
+        adapted = PeftModel.from_pretrained(base, run / "adapters" / policy / f"v{version:06d}").eval()
+        with torch.no_grad():
+            diff = (_logprobs(adapted, prompt, completion) - torch.tensor(recorded)).abs().max().item()
+        base = adapted.unload()  # the base again, for the next adapter
+        with torch.no_grad():
+            plain = (_logprobs(base, prompt, completion) - torch.tensor(recorded)).abs().max().item()
+        assert diff <= 1e-3 and plain > diff, (policy, engine, version, diff, plain)
+    assert {p for p, _ in checked} == set(POLICIES)
+    for policy in POLICIES:  # step 1 trains the base's samples: the engines and the trainer agree
         diffs = db_rows(db, "SELECT step, value FROM metrics WHERE name = ? ORDER BY step",
                         [f"policy/{policy}/logprob/engine_max_abs_diff"])
-        assert [s for s, _ in diffs] == [1, 2, 3] and all(v <= 1e-3 for _, v in diffs), (policy, diffs)
+        assert [s for s, _ in diffs] == [1, 2, 3] and diffs[0][1] <= 1e-3, (policy, diffs)
         ratio = db_rows(db, "SELECT value FROM metrics WHERE name = ?", [f"policy/{policy}/update/computed_ratio"])
         assert ratio and all(v > 1.0 for v, in ratio), (policy, ratio)  # the tree computed shared tokens once
     stale = db_rows(db, "SELECT max(value) FROM metrics WHERE name = 'async/staleness_max'")
