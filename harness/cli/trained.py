@@ -4,7 +4,8 @@
 A run's directory (`<logging.run_dir>/<experiment_name>`) holds its config (config.resolved.yaml: model.path, the
 roles section) and, once it has finished, what it trained:
 - `hf/`: the whole model (full-weight training of one policy): the engine serves it;
-- `adapter/` (adapter_config.json in it): one LoRA adapter over model.path, the default policy's;
+- `adapter/` (adapter_config.json in it): one LoRA adapter over model.path, which serves every call the engine
+  answers, as in training;
 - `adapter/<policy>/`: one adapter per policy (roles.policies): the engine loads them all (`--lora-modules`), and
   the proxy sends each role's calls to its policy's adapter, under the role rules the run trained with.
 Each adapter is served as `<policy>-lora-<run>` (the run's directory name), which every call records in
@@ -52,6 +53,7 @@ class Trained:
 
 def read_trained(run_dir: str | Path) -> Trained:
     """The trained run at `run_dir`; a ValueError names what is missing and what to do."""
+    from proxy.roles import DEFAULT_POLICY
     from trainer.config import ConfigError, read_config
     from trainer.config.roles import policies_of, role_rules
 
@@ -74,7 +76,9 @@ def read_trained(run_dir: str | Path) -> Trained:
         if not (run_dir / "hf" / "config.json").is_file():
             raise ValueError(f"--trained {str(run_dir)!r}: the trained model {run_dir / 'hf'} {unfinished}")
         return Trained(run_dir, str(run_dir / "hf"), rules)
-    folders = ({policies[0]: run_dir / "adapter"} if len(policies) == 1
+    # One policy trains one adapter, which served every call the engine answered (the default policy's name):
+    # so it does here, whatever roles.policies calls that policy. Several: each policy's calls go to its own.
+    folders = ({DEFAULT_POLICY: run_dir / "adapter"} if len(policies) == 1
                else {policy: run_dir / "adapter" / policy for policy in policies})
     missing = [d for d in folders.values() if not (d / "adapter_config.json").is_file()]
     if missing:

@@ -51,6 +51,11 @@ def test_a_run_of_one_policy_serves_its_adapter_or_its_model(tmp_path):
     assert one.adapters == {"policy": run / "adapter"} and one.policy_models == {"policy": "policy-lora-pe"}
     assert one.engine_args()[:3] == ["--enable-lora", "--max-lora-rank", "16"]  # vLLM's next rank up from 12
 
+    shared = _run(tmp_path / "shared", "roles.policies={planner: both, executor: both}")
+    _adapter(shared / "adapter", 8)
+    both = read_trained(shared)  # one policy, whatever its name: its adapter serves every call, as in training
+    assert both.adapters == {"policy": shared / "adapter"} and {r.policy for r in both.roles} == {"both"}
+
     full = _run(tmp_path / "full", "roles.policies={}", lora=0)
     (full / "hf").mkdir()
     (full / "hf" / "config.json").write_text("{}")
@@ -68,6 +73,11 @@ def test_what_a_run_directory_lacks_is_named(tmp_path):
     _adapter(run / "adapter" / "acts", "16")
     with pytest.raises(ValueError, match=r"give ranks \[16, '16'\]: each must have a positive integer \"r\""):
         read_trained(run)
+    shared = _run(tmp_path / "shared", "roles.policies={planner: both, executor: both}")
+    _adapter(shared / "adapter", 8)
+    both = read_trained(shared)  # one policy, whatever its name: its adapter serves every call, as in training
+    assert both.adapters == {"policy": shared / "adapter"} and {r.policy for r in both.roles} == {"both"}
+
     full = _run(tmp_path / "full", "roles.policies={}", lora=0)
     with pytest.raises(ValueError, match=r"the trained model .*/hf is written when the run finishes"):
         read_trained(full)
