@@ -34,10 +34,13 @@ def spread(task, answer, calls):
 '''
 
 
-def _record(run_dir: Path, upstream_url: str, judge: str, *, limit: int, repeat: int) -> tuple[Path, str]:
-    out = subprocess.run([sys.executable, "-m", "harness.cli", "run", str(TERSE / "agent.py"), "--data",
-                          str(TERSE / "tasks.jsonl"), "--limit", str(limit), "--judge", judge, "--repeat", str(repeat),
-                          "--upstream", upstream_url, "--run-dir", str(run_dir), "--concurrency", "8"],
+def _record(run_dir: Path, upstream_url: str, judge: str, *, limit: int, repeat: int, agent: Path = TERSE / "agent.py",
+            data: Path = TERSE / "tasks.jsonl", more: tuple[str, ...] = ()) -> tuple[Path, str]:
+    """`harness run` of `agent` (the terse one by default) over `data` in front of `upstream_url`; the database and
+    the run's id. `more`: further flags (--role ...)."""
+    out = subprocess.run([sys.executable, "-m", "harness.cli", "run", str(agent), "--data", str(data), "--limit",
+                          str(limit), "--judge", judge, "--repeat", str(repeat), "--upstream", upstream_url,
+                          "--run-dir", str(run_dir), "--concurrency", "8", *more],
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     db = run_dir / "harness.duckdb"
@@ -270,16 +273,11 @@ def test_from_run_with_a_policy_per_role_trains_each_adapter_on_its_roles_sample
     judge.write_text(JUDGE)
     upstream = ScriptedUpstream(Script(token_ids=True))
     try:
-        out = subprocess.run([sys.executable, "-m", "harness.cli", "run", str(example / "agent.py"), "--data",
-                              str(example / "train.jsonl"), "--limit", "3", "--repeat", "3", "--judge",
-                              f"{judge}:spread", "--upstream", upstream.url, "--run-dir", str(tmp_path / "rec"),
-                              "--role", "planner=model:gpt-4o", "--role", "executor=model:gpt-4o-mini"],
-                             capture_output=True, text=True, timeout=600)
+        db, run_id = _record(tmp_path / "rec", upstream.url, f"{judge}:spread", limit=3, repeat=3,
+                             agent=example / "agent.py", data=example / "train.jsonl",
+                             more=("--role", "planner=model:gpt-4o", "--role", "executor=model:gpt-4o-mini"))
     finally:
         upstream.close()
-    assert out.returncode == 0, out.stderr[-3000:]
-    db = tmp_path / "rec" / "harness.duckdb"
-    (run_id,), = db_rows(db, "SELECT DISTINCT run_id FROM episode_outcomes")
     done = subprocess.run([sys.executable, "-m", "harness.cli", "train", str(config), f"--from-run={run_id}",
                            f"--db={db}", f"--set=model.path={tiny_model_dir}", f"--set=logging.run_dir={tmp_path}",
                            "--set=experiment_name=offline", "--set=trainer.lora.rank=8", "--set=trainer.lr=1e-2",
