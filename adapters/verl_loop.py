@@ -40,6 +40,8 @@ from harness.running.limits import AGENT_MAX_PROCS, AGENT_MEMORY_MB
 from harness.running.runner import RunConfig
 from harness.running.vllm_server import Engine
 from proxy.config import SamplingOverrides
+from proxy.roles import parse_rules
+from trainer.config.roles import learns
 from trainer.rl.rollout import EpisodeResult, Rollouts, guard_of
 
 AGENT_NAME = "harness"  # the name the loop is registered under; the dataset's agent_name column says it
@@ -71,6 +73,8 @@ class LoopSettings:
     max_turns: int | None = None  # LLM calls an episode may make (proxy/guard.py); None: no limit
     max_samples_per_episode: int | None = None  # samples an episode trains; the rest are marked, not trained
     guard: dict = field(default_factory=dict)  # rollout.guard's keys (proxy/guard.py's GuardConfig, and penalty)
+    roles: dict = field(default_factory=dict)  # the roles section's match, upstream, upstream_model,
+    # upstream_key_env and train: the proxy names each call's role; only the learning role's samples go to verl
 
     @classmethod
     def from_mapping(cls, raw) -> LoopSettings:
@@ -109,21 +113,32 @@ class HarnessAgentLoop(AgentLoopBase):
         sampling = SamplingOverrides(temperature=sampling_params.get("temperature"),
                                      top_p=sampling_params.get("top_p"), max_tokens_cap=self.settings.max_tokens)
         episode = await bridge.episode(task, sampling)
-        outputs = self.outputs(episode, kwargs)
+        outputs = self.outputs(episode, kwargs, bridge.versions_of(episode.episode_id))
         return outputs[0] if len(outputs) == 1 else outputs
 
-    def outputs(self, episode: EpisodeResult, kwargs: dict) -> list[AgentLoopOutput]:
-        """The episode's merged samples in verl's type (a list when its calls did not all extend each other)."""
+    def outputs(self, episode: EpisodeResult, kwargs: dict, versions: tuple[int, int] = (0, 0)) \
+            -> list[AgentLoopOutput]:
+        """The episode's merged samples in verl's type (a list when its calls did not all extend each other).
+        `versions`: the oldest and newest weight versions (verl's global_steps) that served the episode's calls;
+        verl's trainer measures each trajectory's staleness with them."""
         reward = episode.reward if episode.reward is not None else 0.0
+        judged = episode.status == "finished" and episode.reward is not None and not episode.penalized
+        roles = self.settings.roles
+        learning = [(sample, episode.role_rewards.get(role, reward) if judged else reward)
+                    for sample, role in zip(episode.samples, _padded(episode.sample_roles, len(episode.samples)),
+                                            strict=True)
+                    if learns(roles.get("train", ()), roles.get("upstream", {}), role)]
         extra = {"episode_id": episode.episode_id, "task_id": episode.task_id, "episode_status": episode.status,
+                 "min_global_steps": versions[0], "max_global_steps": versions[1],
                  "reward_extra_info": {}}  # verl's v1 worker copies it from the last output to the others
-        if not episode.samples:  # no call made it: a sample with nothing to learn, so the group keeps its size
+        if not learning:  # no call of a learning role made it: a sample with nothing to learn, so the group keeps
+            # its size
             prompt = self._render(kwargs.get("raw_prompt")) or [self.tokenizer.eos_token_id]
             return [AgentLoopOutput(prompt_ids=prompt[-self.prompt_length:], response_ids=[self._pad_id()],
                                     response_mask=[0], response_logprobs=[0.0], reward_score=reward, num_turns=0,
                                     metrics={}, extra_fields={**extra, "cut_tokens": 0})]
         out = []
-        for sample in episode.samples:
+        for sample, sample_reward in learning:
             first = sample.loss_mask.index(1) if 1 in sample.loss_mask else len(sample.token_ids)
             prompt, response = sample.token_ids[:first], sample.token_ids[first:]
             mask, logprobs = sample.loss_mask[first:], sample.logprobs[first:]
@@ -132,7 +147,7 @@ class HarnessAgentLoop(AgentLoopBase):
             out.append(AgentLoopOutput(
                 prompt_ids=prompt[-self.prompt_length:], response_ids=response[:self.response_length],
                 response_mask=mask[:self.response_length], response_logprobs=logprobs[:self.response_length],
-                reward_score=reward, num_turns=2 * len(sample.call_ids), metrics={},
+                reward_score=sample_reward, num_turns=2 * len(sample.call_ids), metrics={},
                 extra_fields={**extra, "cut_tokens": cut}))
         return out
 
@@ -146,6 +161,10 @@ class HarnessAgentLoop(AgentLoopBase):
     def _pad_id(self) -> int:
         pad = self.tokenizer.pad_token_id
         return pad if pad is not None else self.tokenizer.eos_token_id
+
+
+def _padded(roles: list, n: int) -> list:
+    return list(roles[:n]) + [None] * (n - len(roles))
 
 
 def task_of(kwargs: dict) -> Task:
@@ -170,11 +189,13 @@ class _Bridge:
 
     _by_dir: dict[str, _Bridge] = {}
     _lock: asyncio.Lock | None = None
+    _lock_loop: asyncio.AbstractEventLoop | None = None
 
     @classmethod
     async def of(cls, settings: LoopSettings, server_manager, tokenizer) -> _Bridge:
-        if cls._lock is None:
-            cls._lock = asyncio.Lock()
+        loop = asyncio.get_running_loop()
+        if cls._lock is None or cls._lock_loop is not loop:  # one loop per worker; a test runs several in turn
+            cls._lock, cls._lock_loop = asyncio.Lock(), loop
         async with cls._lock:
             bridge = cls._by_dir.get(settings.run_dir)
             if bridge is None:
@@ -193,6 +214,8 @@ class _Bridge:
         self.judges: JudgePool | None = None  # used on the proxy's loop only, where every collect runs its episodes
         self.pool = ThreadPoolExecutor(settings.concurrency, thread_name_prefix="harness-episode")
         self._count = 0
+        self._versions: dict[str, tuple[int, int]] = {}  # episode id -> oldest, newest weight version that served it
+        self._latest = 0  # the newest weight version a server answered with
 
     async def _start(self) -> None:
         s = self.settings
@@ -210,13 +233,17 @@ class _Bridge:
         run_dir.mkdir(parents=True, exist_ok=True)
         engine = Engine(base_url=url, served_model=s.served_model, returns_token_ids=True, tool_parser=s.tool_parser,
                         reasoning_parser=s.reasoning_parser, model_dir=self.engine.parsing_model)
+        r = s.roles
+        rules = parse_rules(r.get("match") or {}, r.get("upstream"), r.get("upstream_model"), r.get("upstream_key_env"))
+        train, upstream = tuple(r.get("train") or ()), dict(r.get("upstream") or {})
         # In a thread: the proxy asks the TokenEngine (on this loop) for its model while it starts.
         self.rollouts = await loop.run_in_executor(
             self.pool, lambda: Rollouts(engine, run_dir, run, sampling=SamplingOverrides(),
                                         token_exact=s.token_exact, reasoning_history=s.reasoning_history,
-                                        guard=guard_of(s.guard),
+                                        guard=guard_of(s.guard), roles=rules,
                                         max_turns=s.max_turns, max_samples=s.max_samples_per_episode,
-                                        penalty=s.guard.get("penalty")))
+                                        penalty=s.guard.get("penalty"),
+                                        learns=lambda role: learns(train, upstream, role)))
 
     def close(self) -> None:
         """Stop the proxy, then the judge pool (at process exit, or by whoever made the bridge). Idempotent."""
@@ -229,7 +256,23 @@ class _Bridge:
         out = await self.server_manager.generate(request_id=episode_id or uuid.uuid4().hex, prompt_ids=prompt_ids,
                                                  sampling_params=sampling)
         logprobs = list(out.log_probs) if out.log_probs is not None else None
+        self._note_versions(episode_id, out.extra_fields or {})
         return Generated(list(out.token_ids), logprobs, aborted=out.stop_reason == "aborted")
+
+    def _note_versions(self, episode_id: str | None, fields: dict) -> None:
+        newest = fields.get("max_global_steps", fields.get("global_steps"))
+        oldest = fields.get("min_global_steps", newest)
+        if newest is None or episode_id is None:
+            return
+        self._latest = max(self._latest, int(newest))
+        seen = self._versions.get(episode_id)
+        self._versions[episode_id] = (int(oldest), int(newest)) if seen is None else \
+            (min(seen[0], int(oldest)), max(seen[1], int(newest)))
+
+    def versions_of(self, episode_id: str) -> tuple[int, int]:
+        """The weight versions that served an episode's calls (forgotten once asked); an episode none of whose
+        calls reached a server gets the newest version seen, as if it had been served now."""
+        return self._versions.pop(episode_id, (self._latest, self._latest))
 
     async def episode(self, task: Task, sampling: SamplingOverrides) -> EpisodeResult:
         """Run one episode of the agent on `task` (its own run in episode_outcomes), judged and merged. Sampling is

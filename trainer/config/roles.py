@@ -8,7 +8,7 @@ from harness.running.gpus import GIB, count_parameters, trainer_memory
 from trainer.config.errors import ConfigError
 from trainer.config.keys import TrainConfig
 
-__all__ = ["adapters_of", "check_roles", "policies_of", "policy_of", "role_rules", "trains"]
+__all__ = ["adapters_of", "check_roles", "learns", "policies_of", "policy_of", "role_rules", "trains"]
 
 
 def role_rules(cfg: TrainConfig):
@@ -23,9 +23,14 @@ def role_rules(cfg: TrainConfig):
 def trains(cfg: TrainConfig, role: str | None) -> bool:
     """Whether samples of this role learn: never a role served by another upstream; with roles.train set, only
     the roles it names; else every role."""
-    if role is not None and role in cfg.roles.upstream:
+    return learns(cfg.roles.train, cfg.roles.upstream, role)
+
+
+def learns(train, upstream, role: str | None) -> bool:
+    """`trains` on the roles section's `train` list and `upstream` mapping (what verl's agent loop is given)."""
+    if role is not None and role in upstream:
         return False
-    return not cfg.roles.train or role in cfg.roles.train
+    return not train or role in train
 
 
 def policy_of(cfg: TrainConfig, role: str | None) -> str | None:

