@@ -42,7 +42,7 @@ from harness.running.vllm_server import Engine
 from proxy.config import SamplingOverrides
 from proxy.roles import parse_rules
 from trainer.config.roles import learns
-from trainer.rl.rollout import EpisodeResult, Rollouts, guard_of
+from trainer.rl.rollout import EpisodeResult, Rollouts, guard_of, interceptor_for
 
 AGENT_NAME = "harness"  # the name the loop is registered under; the dataset's agent_name column says it
 
@@ -73,6 +73,9 @@ class LoopSettings:
     max_turns: int | None = None  # LLM calls an episode may make (proxy/guard.py); None: no limit
     max_samples_per_episode: int | None = None  # samples an episode trains; the rest are marked, not trained
     guard: dict = field(default_factory=dict)  # rollout.guard's keys (proxy/guard.py's GuardConfig, and penalty)
+    transparent: bool = False  # rollout.transparent: the agents' calls to LLM hosts reach the proxy through mitmproxy
+    llm_hosts: list[str] = field(default_factory=list)  # with transparent: more LLM hosts to intercept
+    refuse_other_hosts: bool = False  # with transparent: refuse the agents' traffic to other hosts
     roles: dict = field(default_factory=dict)  # the roles section's match, upstream, upstream_model,
     # upstream_key_env and train: the proxy names each call's role; only the learning role's samples go to verl
 
@@ -240,7 +243,7 @@ class _Bridge:
         self.rollouts = await loop.run_in_executor(
             self.pool, lambda: Rollouts(engine, run_dir, run, sampling=SamplingOverrides(),
                                         token_exact=s.token_exact, reasoning_history=s.reasoning_history,
-                                        guard=guard_of(s.guard), roles=rules,
+                                        guard=guard_of(s.guard), roles=rules, interceptor=interceptor_for(s, run_dir),
                                         max_turns=s.max_turns, max_samples=s.max_samples_per_episode,
                                         penalty=s.guard.get("penalty"),
                                         learns=lambda role: learns(train, upstream, role)))

@@ -33,7 +33,7 @@ TERSE = ROOT / "examples" / "terse_agent"
 
 
 def _config(tmp_path: Path, model_dir, *extra: str, verl: str = _VERL, agent: Path = TERSE / "agent.py",
-            tasks: Path = TERSE / "tasks.jsonl", judge: str = f"{TERSE / 'judge.py'}:terse"):
+            tasks: Path = TERSE / "tasks.jsonl", judge: str = f"{TERSE / 'judge.py'}:terse", rollout: str = ""):
     path = tmp_path / "verl.yaml"
     path.write_text("\n".join([
         "harness:",
@@ -42,7 +42,7 @@ def _config(tmp_path: Path, model_dir, *extra: str, verl: str = _VERL, agent: Pa
         f"  model: {{path: {model_dir}}}",
         f"  data: {{train: {tasks}, limit: 2}}",
         f"  task_judge: {{judge: {judge}}}",
-        f"  rollout: {{agent: {agent}, num_repeat: 2, batch_size: 2,"
+        f"  rollout: {{agent: {agent}, num_repeat: 2, batch_size: 2,{rollout}"
         " engine: {max_model_len: 512}}",
         f"  logging: {{run_dir: {tmp_path / 'runs'}}}",
         f"  verl: {{{verl}}}",

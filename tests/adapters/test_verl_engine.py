@@ -174,3 +174,22 @@ async def test_only_the_learning_role_reaches_verl(tmp_path, engine, tiny_model_
         [(details,)] = db_rows(db, "SELECT details FROM judgements WHERE episode_id = ?", [episode_id])
         executor_reward = json.loads(details)["role_rewards"]["executor"]
         assert out.batch["rm_scores"][k].sum().item() == pytest.approx(executor_reward)
+
+
+@needs_verl
+async def test_transparent_mode_through_verl_s_agent_loop(tmp_path, engine, tiny_model_dir):
+    """rollout.transparent with verl: the black-box agent hard-codes https://api.openai.com and never reads
+    OPENAI_BASE_URL, yet its calls reach verl's rollout server through the worker's mitmproxy hop and proxy, are
+    recorded with the engine's ids, and verl gets their merged samples."""
+    cfg = _config(tmp_path, tiny_model_dir, agent=ROOT / "examples" / "blackbox_agent" / "agent.py",
+                  rollout=" transparent: true, max_tokens: 6,")
+    out, client, db = await _verl_batch(tmp_path, cfg, engine)
+    episodes = list(out.non_tensor_batch["episode_id"])
+    assert len(set(episodes)) == 4 and set(out.non_tensor_batch["episode_status"]) == {"finished"}
+    calls = db_rows(db, "SELECT count(*), count(DISTINCT episode_id) FROM calls WHERE status = 'ok' "
+                        "AND token_source = 'engine'")
+    assert calls[0][1] == 4 and calls[0][0] == len(client.request_ids) >= 4  # every call went through verl's client
+    assert (db.parent / "transparent.log").exists()
+    for k, episode_id in enumerate(episodes):
+        [(tokens,)] = db_rows(db, "SELECT token_ids FROM samples WHERE episode_id = ?", [episode_id])
+        assert out.batch["input_ids"][k][out.batch["attention_mask"][k].bool()].tolist() == tokens

@@ -113,7 +113,8 @@ def loop_settings(cfg: TrainConfig, run_dir: Path) -> dict:
             "reasoning_parser": r.reasoning_parser, "reasoning_history": r.reasoning_history,
             "max_tokens": r.max_tokens, "concurrency": r.concurrency, "memory_mb": r.memory_mb,
             "max_procs": r.max_procs, "max_turns": r.max_turns, "max_samples_per_episode": r.max_samples_per_episode,
-            "guard": dataclasses.asdict(r.guard),
+            "guard": dataclasses.asdict(r.guard), "transparent": r.transparent, "llm_hosts": list(r.llm_hosts),
+            "refuse_other_hosts": r.refuse_other_hosts,
             "roles": {"match": dict(cfg.roles.match), "upstream": dict(cfg.roles.upstream),
                       "upstream_model": dict(cfg.roles.upstream_model),
                       "upstream_key_env": dict(cfg.roles.upstream_key_env), "train": list(cfg.roles.train)}}
@@ -334,8 +335,6 @@ def _refuse_untranslatable(cfg: TrainConfig) -> None:
                                         f"{_named(_learning_roles(cfg))}: name one in roles.train (verl groups an "
                                         "episode's samples by its prompt, so two learning roles would share one GRPO "
                                         "group; docs/scale-out.md)"),
-        (cfg.rollout.transparent, "rollout.transparent is not supported with backbone: verl yet (docs/scale-out.md "
-                                  "says why)"),
         (cfg.debug.enabled, "debug.enabled runs our own loop in one process: use backbone: harness"),
         (t.lora.rank > 0 and t.lora.dropout > 0, "trainer.lora.dropout has no counterpart in verl's FSDP LoRA: set "
                                                  "it to 0 with backbone: verl"),
