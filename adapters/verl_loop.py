@@ -34,7 +34,7 @@ from pathlib import Path
 from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopOutput
 
 from adapters.token_server import Generated, TokenEngine
-from harness.core.records import Task
+from harness.core.records import FINISHED, Task
 from harness.running.judge_pool import JudgePool
 from harness.running.limits import AGENT_MAX_PROCS, AGENT_MEMORY_MB
 from harness.running.runner import RunConfig
@@ -125,7 +125,7 @@ class HarnessAgentLoop(AgentLoopBase):
         `versions`: the oldest and newest weight versions (verl's global_steps) that served the episode's calls;
         verl's trainer measures each trajectory's staleness with them."""
         reward = episode.reward if episode.reward is not None else 0.0
-        judged = episode.status == "finished" and episode.reward is not None and not episode.penalized
+        judged = episode.status == FINISHED and episode.reward is not None and not episode.penalized
         roles = self.settings.roles
         learning = [(sample, episode.role_rewards.get(role, reward) if judged else reward)
                     for sample, role in zip(episode.samples, _padded(episode.sample_roles, len(episode.samples)),
@@ -134,8 +134,7 @@ class HarnessAgentLoop(AgentLoopBase):
         extra = {"episode_id": episode.episode_id, "task_id": episode.task_id, "episode_status": episode.status,
                  "min_global_steps": versions[0], "max_global_steps": versions[1],
                  "reward_extra_info": {}}  # verl's v1 worker copies it from the last output to the others
-        if not learning:  # no call of a learning role made it: a sample with nothing to learn, so the group keeps
-            # its size
+        if not learning:  # no call of a learning role made it: one sample with nothing to learn keeps the group's size
             prompt = self._render(kwargs.get("raw_prompt")) or [self.tokenizer.eos_token_id]
             return [AgentLoopOutput(prompt_ids=prompt[-self.prompt_length:], response_ids=[self._pad_id()],
                                     response_mask=[0], response_logprobs=[0.0], reward_score=reward, num_turns=0,
