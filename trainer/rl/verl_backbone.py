@@ -115,9 +115,7 @@ def loop_settings(cfg: TrainConfig, run_dir: Path) -> dict:
             "max_procs": r.max_procs, "max_turns": r.max_turns, "max_samples_per_episode": r.max_samples_per_episode,
             "guard": dataclasses.asdict(r.guard), "transparent": r.transparent, "llm_hosts": list(r.llm_hosts),
             "refuse_other_hosts": r.refuse_other_hosts,
-            "roles": {"match": dict(cfg.roles.match), "upstream": dict(cfg.roles.upstream),
-                      "upstream_model": dict(cfg.roles.upstream_model),
-                      "upstream_key_env": dict(cfg.roles.upstream_key_env), "train": list(cfg.roles.train)}}
+            "roles": {k: v for k, v in dataclasses.asdict(cfg.roles).items() if k != "policies"}}  # policies: refused
 
 
 def write_agent_loop(cfg: TrainConfig, run_dir: Path, path: Path) -> Path:
@@ -399,7 +397,7 @@ class _WorkerWatch(threading.Thread):
             if not ray.is_initialized():
                 continue
             try:
-                names = {a["name"] if isinstance(a, dict) else a for a in ray.util.list_named_actors()}
+                names = set(ray.util.list_named_actors())  # this job's namespace: names only
             except Exception:  # noqa: BLE001 - Ray starting or stopping: look again later
                 continue
             workers = {n for n in names if n.startswith(self.PREFIX)}
