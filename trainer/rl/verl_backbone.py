@@ -388,24 +388,28 @@ class _WorkerWatch(threading.Thread):
         self.every_s = every_s
         self.done = threading.Event()
         self.lost: list[str] = []
+        self.seen: set[str] = set()
 
     def run(self) -> None:
-        import ray
-
-        seen: set[str] = set()
         while not self.done.wait(self.every_s):
-            if not ray.is_initialized():
-                continue
-            try:
-                names = set(ray.util.list_named_actors())  # this job's namespace: names only
-            except Exception:  # noqa: BLE001 - Ray starting or stopping: look again later
-                continue
-            workers = {n for n in names if n.startswith(self.PREFIX)}
-            if seen - workers and not self.done.is_set():
-                self.lost = sorted(seen - workers)
+            if self.look() and not self.done.is_set():
                 _thread.interrupt_main()
                 return
-            seen |= workers
+
+    def look(self) -> list[str]:
+        """The workers seen before and gone now (also `lost`); [] while Ray starts or stops."""
+        import ray
+
+        if not ray.is_initialized():
+            return []
+        try:
+            names = set(ray.util.list_named_actors())  # this job's namespace: names only
+        except Exception:  # noqa: BLE001 - Ray starting or stopping: look again later
+            return []
+        workers = {n for n in names if n.startswith(self.PREFIX)}
+        self.lost = sorted(self.seen - workers)
+        self.seen |= workers
+        return self.lost
 
 
 def train_on_verl(cfg: TrainConfig, out: Path) -> None:
@@ -437,8 +441,10 @@ def train_on_verl(cfg: TrainConfig, out: Path) -> None:
     watch.start()
     try:
         run_ppo(config, task_runner_class=TaskRunnerV1)
-    except KeyboardInterrupt:
-        if not watch.lost:
+    except (KeyboardInterrupt, Exception) as exc:  # the watch's interrupt, or verl's own ActorDiedError when the
+        # worker dies inside a task verl awaits (which of the two comes first is a race)
+        if not (watch.lost or (type(exc).__name__.endswith("ActorDiedError") or "ActorDiedError" in str(exc))
+                and watch.look()):
             raise
         lost = ", ".join(watch.lost)
         raise WorkerLost(f"verl's agent-loop worker(s) {lost} died mid-run, and verl {_version('verl')} would wait "
