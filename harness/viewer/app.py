@@ -37,7 +37,9 @@ PAGE_SIZE = 100
 _SORTS = {"reward": "reward", "started_at": "started_at", "task_id": "task_id", "n_calls": "n_calls",
           "duration_ms": "duration_ms", "step": "step", "status": "status"}
 _CURVES = ("reward_mean", "val_pass_at_n", "kl", "entropy", "response_length")
-_UPDATE = ("computed_ratio", "update_s")  # the update: sample tokens per position computed (trainer.layout), its time
+# the update: sample tokens per position computed (trainer.layout), its time; the engine/trainer mismatch and the
+# share of tokens the off-policy correction rejected (trainer.correction)
+_UPDATE = ("computed_ratio", "update_s", "mismatch_kl", "rejected_share")
 # With several policies (roles.policies), each one's curves: its metric name under policy/<name>/, and the label
 _PER_POLICY = {"reward/mean": "reward", "actor/kl": "kl", "actor/entropy": "entropy", "actor/grad_norm": "grad norm",
                "advantage/abs_mean": "|advantage|", "update/tokens": "tokens trained"}
@@ -108,7 +110,10 @@ class Viewer:
             WHERE starts_with(o.run_id, ? || '-train') GROUP BY 1""", [run_id])
         update = self.query("""
             SELECT step, arg_max(value, created_at) FILTER (WHERE name = 'update/computed_ratio') AS computed_ratio,
-                   arg_max(value, created_at) FILTER (WHERE name = 'time/train_s') AS update_s
+                   arg_max(value, created_at) FILTER (WHERE name = 'time/train_s') AS update_s,
+                   arg_max(value, created_at) FILTER (WHERE name = 'rollout_corr/kl') AS mismatch_kl,
+                   arg_max(value, created_at) FILTER (WHERE name = 'rollout_corr/rollout_rs_masked_fraction')
+                       AS rejected_share
             FROM metrics WHERE run_id = ? GROUP BY step""", [run_id])
         by_step = {r["step"]: r for r in merges if r["step"] is not None}
         steps = sorted({r["step"] for r in curve} | set(by_step))

@@ -98,6 +98,46 @@ def test_translation_is_a_config_verl_accepts(tmp_path, tiny_model_dir):
         verl_config(_config(tmp_path, tiny_model_dir, "  trainer: {loss_agg_mode: episode-mean}"), files)
 
 
+@pytest.mark.parametrize("correction,want", [
+    ("{level: token, threshold: 0.5_5.0, reject: seq_mean_k3, reject_threshold: 0.01}",
+     ("token", "0.5_5.0", False, "seq_mean_k3", 0.01, False, "ppo_clip")),
+    ("{level: sequence, threshold: 3, batch_normalize: true, reject: 'token_k1,seq_max_k2', "
+     "reject_threshold: '0.5_2.0,0.2', mode: bypass}",
+     ("sequence", 3.0, True, "token_k1,seq_max_k2", "0.5_2.0,0.2", True, "ppo_clip")),
+    ("{}", (None, 2.0, False, None, None, False, "ppo_clip"))])
+def test_the_correction_becomes_verl_s_rollout_correction(tmp_path, tiny_model_dir, correction, want):
+    """trainer.correction in verl's names, with asynchronous rollouts (verl's v1 trainer), and verl's own helper
+    takes the values as they are."""
+    import torch
+    from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_rejection_mask
+
+    from trainer.rl.verl_backbone import VerlFiles, verl_config
+
+    files = VerlFiles(tmp_path / "t.parquet", None, tmp_path / "loop.yaml", tmp_path / "ck")
+    _config(tmp_path, tiny_model_dir, f"  trainer: {{correction: {correction}}}", verl=_VERL)
+    overrides = ["rollout.async.max_staleness=1"] if correction != "{}" else []
+    rc = verl_config(load_config(tmp_path / "verl.yaml", overrides), files).algorithm.rollout_correction
+    got = (rc.rollout_is, rc.rollout_is_threshold, rc.rollout_is_batch_normalize, rc.rollout_rs,
+           rc.rollout_rs_threshold, rc.bypass_mode, rc.loss_type)
+    assert got == want
+    old = -torch.rand(4, 6)
+    compute_rollout_correction_and_rejection_mask(
+        old, old + 0.01, torch.ones(4, 6), rollout_is=rc.rollout_is, rollout_is_threshold=rc.rollout_is_threshold,
+        rollout_is_batch_normalize=rc.rollout_is_batch_normalize, rollout_rs=rc.rollout_rs,
+        rollout_rs_threshold=rc.rollout_rs_threshold)
+
+
+def test_reinforce_in_bypass_mode_is_refused_where_verl_would_keep_its_ppo_loss(tmp_path, tiny_model_dir):
+    from trainer.rl.verl_backbone import VerlFiles, verl_config
+
+    files = VerlFiles(tmp_path / "t.parquet", None, tmp_path / "loop.yaml", tmp_path / "ck")
+    _config(tmp_path, tiny_model_dir, "  trainer: {correction: {mode: bypass, loss: reinforce}}", verl=_VERL)
+    with pytest.raises(ConfigError, match="keeps its PPO loss"):
+        verl_config(load_config(tmp_path / "verl.yaml", ["rollout.async.max_staleness=1"]), files)
+    rc = verl_config(load_config(tmp_path / "verl.yaml"), files).algorithm.rollout_correction
+    assert (rc.bypass_mode, rc.loss_type) == (True, "reinforce")  # verl's own trainer switches the loss
+
+
 def test_gae_remax_and_the_adaptive_kl_controller_translate_to_verl_s_own(tmp_path, tiny_model_dir):
     from verl.trainer.ppo.utils import need_critic, need_reference_policy
     from verl.utils.config import validate_config

@@ -41,14 +41,15 @@ def verl_env(**more: str) -> dict[str, str]:
 
 
 def write_config(tmp_path: Path, model_dir: Path, *, name: str = "verl-cpu", overrides: list[str] = (),
-                 steps: int = STEPS, **verl) -> Path:
+                 steps: int = STEPS, trainer: dict | None = None, **verl) -> Path:
     config = {"harness": {
         "backbone": "verl", "experiment_name": name, "model": {"path": str(model_dir)},
         "data": {"train": str(TERSE / "tasks.jsonl"), "limit": TASKS},
         "task_judge": {"judge": f"{TERSE / 'judge.py'}:terse"},
         "rollout": {"agent": str(TERSE / "agent.py"), "num_repeat": REPEATS, "batch_size": TASKS,
                     "engine": {"max_model_len": 512}},
-        "trainer": {"total_steps": steps, "lr": 1.0e-3, "save_freq": 1, "fsdp": {"mixed_precision": False}},
+        "trainer": {"total_steps": steps, "lr": 1.0e-3, "save_freq": 1, "fsdp": {"mixed_precision": False},
+                    **(trainer or {})},
         "logging": {"run_dir": str(tmp_path / "runs")},
         "verl": {"nnodes": 1, "n_gpus_per_node": 1, "prompt_length": 256, "response_length": 256,
                  "agent_workers": 1, "micro_batch_size_per_gpu": 4, **verl,
@@ -101,7 +102,8 @@ def model_at(model_dir: Path, checkpoint: Path | None):
 
 
 def test_harness_train_runs_verl_s_own_trainer_end_to_end(tmp_path, tiny_model_dir):
-    harness_train(write_config(tmp_path, tiny_model_dir), verl_env())
+    correction = {"level": "token", "threshold": "0.5_5.0", "reject": "seq_mean_k3", "reject_threshold": 0.01}
+    harness_train(write_config(tmp_path, tiny_model_dir, trainer={"correction": correction}), verl_env())
     run = tmp_path / "runs" / "verl-cpu"
 
     # verl trained STEPS steps, each on TASKS x REPEATS episodes of the agent
@@ -143,6 +145,13 @@ def test_harness_train_runs_verl_s_own_trainer_end_to_end(tmp_path, tiny_model_d
     assert gap["step2-base"] > 20 * gap["step2-trained"], gap
     # verl measured the same thing its own way: its trainer's logprobs against the rollout's
     assert metrics[2]["training/rollout_probs_diff_max"] < 1e-3
+    # trainer.correction reached verl's rollout correction: token IcePop weights ~1 and a sequence mask that
+    # rejects nothing, where the engine and the trainer hold the same weights
+    for step in (1, 2):
+        m = metrics[step]
+        assert abs(m["rollout_corr/kl"]) < 1e-5 and m["rollout_corr/rollout_is_oob_ratio"] == 0, m
+        assert m["rollout_corr/rollout_is_mean"] == pytest.approx(1.0, abs=1e-4)
+        assert m["rollout_corr/rollout_rs_masked_fraction"] == 0 and "rollout_corr/rollout_rs_seq_mean_k3_mean" in m
 
 
 # ------------------------------------------------------------------------------------------------------ two nodes

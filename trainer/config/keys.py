@@ -20,7 +20,8 @@ from typing import Any, Literal
 
 __all__ = ["TrainConfig", "ModelConfig", "DataConfig", "TaskJudgeConfig", "RolloutConfig", "ValidationSampling",
            "EngineConfig", "PlacementConfig", "RolesConfig", "TrainerConfig", "VerlConfig", "FsdpConfig", "LoraConfig",
-           "LoggingConfig", "DebugConfig", "OfflineConfig", "CriticConfig", "AsyncConfig", "GuardSettings",
+           "LoggingConfig", "DebugConfig", "OfflineConfig", "CriticConfig", "CorrectionConfig", "AsyncConfig",
+           "GuardSettings",
            "ADV_ESTIMATORS", "LOSS_AGG_MODES", "KL_TYPES",
            "GROUP_ESTIMATORS"]
 
@@ -290,6 +291,31 @@ class CriticConfig:
 
 
 @dataclass(frozen=True)
+class CorrectionConfig:
+    """Off-policy correction between the engine that sampled and the trainer (verl's algorithm.rollout_correction)."""
+
+    level: Literal["off", "token", "sequence"] = _key(
+        "off", "importance weights pi_old / engine per token, or one per sequence (verl's rollout_is); off: none "
+        "(trainer.tis_cap is the short form of token with threshold tis_cap)")
+    threshold: str = _key("2.0", "the weights' bounds: U (TIS: capped at U) or L_U, e.g. 0.5_5.0 (IcePop: a weight "
+                          "outside [L, U] is 0)")
+    batch_normalize: bool = _key(False, "divide the importance weights by their mean over the step's tokens "
+                                 "(sequence level: over its sequences)")
+    reject: str | None = _key(None, "rejection masks (verl's rollout_rs), comma-separated: token_k1..k3, "
+                              "seq_sum_k1..k3, seq_mean_k1..k3, seq_max_k2, seq_max_k3; a token trains only if every "
+                              "option keeps it; null: none")
+    reject_threshold: str | None = _key(None, "the rejection bounds, one for all options or one per option, "
+                                        "comma-separated: k1 L_U on engine / pi_old (U alone: [1/U, U]), k2 and k3 "
+                                        "an upper bound")
+    mode: Literal["decoupled", "bypass"] = _key(
+        "decoupled", "decoupled: old logprobs are the trainer's at the rollout weights, weighted towards the "
+        "engine's; bypass: the engine's logprobs are old (no scoring pass), weights and masks against them")
+    loss: Literal["ppo_clip", "reinforce"] = _key(
+        "ppo_clip", "with mode bypass: the PPO clip against the engine's logprobs (the weights only measured), or "
+        "REINFORCE (-advantage x logprob x importance weight)")
+
+
+@dataclass(frozen=True)
 class TrainerConfig:
     """The policy update: advantage, loss, optimiser, schedule, checkpoints."""
 
@@ -310,7 +336,7 @@ class TrainerConfig:
                            ge=1)
     entropy_coef: float = _key(0.0, "weight of the entropy bonus", ge=0)
     tis_cap: float | None = _key(None, "truncated importance weights for engine/trainer mismatch, capped here "
-                                 "(e.g. 2.0); null: off", ge=1)
+                                 "(e.g. 2.0); null: off; the short form of trainer.correction level token", ge=1)
     lr: float = _key(1e-6, "peak learning rate (AdamW)", gt=0)
     weight_decay: float = _key(0.01, "AdamW weight decay", ge=0)
     betas: list[float] = _key([0.9, 0.999], "AdamW betas, two numbers in [0, 1)")
@@ -344,6 +370,7 @@ class TrainerConfig:
     fsdp: FsdpConfig = _section(FsdpConfig)
     lora: LoraConfig = _section(LoraConfig)
     critic: CriticConfig = _section(CriticConfig)
+    correction: CorrectionConfig = _section(CorrectionConfig)
 
 
 @dataclass(frozen=True)

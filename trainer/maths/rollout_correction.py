@@ -26,8 +26,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["IS_LEVELS", "RS_OPTIONS", "RejectionOption", "importance_weights", "mismatch_metrics", "parse_bounds",
-           "parse_rejection", "rejection_mask"]
+__all__ = ["IS_LEVELS", "RS_OPTIONS", "Correction", "RejectionOption", "importance_weights", "mismatch_metrics",
+           "parse_bounds", "parse_rejection", "rejection_mask"]
 
 IS_LEVELS = ("token", "sequence")
 RS_OPTIONS = ("token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3", "seq_mean_k1",
@@ -110,10 +110,12 @@ def parse_rejection(options: str, thresholds) -> list[RejectionOption]:
 
 
 def importance_weights(old: Tensor, engine: Tensor, mask: Tensor, level: str, upper: float,
-                       lower: float | None = None, batch_normalize: bool = False) -> tuple[Tensor, dict[str, float]]:
+                       lower: float | None = None, batch_normalize: bool = False, *, measure: bool = True
+                       ) -> tuple[Tensor, dict[str, float]]:
     """The importance weights pi_old / mu (detached, 0 off the mask): TIS (capped at `upper`) or, with `lower`,
     IcePop (0 outside [lower, upper]); per token or per sequence; optionally divided by their batch mean. Returns
-    them with verl's IS metrics (unprefixed: rollout_is_mean, _ratio_fraction_high, ...)."""
+    them with verl's IS metrics (unprefixed: rollout_is_mean, _ratio_fraction_high, ...); with measure=False
+    without metrics, and without reading anything back to the host."""
     if level not in IS_LEVELS:
         raise ValueError(f"importance-sampling level {level!r}: choose from {', '.join(IS_LEVELS)}")
     with torch.no_grad():
@@ -129,8 +131,8 @@ def importance_weights(old: Tensor, engine: Tensor, mask: Tensor, level: str, up
             weights = raw.clamp(max=upper)
         else:
             weights = torch.where((raw >= lower) & (raw <= upper), raw, torch.zeros_like(raw))
-        metrics = _is_metrics(weights, raw, measured, mask, level, upper, lower)
-        if lower is not None:
+        metrics = _is_metrics(weights, raw, measured, mask, level, upper, lower) if measure else {}
+        if lower is not None and measure:
             metrics["rollout_is_oob_ratio"] = _masked_mean(((raw < lower) | (raw > upper)).float(), mask).item()
         if batch_normalize:
             if level == "token":
@@ -138,11 +140,10 @@ def importance_weights(old: Tensor, engine: Tensor, mask: Tensor, level: str, up
             else:
                 rows = (mask.sum(-1) > 0).to(weights.dtype)
                 mean = (_masked_mean(weights, mask, -1) * rows).sum() / rows.sum().clamp_min(1e-8)
-            if mean > 1e-8:
-                weights = weights / mean
-                metrics["rollout_is_batch_norm_factor"] = mean.item()
-            else:
-                metrics["rollout_is_batch_norm_factor"] = 1.0
+            factor = torch.where(mean > 1e-8, mean, torch.ones_like(mean))  # a mean of ~0: left as it is
+            weights = weights / factor
+            if measure:
+                metrics["rollout_is_batch_norm_factor"] = factor.item()
         return weights, metrics
 
 
@@ -178,11 +179,13 @@ def _is_metrics(weights: Tensor, raw: Tensor, measured: Tensor, mask: Tensor, le
     return m
 
 
-def rejection_mask(old: Tensor, engine: Tensor, mask: Tensor, options: list[RejectionOption]
-                   ) -> tuple[Tensor, dict[str, float]]:
-    """The mask with every token that an option rejects set to 0 (whole rows for sequence options), and the
-    shares rejected: rollout_rs_masked_fraction (tokens) and rollout_rs_seq_masked_fraction (rows with a token
-    rejected), and per option rollout_rs_<option>_masked_fraction."""
+def rejection_mask(old: Tensor, engine: Tensor, mask: Tensor, options: list[RejectionOption] | tuple, *,
+                   measure: bool = True) -> tuple[Tensor, dict[str, float]]:
+    """The mask with every token that an option rejects set to 0 (whole rows for sequence options), and verl's
+    metrics: the shares rejected, rollout_rs_masked_fraction (tokens) and rollout_rs_seq_masked_fraction (rows with
+    a token rejected), and per option its shares and its statistic's mean, extremes, spread and shares out of
+    bounds (rollout_rs_<option>_mean, _max, _fraction_high, _seq_mean, ...); with measure=False without metrics,
+    and without reading anything back to the host."""
     with torch.no_grad():
         s = (old - engine).clamp(-_LIMIT, _LIMIT)
         stats = {"k1": -s, "k2": 0.5 * s.square(), "k3": s.exp() - 1 - s}
@@ -193,29 +196,72 @@ def rejection_mask(old: Tensor, engine: Tensor, mask: Tensor, options: list[Reje
         for opt in options:
             scope, _, kind = opt.option.rpartition("_")
             stat = stats[kind]
+            per_row = None
             if scope == "token":
                 value = stat
             elif scope == "seq_sum":
-                value = _masked_sum(stat, mask).unsqueeze(-1).expand_as(stat)
+                per_row = _masked_sum(stat, mask)
             elif scope == "seq_mean":
-                value = _masked_mean(stat, mask, -1).unsqueeze(-1).expand_as(stat)
+                per_row = _masked_mean(stat, mask, -1)
             else:  # seq_max
-                value = torch.where(on, stat, float("-inf")).max(-1).values
-                value = torch.where(rows, value, 0.0).unsqueeze(-1).expand_as(stat)
-            if kind == "k1":
-                keep = (value >= math.log(opt.lower)) & (value <= math.log(opt.upper))
-            else:
-                keep = value <= opt.upper
+                per_row = torch.where(on, stat, float("-inf")).max(-1).values
+                per_row = torch.where(rows, per_row, 0.0)
+            if per_row is not None:
+                value = per_row.unsqueeze(-1).expand_as(stat)
+            upper, lower = (math.log(opt.upper), math.log(opt.lower)) if kind == "k1" else (opt.upper, None)
+            keep = value <= upper if lower is None else (value >= lower) & (value <= upper)
             keep = keep | ~on
+            keep_all = keep_all & keep
+            if not measure:
+                continue
             name = f"rollout_rs_{opt.option}"
+            metrics.update(_rs_metrics(name, value, per_row, mask, upper, lower))
             metrics[f"{name}_masked_fraction"] = _masked_mean((~keep).float(), mask).item()
             rejected_rows = (~keep & on).any(-1)
             metrics[f"{name}_seq_masked_fraction"] = \
                 (rejected_rows & rows).float().sum().item() / max(rows.sum().item(), 1)
-            keep_all = keep_all & keep
+        if not measure:
+            return (mask * keep_all).to(mask.dtype), metrics
         metrics["rollout_rs_masked_fraction"] = _masked_mean((~keep_all).float(), mask).item()
         metrics["rollout_rs_seq_masked_fraction"] = (~keep_all & on).any(-1).float().mean().item()
         return (mask * keep_all).to(mask.dtype), metrics
+
+
+def _rs_metrics(name: str, value: Tensor, per_row: Tensor | None, mask: Tensor, upper: float,
+                lower: float | None) -> dict[str, float]:
+    """verl's statistics of one rejection option: `value` per token (a sequence option's broadcast over its row,
+    `per_row` then its per-row values), `upper` and `lower` on the statistic's scale (k1: log)."""
+    on, valid = mask.bool(), mask.sum(-1) > 0
+    rows = (per_row if per_row is not None else _masked_mean(value, mask, -1))[valid]
+    low = 0.0 if lower is None else lower
+    m = {f"{name}_mean": _masked_mean(value, mask).item()}
+    if per_row is not None and rows.numel():
+        m[f"{name}_max"], m[f"{name}_min"] = rows.max().item(), rows.min().item()
+        m[f"{name}_fraction_high"] = (rows > upper).float().mean().item()
+        m[f"{name}_fraction_low"] = (rows < low).float().mean().item() if lower is not None else 0.0
+    else:
+        m[f"{name}_max"] = value.masked_fill(~on, float("-inf")).max().item()
+        m[f"{name}_min"] = value.masked_fill(~on, float("inf")).min().item()
+        m[f"{name}_fraction_high"] = _masked_mean((value > upper).float(), mask).item()
+        m[f"{name}_fraction_low"] = _masked_mean((value < low).float(), mask).item() if lower is not None else 0.0
+    if mask.sum() > 1:
+        clamped = value.clamp(min=low, max=upper)
+        mean = _masked_mean(clamped, mask)
+        m[f"{name}_std"] = (_masked_mean(clamped.square(), mask) - mean.square()).clamp(min=0).sqrt().item()
+    else:
+        m[f"{name}_std"] = 0.0
+    if rows.numel():
+        m[f"{name}_seq_mean"] = rows.mean().item()
+        m[f"{name}_seq_std"] = rows.std().item() if rows.numel() > 1 else 0.0
+        m[f"{name}_seq_max"], m[f"{name}_seq_min"] = rows.max().item(), rows.min().item()
+        m[f"{name}_seq_max_deviation"] = rows.abs().max().item()
+        m[f"{name}_seq_fraction_high"] = (rows > upper).float().mean().item()
+        if lower is not None:
+            m[f"{name}_seq_fraction_low"] = (rows < low).float().mean().item()
+    else:
+        m.update(dict.fromkeys((f"{name}_seq_{key}" for key in ("mean", "std", "max", "min", "max_deviation",
+                                                                  "fraction_high", "fraction_low")), 0.0))
+    return m
 
 
 def mismatch_metrics(old: Tensor, engine: Tensor, mask: Tensor) -> dict[str, float]:
@@ -237,3 +283,41 @@ def mismatch_metrics(old: Tensor, engine: Tensor, mask: Tensor) -> dict[str, flo
         row_sum = _masked_sum(log_ratio, mask).clamp(-_LIMIT, _LIMIT)
         m["chi2_seq"] = ((2 * row_sum).exp().mean() - 1.0).item()
         return m
+
+
+@dataclass(frozen=True)
+class Correction:
+    """A run's correction, parsed: importance weights at `level` (None: none) with their bounds, the rejection
+    options, and the mode: decoupled (old is the trainer's at the rollout weights) or bypass (old is the engine's;
+    the PPO clip against it, or with `reinforce` the policy gradient weighted by the importance weights)."""
+
+    level: str | None = None
+    upper: float = 2.0
+    lower: float | None = None
+    batch_normalize: bool = False
+    reject: tuple[RejectionOption, ...] = ()
+    bypass: bool = False
+    reinforce: bool = False
+
+    @property
+    def corrects(self) -> bool:
+        """Whether anything accounts for the engine/trainer difference (the async rule wants one)."""
+        return self.level is not None or bool(self.reject) or self.bypass
+
+    def apply(self, old: Tensor, engine: Tensor, mask: Tensor, *, measure: bool = True
+              ) -> tuple[Tensor | None, Tensor, dict[str, float]]:
+        """verl's compute_rollout_correction_and_rejection_mask: the importance weights (None without a level), the
+        mask less the rejected tokens, and the metrics (the mismatch metrics always; prefixed `rollout_corr/`)."""
+        metrics: dict[str, float] = {}
+        weights = None
+        if self.level is not None:
+            weights, found = importance_weights(old, engine, mask, self.level, self.upper, self.lower,
+                                                self.batch_normalize, measure=measure)
+            metrics.update(found)
+        kept = mask
+        if self.reject:
+            kept, found = rejection_mask(old, engine, mask, self.reject, measure=measure)
+            metrics.update(found)
+        if measure:
+            metrics.update(mismatch_metrics(old, engine, mask))
+        return weights, kept, {f"rollout_corr/{k}": v for k, v in metrics.items()}

@@ -208,7 +208,9 @@ def _ignored(cfg: TrainConfig) -> None:
     unused = [name for name, value, default in (("trainer.total_steps", t.total_steps, None),
                                                   ("trainer.ppo_epochs", t.ppo_epochs, 1),
                                                   ("trainer.mini_batch_size", t.mini_batch_size, None),
-                                                  ("trainer.tis_cap", t.tis_cap, None)) if value != default]
+                                                  ("trainer.tis_cap", t.tis_cap, None),
+                                                  ("trainer.correction", t.correction, type(t.correction)()))
+              if value != default]
     if unused:
         log.info("offline training does not use %s: offline.epochs and offline.batch_size decide the steps, and pg's "
                  "ratio is against the stored sampling logprobs", ", ".join(unused))

@@ -6,7 +6,7 @@ the loop trains, and the loop takes each step's rollout in order.
 
 So step s trains weights version s-1 on episodes sampled with versions s-1-K and later: each call records the
 version it was sampled with (`calls.weight_version`; a call that was generating while new weights arrived also
-records `extra.weights_changed_to`), and the importance weights (`trainer.tis_cap`) use the engine's logprobs of
+records `extra.weights_changed_to`), and the off-policy correction (`trainer.correction`) uses the engine's logprobs of
 the tokens as they were sampled. `keep_fresh` drops what lags further than K versions (the bound the thread keeps
 holds it off, but a group that ran long over a resumed run's first pushes could lag), whole GRPO groups at a time,
 and counts it. Validation runs alone (`alone`): its episodes use other sampling settings on the same proxy.

@@ -14,10 +14,12 @@ Departures from textbook GRPO, all on purpose:
   the update (counted in `groups/zero_variance`); with a KL or entropy term they stay in.
 - Truncated replies (finish_reason "length") are trained as sampled, with the episode's reward, and counted.
 - Old logprobs are the trainer's own at the rollout weights (so the PPO ratio starts at exactly 1); the engine's
-  are used for the truncated importance weights (`tis_cap`) and for the agreement metric `logprob/engine_*`.
+  are used for the off-policy correction (`trainer.correction`, verl's: importance weights and rejection masks,
+  once per step on the whole batch before the advantages) and the mismatch metrics `rollout_corr/*`,
+  `logprob/engine_*`. With correction mode bypass the engine's are old instead.
 - With `rollout.async.max_staleness` K, step s's episodes were collected on a thread while earlier steps trained
   (trainer/rl/async_rollouts.py), sampled with weights s-1-K and later: "old" is then the trainer at the weights being
-  trained (the proximal policy), and `tis_cap` (required) weights each token by trainer over engine probability.
+  trained (the proximal policy), and a correction (required) weights or masks each token by trainer over engine.
 - The learning rate schedule advances once per step; gradients of a mini-batch are accumulated over micro-batches
   with each micro-batch weighted by its share of the mini-batch's aggregation units (tokens, sequences or
   episodes, summed over ranks), so the update equals the one a single pass over the mini-batch would make.
@@ -32,6 +34,7 @@ Departures from textbook GRPO, all on purpose:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 import random
@@ -44,10 +47,11 @@ from harness.running.gpus import Placement
 from harness.running.tasks import read_tasks
 from harness.running.vllm_server import EngineError
 from trainer.config import TrainConfig, run_dir, save_resolved
-from trainer.config.checks import placement_of
+from trainer.config.checks import correction_of, placement_of
 from trainer.config.roles import adapters_of
 from trainer.maths import algorithms as algo
 from trainer.maths.estimators import adaptive_kl_coef
+from trainer.maths.rollout_correction import Correction, mismatch_metrics
 from trainer.maths.schedule import next_tasks
 from trainer.model.build import build_policy
 from trainer.model.checkpoint import check_resume, find_resume, load, model_fingerprint, save, saved_state
@@ -141,6 +145,7 @@ def _train(cfg: TrainConfig, dist: Dist, placement: Placement | None) -> dict[st
         ahead = RolloutsAhead(rollouts.collect, [(s, ts) for s, ts, _ in plan], staleness, served_version=start,
                               stop=rollouts.stop)
     metrics: dict[str, float] = {}
+    correction = correction_of(cfg)  # checked at load
     sleep_level, asleep = cfg.rollout.engine.sleep if dist.is_main else 0, False
     try:
         for step, step_tasks, data_pos in plan:
@@ -162,9 +167,22 @@ def _train(cfg: TrainConfig, dist: Dist, placement: Placement | None) -> dict[st
 
             # ------------------------------------------------ 2. old and reference logprobs, at the rollout weights
             t0 = time.perf_counter()
-            old, ref, engine_diff = _score(model, reference, experience, built.adapters, pad_id, cfg)
-            metrics.update(engine_diff)
+            if correction.bypass and reference is None:  # the engine's logprobs are old: nothing to score
+                ref = [None] * len(experience.samples)
+            else:
+                old, ref, engine_diff = _score(model, reference, experience, built.adapters, pad_id, cfg)
+                metrics.update(engine_diff)
             metrics["time/logprobs_s"] = time.perf_counter() - t0
+            if correction.bypass:  # weights and masks come per micro-batch, against the weights being trained
+                old = [torch.tensor(r.logprobs) for r in experience.samples]
+                is_weights = [None] * len(old)
+            else:  # the correction, on the whole batch before the advantages (verl's order): rejected tokens untrained
+                lags = [step - 1 - v for v in experience.versions] if staleness else None
+                masks, is_weights, corrected = _correct_rows(experience.samples, old, correction, lags)
+                experience = dataclasses.replace(experience, samples=[
+                    r if m is None else dataclasses.replace(r, loss_mask=m)
+                    for r, m in zip(experience.samples, masks, strict=True)])
+                metrics.update(corrected)
 
             # ------------------------------------------------ 3. advantages: per group, or per token from the critic
             if critic is not None:  # gae: the critic's values before this step's update, then GAE over the tokens
@@ -174,8 +192,13 @@ def _train(cfg: TrainConfig, dist: Dist, placement: Placement | None) -> dict[st
             else:
                 keep, advantages, adv_metrics = advantages_of(experience, old, ref, cfg, kl_coef)
             metrics.update(adv_metrics)
+            live = [j for j, i in enumerate(keep) if any(experience.samples[i].loss_mask)]
+            if len(live) < len(keep):  # every token of a row rejected (trainer.correction.reject): it trains nothing
+                keep, advantages = [keep[j] for j in live], [advantages[j] for j in live]
+                if critic is not None:
+                    returns, values = [returns[j] for j in live], [values[j] for j in live]
             rows = [experience.samples[i] for i in keep]
-            old, ref = [old[i] for i in keep], [ref[i] for i in keep]
+            old, ref, is_weights = [old[i] for i in keep], [ref[i] for i in keep], [is_weights[i] for i in keep]
             if t.use_kl_in_reward and t.kl_ctrl == "adaptive":  # the next step's coefficient, from this one's KL
                 kl = mean_token_kl(rows, old, ref, t.kl_type) if rows else None
                 metrics.update({"actor/kl_coef": kl_coef, "actor/kl_in_reward": kl})
@@ -189,7 +212,7 @@ def _train(cfg: TrainConfig, dist: Dist, placement: Placement | None) -> dict[st
             if critic is None or step > t.critic.warmup_steps:  # the critic's warm-up: only the critic learns
                 policies = [experience.policies[i] for i in keep] if built.adapters else None
                 metrics.update(_update_policies(model, optimizer, built.adapters, policies, rows, tasks_of_rows,
-                                                advantages, old, ref, pad_id, cfg, dist))
+                                                advantages, old, ref, pad_id, cfg, dist, is_weights))
             scheduler.step()
             metrics["actor/lr"] = scheduler.get_last_lr()[0]
             metrics["time/train_s"] = time.perf_counter() - t0
@@ -297,18 +320,19 @@ def _score_rows(model, reference, rows: list[Sample], pad_id: int, cfg: TrainCon
 
 
 def _update_policies(model, optimizer, adapters: tuple[str, ...], policies: list[str] | None, rows, tasks_of_rows,
-                     advantages, old, ref, pad_id: int, cfg: TrainConfig, dist: Dist) -> dict:
+                     advantages, old, ref, pad_id: int, cfg: TrainConfig, dist: Dist, is_weights=None) -> dict:
     """`_update` over the rows; with several policies, over each policy's rows through its adapter in turn, with its
     own gradient clipping and optimizer steps (the AdamW moves only the parameters that have gradients: the
     active adapter's), metrics under `policy/<name>/`. A policy without rows this step is left as it was."""
     if not adapters:
-        return _update(model, optimizer, rows, tasks_of_rows, advantages, old, ref, pad_id, cfg, dist)
+        return _update(model, optimizer, rows, tasks_of_rows, advantages, old, ref, pad_id, cfg, dist, is_weights)
     metrics: dict[str, float] = {}
     tokens = computed = 0.0
     for name, idx in by_policy(adapters, policies):
         activate(model, name)
         mine = _update(model, optimizer, [rows[i] for i in idx], [tasks_of_rows[i] for i in idx],
-                       [advantages[i] for i in idx], [old[i] for i in idx], [ref[i] for i in idx], pad_id, cfg, dist)
+                       [advantages[i] for i in idx], [old[i] for i in idx], [ref[i] for i in idx], pad_id, cfg, dist,
+                       None if is_weights is None else [is_weights[i] for i in idx])
         mine["advantage/abs_mean"] = sum(abs(advantages[i]) for i in idx) / len(idx)
         metrics.update({f"policy/{name}/{key}": value for key, value in mine.items()})
         tokens += mine.get("update/tokens", 0.0)
@@ -320,9 +344,10 @@ def _update_policies(model, optimizer, adapters: tuple[str, ...], policies: list
 
 
 def _update(model, optimizer, rows, tasks_of_rows, advantages, old, ref, pad_id: int, cfg: TrainConfig,
-            dist: Dist) -> dict:
+            dist: Dist, is_weights=None) -> dict:
     """ppo_epochs passes over the rows in mini-batches of whole groups (the rows of `mini_batch_size` tasks);
-    one optimizer step per mini-batch, whose metrics (and gradient norm) the host reads once, after the step."""
+    one optimizer step per mini-batch, whose metrics (and gradient norm) the host reads once, after the step.
+    `is_weights`: per row its importance weights (`_correct_rows`), or None (none)."""
     t = cfg.trainer
     n_mini = max(1, cfg.rollout.batch_size // (t.mini_batch_size or cfg.rollout.batch_size))
     sums: dict[str, float] = {}
@@ -339,7 +364,8 @@ def _update(model, optimizer, rows, tasks_of_rows, advantages, old, ref, pad_id:
             mine = _share([rows[i] for i in mini], dist, t.layout)  # this rank's share of it
             stats, positions = _mini_batch(model, [rows[mini[j]] for j in mine], [advantages[mini[j]] for j in mine],
                                            [old[mini[j]] for j in mine], [ref[mini[j]] for j in mine],
-                                           [weights[j] for j in mine], rows[0], pad_id, cfg, dist)
+                                           [weights[j] for j in mine], rows[0], pad_id, cfg, dist,
+                                           None if is_weights is None else [is_weights[mini[j]] for j in mine])
             computed += positions if epoch == 0 else 0
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip or float("inf"))
             optimizer.step()
@@ -372,7 +398,7 @@ _MAXED = ("actor/ratio_max",)  # the largest over ranks
 
 
 def _mini_batch(model, rows, advantages, old, ref, weights, filler: Sample, pad_id: int, cfg: TrainConfig,
-                dist: Dist) -> tuple[dict[str, torch.Tensor], int]:
+                dist: Dist, is_weights=None) -> tuple[dict[str, torch.Tensor], int]:
     """Accumulate the gradient of this rank's rows of one mini-batch over micro-batches; returns its metrics as
     float64 scalars on the model's device (the caller reads them once), and the positions its forwards computed
     (trainer.layout decides how many: the samples' tokens, their padding, or each shared prefix once).
@@ -380,8 +406,14 @@ def _mini_batch(model, rows, advantages, old, ref, weights, filler: Sample, pad_
     Each micro-batch is built on the host and moved in one copy (to_device); its loss and metrics are computed
     on the device and nothing is read back inside the loop. Every rank runs as many forward/backward passes as
     the busiest one (FSDP's collectives must pair up): a rank with fewer micro-batches runs `filler` with zero
-    weight."""
+    weight.
+
+    Each token's loss is weighted by its importance weight (`is_weights`, per row; decoupled correction). With
+    trainer.correction.mode bypass the engine's logprobs are old, and the weights and rejection masks are taken
+    here against the logprobs of the weights being trained, as verl's bypass loss does (ppo_clip: the weights only
+    measured; reinforce: -advantage x logprob x weight); their `rollout_corr/` means come with the metrics."""
     t = cfg.trainer
+    correction = correction_of(cfg)
     device = device_of(model)
     groups = micro_batches(rows, t.micro_batch_tokens, t.layout) if rows else []
     passes = most_over_ranks(len(groups), dist)
@@ -390,8 +422,11 @@ def _mini_batch(model, rows, advantages, old, ref, weights, filler: Sample, pad_
     sums = {"actor/pg_loss": zero, "actor/entropy": zero}
     if t.kl_coef > 0:
         sums = {"actor/kl": zero, **sums}
+    if correction.bypass:
+        sums.update({f"rollout_corr/{key}": zero for key in _bypass_measures(correction)})
     policy = torch.zeros(len(algo.POLICY_METRICS), dtype=torch.float64, device=device)
     computed = 0
+    weighted = is_weights is not None and any(v is not None for v in is_weights)
     for n in range(passes):
         if n < len(groups):
             idx = groups[n]
@@ -400,20 +435,35 @@ def _mini_batch(model, rows, advantages, old, ref, weights, filler: Sample, pad_
             w = padded([weights[i] for i in idx], mask)
             old_lp, adv = padded([old[i] for i in idx], mask), _pad_advantages([advantages[i] for i in idx], mask)
             ref_lp = padded([ref[i] for i in idx], mask) if t.kl_coef > 0 else torch.zeros_like(mask)
+            isw = padded([is_weights[i] for i in idx], mask) if weighted else None
         else:
             batch = collate([filler], pad_id)
             mask = batch.loss_mask
             w = torch.zeros_like(mask)
             old_lp, adv, ref_lp = batch.engine_logprobs, torch.zeros_like(mask), batch.engine_logprobs
-        batch, w, old_lp, adv, ref_lp = to_device(device, batch, w, old_lp, adv, ref_lp)  # the one copy
+            isw = torch.zeros_like(mask) if weighted else None
+        batch, w, old_lp, adv, ref_lp, *isw = to_device(device, batch, w, old_lp, adv, ref_lp,
+                                                         *([] if isw is None else [isw]))  # the one copy
+        isw = isw[0] if isw else None
         mask = batch.loss_mask
         logprobs, entropy = token_logprobs(model, batch, cfg.rollout.temperature, with_entropy=True, loss_only=True,
                                            offload_activations=cfg.model.activation_offload)
 
-        tis = algo.truncated_importance_weights(old_lp, batch.engine_logprobs, mask, t.tis_cap) if t.tis_cap else 1.0
-        losses, log_ratio = algo.ppo_token_losses(logprobs, old_lp, adv, clip_low=t.clip_low, clip_high=t.clip_high,
-                                                  dual_clip=t.dual_clip)
-        pg_loss = (losses * tis * w).sum()  # sum(weight x loss): this micro-batch's part
+        if correction.bypass:  # old is the engine's: weights and masks against the weights being trained
+            isw, kept, _ = correction.apply(logprobs.detach(), old_lp, mask, measure=False)
+            if n < len(groups):
+                share = batch.n_trained / all_tokens
+                for key, value in _bypass_measures(correction, logprobs.detach(), old_lp, mask, kept, isw).items():
+                    sums[f"rollout_corr/{key}"] = sums[f"rollout_corr/{key}"] + value * share
+            w = w * kept  # a rejected token is out of the loss
+            isw = isw if correction.reinforce else None
+        if correction.reinforce:  # REINFORCE: -A x logprob x weight; the ratio to the engine only measured
+            losses = -adv * logprobs
+            log_ratio = (logprobs - old_lp).detach().clamp(-20.0, 20.0)
+        else:
+            losses, log_ratio = algo.ppo_token_losses(logprobs, old_lp, adv, clip_low=t.clip_low,
+                                                      clip_high=t.clip_high, dual_clip=t.dual_clip)
+        pg_loss = ((losses if isw is None else losses * isw) * w).sum()  # sum(weight x loss): this micro-batch's part
         pg_stats = algo.policy_metric_values(log_ratio, adv, mask, t.clip_low, t.clip_high, t.dual_clip)
         loss = pg_loss
         if t.kl_coef > 0:
@@ -434,6 +484,62 @@ def _mini_batch(model, rows, advantages, old, ref, weights, filler: Sample, pad_
 
 
 # ---------------------------------------------------------------------------------------------- small helpers
+
+
+def _correct_rows(rows: list[Sample], old: list[torch.Tensor], correction: Correction, lags: list[int] | None = None):
+    """The decoupled correction over the step's rows at once (verl's compute_rollout_correction_and_rejection_mask,
+    before the advantages): per row its loss mask less the rejected tokens (None: unchanged) and its importance
+    weights (None without a level), and the `rollout_corr/` metrics: the engine/trainer mismatch always, and
+    with `lags` (per row, how many weight versions behind the trained ones it was sampled) the mismatch of each
+    lag under `rollout_corr/lag<k>/`."""
+    none = [None] * len(rows)
+    if not any(any(r.loss_mask) for r in rows):
+        return none, none, {}
+    mask = padded([torch.tensor(r.loss_mask, dtype=torch.float32) for r in rows],
+                  torch.zeros(len(rows), max(len(r.token_ids) for r in rows)))
+    old_lp = padded(old, mask)
+    engine = padded([torch.tensor(r.logprobs, dtype=torch.float32) for r in rows], mask)
+    weights, kept, metrics = correction.apply(old_lp, engine, mask)
+    sizes = [len(r.token_ids) for r in rows]
+    masks = none if not correction.reject else [
+        None if torch.equal(kept[i, :n], mask[i, :n]) else kept[i, :n].int().tolist() for i, n in enumerate(sizes)]
+    per_row = none if weights is None else [weights[i, :n] for i, n in enumerate(sizes)]
+    if weights is not None:  # the weights' spread, beyond verl's mean/std/extremes: their 5/50/95% quantiles
+        on = weights[mask > 0].double().sort().values  # (torch.quantile refuses more than 2^24 values)
+        for q in (5, 50, 95):
+            at = q / 100 * (len(on) - 1)
+            low, high = on[math.floor(at)], on[math.ceil(at)]
+            metrics[f"rollout_corr/rollout_is_q{q:02d}"] = (low + (high - low) * (at - math.floor(at))).item()
+    for lag in sorted(set(lags or ())):
+        idx = [i for i, k in enumerate(lags) if k == lag]
+        tokens = mask[idx].sum()
+        if not tokens:
+            continue
+        found = mismatch_metrics(old_lp[idx], engine[idx], mask[idx])
+        found = {key: found[key] for key in ("kl", "k3_kl", "log_ppl_abs_diff", "chi2_token")}
+        found["tokens"] = tokens.item()
+        if correction.reject:
+            found["rollout_rs_masked_fraction"] = 1.0 - (kept[idx].sum() / tokens).item()
+        metrics.update({f"rollout_corr/lag{lag}/{key}": value for key, value in found.items()})
+    return masks, per_row, metrics
+
+
+def _bypass_measures(correction: Correction, logprobs=None, engine=None, mask=None, kept=None, weights=None) -> dict:
+    """With mode bypass, what a micro-batch measures (token means over its sampled tokens, on the device): the
+    engine/trainer KL estimators, the importance weights' mean and the share rejected. Without tensors: the keys."""
+    keys = ("kl", "k3_kl") + (("rollout_is_mean",) if correction.level else ()) + \
+        (("rollout_rs_masked_fraction",) if correction.reject else ())
+    if logprobs is None:
+        return dict.fromkeys(keys)
+    count = mask.sum().clamp_min(1.0)
+    log_ratio = (logprobs - engine).clamp(-20.0, 20.0)
+    values = {"kl": ((engine - logprobs) * mask).sum() / count,
+              "k3_kl": ((log_ratio.exp() - log_ratio - 1) * mask).sum() / count}
+    if correction.level:
+        values["rollout_is_mean"] = (weights * mask).sum() / count
+    if correction.reject:
+        values["rollout_rs_masked_fraction"] = ((mask - kept) * mask).sum() / count
+    return {key: value.double() for key, value in values.items()}
 
 
 def _pad_advantages(values: list, mask: torch.Tensor) -> torch.Tensor:

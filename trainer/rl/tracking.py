@@ -23,7 +23,8 @@ log = logging.getLogger("harness.train")
 CONSOLE = (("reward/mean", "reward"), ("val/pass@n", "val pass@n"), ("actor/kl", "kl"), ("actor/entropy", "entropy"),
            ("actor/pg_loss", "pg loss"), ("offline/nll", "nll"), ("offline/data_nll", "data nll"),
            ("actor/grad_norm", "grad norm"), ("response/length_mean", "len"),
-           ("logprob/engine_max_abs_diff", "|lp diff|"), ("merge/ratio", "merge"),
+           ("logprob/engine_max_abs_diff", "|lp diff|"), ("rollout_corr/kl", "mismatch kl"),
+           ("rollout_corr/rollout_rs_masked_fraction", "rejected"), ("merge/ratio", "merge"),
            ("update/computed_ratio", "tok/computed"), ("time/train_s", "update s"), ("time/step_s", "step s"))
 CURVES = (("reward", ("reward/mean", "val/pass@n", "val/reward_mean")), ("KL", ("actor/kl", "actor/approx_kl")),
           ("entropy", ("actor/entropy",)), ("sampled tokens per sample", ("response/length_mean",)),

@@ -28,6 +28,7 @@ import yaml
 
 from harness.core.records import Task
 from trainer.config import ConfigError, TrainConfig, run_dir, save_resolved
+from trainer.config.checks import correction_of
 
 INSTALL_HINT = ("pip install -e '.[scale]' (verl, Ray and TransferQueue, on a machine with GPUs; on a CPU-only "
                 "machine `make install` puts them into .venv)")
@@ -261,9 +262,14 @@ def verl_config(cfg: TrainConfig, files: VerlFiles):
         algorithm.gamma = t.critic.gamma
         algorithm.lam = t.critic.lam
         c.trainer.critic_warmup = t.critic.warmup_steps
-    if t.tis_cap is not None:
-        algorithm.rollout_correction.rollout_is = "token"
-        algorithm.rollout_correction.rollout_is_threshold = t.tis_cap
+    correction, rc = correction_of(cfg), algorithm.rollout_correction  # verl's own names for trainer.correction
+    rc.rollout_is = correction.level
+    rc.rollout_is_threshold = t.tis_cap if t.tis_cap is not None else _verl_threshold(t.correction.threshold)
+    rc.rollout_is_batch_normalize = correction.batch_normalize
+    rc.rollout_rs = t.correction.reject
+    rc.rollout_rs_threshold = _verl_threshold(t.correction.reject_threshold)
+    rc.bypass_mode = correction.bypass
+    rc.loss_type = t.correction.loss
     if r.async_.max_staleness > 0:  # verl's v1 trainer: K batches generated ahead, older trajectories dropped
         c.trainer.use_v1 = True
         c.trainer.v1.trainer_mode = "colocate_async"
@@ -323,6 +329,13 @@ def _refuse_for_engine(c) -> None:
 _MISSING = object()
 
 
+def _verl_threshold(raw: str | None) -> str | float | None:
+    """A bound as verl's config takes it: a number, or the text of "L_U" and comma-separated lists."""
+    if raw is None or "_" in raw or "," in raw:
+        return raw
+    return float(raw)
+
+
 def _refuse_untranslatable(cfg: TrainConfig) -> None:
     t = cfg.trainer
     problems = [
@@ -337,6 +350,10 @@ def _refuse_untranslatable(cfg: TrainConfig) -> None:
         (t.lora.rank > 0 and t.lora.dropout > 0, "trainer.lora.dropout has no counterpart in verl's FSDP LoRA: set "
                                                  "it to 0 with backbone: verl"),
         (cfg.rollout.agent is None and cfg.rollout.command is None, "rollout.agent or rollout.command is required"),
+        (t.correction.loss == "reinforce" and cfg.rollout.async_.max_staleness > 0,
+         "trainer.correction.loss reinforce: verl 0.9's v1 trainer (which runs rollout.async) takes the engine's "
+         "logprobs as old in bypass mode but keeps its PPO loss; use loss: ppo_clip, or rollout.async.max_staleness "
+         "0 with backbone: verl"),
     ]
     for failed, message in problems:
         if failed:

@@ -9,6 +9,7 @@ const SERIES_LABELS = {
   reward_mean: "reward", val_pass_at_n: "pass@k (validation)", kl: "KL", entropy: "entropy",
   response_length: "response length", drift_rate: "drift rate", merge_ratio: "merge ratio",
   computed_ratio: "sample tokens per token computed", update_s: "update seconds",
+  mismatch_kl: "engine/trainer KL", rejected_share: "tokens rejected (off-policy)",
 };
 const EP_COLS = [ // key: the th's data-sort, sorted by the API
   { label: "episode" }, { key: "step", label: "step" }, { key: "task_id", label: "task" }, { label: "rep" },
