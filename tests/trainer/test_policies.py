@@ -150,6 +150,23 @@ def test_a_policys_step_moves_its_adapter_alone(tiny_model_dir, dist):
     assert all(int(optimizer.state[p]["step"]) == steps_before[id(p)] + 1 for p in optimizer.param_groups[0]["params"])
 
 
+def test_bypass_mode_measures_each_policy_and_their_token_mean(tiny_model_dir, dist):
+    """trainer.correction.mode bypass with two policies: each policy's update measures its mismatch to the engine
+    (policy/<name>/rollout_corr/...), and the step's rollout_corr/ values are their token-weighted mean, as the
+    console and the dashboard read them."""
+    cfg, built = _built(tiny_model_dir, dist, "trainer.correction.mode=bypass", "trainer.correction.level=token")
+    policies = ["plans" if i % 2 else "acts" for i in range(len(STEP))]
+    engine = [torch.tensor(s.logprobs) for s in STEP]  # bypass: old is the engine's
+    metrics = rl_loop._update_policies(built.model, built.optimizer, built.adapters, policies, STEP, TASKS,
+                                       ADVANTAGES, engine, [None] * len(STEP), 0, cfg, dist)
+    for key in ("rollout_corr/kl", "rollout_corr/k3_kl", "rollout_corr/rollout_is_mean"):
+        mine = {name: (metrics[f"policy/{name}/{key}"], metrics[f"policy/{name}/update/tokens"])
+                for name in ("plans", "acts")}
+        assert mine["plans"][0] != mine["acts"][0]
+        want = sum(v * n for v, n in mine.values()) / sum(n for _, n in mine.values())
+        assert metrics[key] == pytest.approx(want)
+
+
 def test_each_policy_scores_its_own_samples_through_its_adapter(tiny_model_dir, dist):
     cfg, built = _built(tiny_model_dir, dist)
     model = built.model
@@ -269,3 +286,4 @@ def test_two_fsdp_ranks_train_the_policies_as_one_process_does(tmp_path, tiny_mo
         assert two["stats"][key] == pytest.approx(one["stats"][key], rel=1e-4, abs=1e-6), key
     for name, value in one["state"].items():  # two AdamW steps at 1e-4 (each ~lr x sign(grad)): within them
         assert float((two["state"][name] - value).abs().max()) <= 2.5e-4 * max(float(value.abs().max()), 1.0), name
+

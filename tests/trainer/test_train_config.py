@@ -524,6 +524,10 @@ def test_sft_needs_no_judge_unless_it_validates_with_the_agent(tmp_path):
                                                               "trainer.correction.level: token"),
     (["rollout.async.max_staleness=1"], "rollout.async.max_staleness 1 trains on episodes sampled with older "
                                         "weights: choose an off-policy correction"),
+    (["trainer.correction.reject=token_k1", "trainer.correction.reject_threshold=abc"],
+     "trainer.correction.reject_threshold: the token_k1 threshold must be a number, got 'abc'"),
+    (["trainer.tis_cap=2", "trainer.correction.threshold=3"], "trainer.tis_cap 2 is the weights' bound already: "
+                                                              "drop trainer.correction.threshold '3'"),
 ])
 def test_a_bad_correction_is_refused_at_load_naming_the_key(overrides, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
@@ -548,3 +552,20 @@ def test_every_correction_satisfies_the_asynchronous_rule_and_parses(overrides, 
     assert (c.level, (c.upper, c.lower), tuple((o.option, o.upper, o.lower) for o in c.reject), c.bypass) == \
         (level, bounds, options, bypass)
     assert c.reinforce == ("trainer.correction.loss=reinforce" in overrides)
+
+
+def test_bounds_written_bare_in_yaml_stay_bounds(tmp_path):
+    """YAML 1.1 reads 0.5_5.0 as the number 0.55; the config keeps it as the pair it is (and numbers with digit
+    separators still load as numbers)."""
+    from trainer.config.checks import correction_of
+
+    text = EXAMPLE.read_text().replace("trainer:", "trainer:\n    correction: {level: token, threshold: 0.5_5.0, "
+                                       "reject: 'seq_mean_k1,token_k3', reject_threshold: '0.9_1.1,0.02,'}\n"
+                                       "    kl_horizon: 10_000", 1)
+    path = tmp_path / "train" / "bare.yaml"  # the example's relative paths, from a copy at its depth
+    path.parent.mkdir()
+    path.write_text(text.replace("../math_agent/", f"{REPO}/examples/math_agent/"))
+    cfg = load_config(path)
+    c = correction_of(cfg)
+    assert (c.upper, c.lower) == (5.0, 0.5) and cfg.trainer.kl_horizon == 10000
+    assert [(o.option, o.upper, o.lower) for o in c.reject] == [("seq_mean_k1", 1.1, 0.9), ("token_k3", 0.02, None)]

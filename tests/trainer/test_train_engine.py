@@ -324,6 +324,8 @@ def test_asynchronous_rollouts_learn_and_train_nothing_staler_than_the_bound(eng
     by_lag = dict(by_lag)
     assert by_lag["rollout_corr/lag0/rollout_rs_masked_fraction"] == 0.0, by_lag
     assert by_lag["rollout_corr/lag1/rollout_rs_masked_fraction"] > 0, by_lag
+    rejected = db_rows(db, "SELECT sum(value) FROM metrics WHERE name = 'rollout_corr/rows_rejected'")[0][0]
+    assert rejected >= 1  # a sequence option rejects whole rows: they sat their step out
 
 
 def _train_terse(engine, tiny_model_dir, tmp_path, *overrides: str) -> Path:

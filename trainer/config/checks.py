@@ -185,6 +185,9 @@ def correction_of(cfg: TrainConfig):
     if t.tis_cap is not None and c.level != "off":
         raise ConfigError(f"trainer.tis_cap {t.tis_cap:g} is the short form of {key}.level: token with threshold "
                           f"{t.tis_cap:g}, and {key}.level is {c.level!r} too: give one of them")
+    if t.tis_cap is not None and c.threshold != "2.0":
+        raise ConfigError(f"trainer.tis_cap {t.tis_cap:g} is the weights' bound already: drop {key}.threshold "
+                          f"{c.threshold!r}, or replace tis_cap by {key}.level: token with that threshold")
     problems = [
         (c.batch_normalize and c.level == "off" and t.tis_cap is None,
          f"{key}.batch_normalize normalises importance weights: set {key}.level (token or sequence)"),
@@ -207,7 +210,9 @@ def correction_of(cfg: TrainConfig):
         reject = tuple(parse_rejection(c.reject, c.reject_threshold)) if c.reject is not None else ()
     except ValueError as exc:
         message = str(exc)
-        raise ConfigError(message if message.startswith(key) else f"{key}.reject: {message}") from None
+        where = "" if message.startswith(key) else f"{key}.reject_threshold: " if "threshold" in message else \
+            f"{key}.reject: "
+        raise ConfigError(where + message) from None
     level = "token" if t.tis_cap is not None else None if c.level == "off" else c.level
     return Correction(level, upper, lower, c.batch_normalize, reject, c.mode == "bypass", c.loss == "reinforce")
 

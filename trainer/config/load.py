@@ -153,7 +153,15 @@ def save_resolved(cfg: TrainConfig, directory: str | Path | None = None) -> Path
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
-    """PyYAML's safe loader, except that a key given twice in one mapping is an error rather than last-wins."""
+    """PyYAML's safe loader, except that a key given twice in one mapping is an error rather than last-wins, and
+    that a plain scalar with an underscore stays text: YAML 1.1 reads 0.5_5.0 as the number 0.55, where a bound
+    pair "L_U" was meant (numbers with digit separators still load: the keys' coercion drops the underscores)."""
+
+    def resolve(self, kind, value, implicit):
+        tag = super().resolve(kind, value, implicit)
+        if kind is yaml.ScalarNode and implicit[0] and "_" in value and tag in (_INT, _FLOAT):
+            return "tag:yaml.org,2002:str"
+        return tag
 
     def construct_mapping(self, node, deep=False):
         seen = set()
@@ -167,6 +175,9 @@ class _UniqueKeyLoader(yaml.SafeLoader):
             if isinstance(key, typing.Hashable):
                 seen.add(key)
         return super().construct_mapping(node, deep=deep)
+
+
+_INT, _FLOAT = "tag:yaml.org,2002:int", "tag:yaml.org,2002:float"
 
 
 def _read_yaml(path: Path) -> Any:

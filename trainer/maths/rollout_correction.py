@@ -89,7 +89,7 @@ def parse_rejection(options: str, thresholds) -> list[RejectionOption]:
         raise ValueError(f"unknown rejection option(s) {unknown}: choose from {', '.join(RS_OPTIONS)}")
     if thresholds is None:
         raise ValueError(f"rejection options {names} need thresholds: one for all, or one per option")
-    raw = [t.strip() for t in thresholds.split(",")] if isinstance(thresholds, str) else [thresholds]
+    raw = [t.strip() for t in thresholds.split(",") if t.strip()] if isinstance(thresholds, str) else [thresholds]
     if len(raw) not in (1, len(names)):
         raise ValueError(f"{len(raw)} rejection thresholds for {len(names)} options {names}: give one for all, or "
                          "one per option")

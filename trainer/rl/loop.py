@@ -167,6 +167,7 @@ def _train(cfg: TrainConfig, dist: Dist, placement: Placement | None) -> dict[st
 
             # ------------------------------------------------ 2. old and reference logprobs, at the rollout weights
             t0 = time.perf_counter()
+            sampled = None
             if correction.bypass and reference is None:  # the engine's logprobs are old: nothing to score
                 ref = [None] * len(experience.samples)
             else:
@@ -179,10 +180,14 @@ def _train(cfg: TrainConfig, dist: Dist, placement: Placement | None) -> dict[st
             else:  # the correction, on the whole batch before the advantages (verl's order): rejected tokens untrained
                 lags = [step - 1 - v for v in experience.versions] if staleness else None
                 masks, is_weights, corrected = _correct_rows(experience.samples, old, correction, lags)
-                experience = dataclasses.replace(experience, samples=[
-                    r if m is None else dataclasses.replace(r, loss_mask=m)
-                    for r, m in zip(experience.samples, masks, strict=True)])
                 metrics.update(corrected)
+                if any(m is not None for m in masks):
+                    sampled = [sum(r.loss_mask) for r in experience.samples]  # response lengths as sampled
+                    experience = dataclasses.replace(experience, samples=[
+                        r if m is None else dataclasses.replace(r, loss_mask=m)
+                        for r, m in zip(experience.samples, masks, strict=True)])
+                if correction.reject:  # which rows train must agree on every rank: rank 0's masks
+                    experience = broadcast(experience if dist.is_main else None, dist)
 
             # ------------------------------------------------ 3. advantages: per group, or per token from the critic
             if critic is not None:  # gae: the critic's values before this step's update, then GAE over the tokens
@@ -192,8 +197,14 @@ def _train(cfg: TrainConfig, dist: Dist, placement: Placement | None) -> dict[st
             else:
                 keep, advantages, adv_metrics = advantages_of(experience, old, ref, cfg, kl_coef)
             metrics.update(adv_metrics)
-            live = [j for j, i in enumerate(keep) if any(experience.samples[i].loss_mask)]
-            if len(live) < len(keep):  # every token of a row rejected (trainer.correction.reject): it trains nothing
+            if correction.reject:
+                live = [j for j, i in enumerate(keep) if any(experience.samples[i].loss_mask)]
+                # a row whose every token was rejected trains nothing; the lengths are the sampled ones
+                metrics.update({"rollout_corr/rows_rejected": len(keep) - len(live), "samples/trained": len(live)})
+                if sampled is not None and keep:
+                    lengths = [sampled[i] for i in keep]
+                    metrics.update({"response/length_mean": sum(lengths) / len(lengths),
+                                    "response/length_max": max(lengths)})
                 keep, advantages = [keep[j] for j in live], [advantages[j] for j in live]
                 if critic is not None:
                     returns, values = [returns[j] for j in live], [values[j] for j in live]
@@ -327,6 +338,7 @@ def _update_policies(model, optimizer, adapters: tuple[str, ...], policies: list
     if not adapters:
         return _update(model, optimizer, rows, tasks_of_rows, advantages, old, ref, pad_id, cfg, dist, is_weights)
     metrics: dict[str, float] = {}
+    weighted: dict[str, float] = {}
     tokens = computed = 0.0
     for name, idx in by_policy(adapters, policies):
         activate(model, name)
@@ -335,11 +347,15 @@ def _update_policies(model, optimizer, adapters: tuple[str, ...], policies: list
                        None if is_weights is None else [is_weights[i] for i in idx])
         mine["advantage/abs_mean"] = sum(abs(advantages[i]) for i in idx) / len(idx)
         metrics.update({f"policy/{name}/{key}": value for key, value in mine.items()})
+        for key in (k for k in mine if k.startswith("rollout_corr/")):  # bypass: token means over the policies
+            weighted[key] = weighted.get(key, 0.0) + mine[key] * mine.get("update/tokens", 0.0)
         tokens += mine.get("update/tokens", 0.0)
         computed += mine.get("update/tokens_computed", 0.0)
     if computed:
         metrics.update({"update/tokens": tokens, "update/tokens_computed": computed,
                         "update/computed_ratio": tokens / computed})
+    if tokens:
+        metrics.update({key: value / tokens for key, value in weighted.items()})
     return metrics
 
 
@@ -455,8 +471,7 @@ def _mini_batch(model, rows, advantages, old, ref, weights, filler: Sample, pad_
                 share = batch.n_trained / all_tokens
                 for key, value in _bypass_measures(correction, logprobs.detach(), old_lp, mask, kept, isw).items():
                     sums[f"rollout_corr/{key}"] = sums[f"rollout_corr/{key}"] + value * share
-            w = w * kept  # a rejected token is out of the loss
-            isw = isw if correction.reinforce else None
+            isw = kept if isw is None or not correction.reinforce else isw * kept  # rejected: out of the pg loss
         if correction.reinforce:  # REINFORCE: -A x logprob x weight; the ratio to the engine only measured
             losses = -adv * logprobs
             log_ratio = (logprobs - old_lp).detach().clamp(-20.0, 20.0)
