@@ -28,6 +28,7 @@ from trainer.model.fsdp import init_distributed
 from trainer.model.policy import collate, load_policy, micro_batches, padded, token_logprobs
 from trainer.offline import loop as offline_loop
 from trainer.rl import loop as rl_loop
+from trainer.rl.correction import correct_rows
 
 ROOT = Path(__file__).resolve().parents[2]
 N_ROWS = 6
@@ -189,7 +190,7 @@ def test_the_rl_update_is_bitwise_the_plain_loop_s(tiny_model_dir, dist, terms):
             stats, grads = _plain_update(model, optimizer, old, ref, cfg)
         else:
             recorded = _Recorded(model, optimizer)
-            is_weights = rl_loop._correct_rows(ROWS, old, correction_of(cfg))[1]  # the step's (tis_cap: token TIS)
+            is_weights = correct_rows(ROWS, old, correction_of(cfg))[1]  # the step's (tis_cap: token TIS)
             stats = rl_loop._update(model, recorded, ROWS, TASKS, ADVANTAGES, old, ref, 0, cfg, dist, is_weights)
             grads = recorded.grads
         results.append((stats, grads, [p.detach().clone() for p in model.parameters()]))
@@ -355,7 +356,7 @@ def test_nothing_is_read_inside_the_micro_batch_loop_and_one_copy_moves_each_mic
     model = _model(tiny_model_dir)
     old, ref = _old_and_ref(model)
     weights = algo.token_weights(ROWS, cfg.trainer.loss_agg_mode)
-    is_weights = rl_loop._correct_rows(ROWS, old, correction_of(cfg))[1]
+    is_weights = correct_rows(ROWS, old, correction_of(cfg))[1]
     assert all(w is not None for w in is_weights)
 
     def mini_batch():

@@ -164,11 +164,11 @@ def _correction(settings: dict) -> Correction:
 
 
 def test_the_loop_s_correction_is_the_whole_batch_s_per_row_and_per_lag():
-    """trainer/rl/loop.py's `_correct_rows`: the step's rows padded into one batch, corrected once (as verl does before
-    the advantages): each row gets its share of the batch's weights and mask, a row nothing rejected keeps its mask
-    (None), and with lags the mismatch of each lag's rows alone."""
+    """trainer/rl/correction.py's `correct_rows`: the step's rows padded into one batch, corrected once (as verl does
+    before the advantages): each row gets its share of the batch's weights and mask, a row nothing rejected keeps
+    its mask (None), and with lags the mismatch of each lag's rows alone."""
     from harness.core.records import Sample
-    from trainer.rl.loop import _correct_rows
+    from trainer.rl.correction import correct_rows
 
     old, engine, mask = _batch(5, spread=0.1)
     old = torch.nan_to_num(old)
@@ -181,7 +181,7 @@ def test_the_loop_s_correction_is_the_whole_batch_s_per_row_and_per_lag():
     correction = _correction({"rollout_is": "token", "rollout_is_threshold": "0.5_5.0", "rollout_rs": "seq_mean_k3",
                               "rollout_rs_threshold": 0.0045})
     lags = [i % 2 for i in range(len(rows))]
-    masks, weights, metrics = _correct_rows(rows, old_rows, correction, lags)
+    masks, weights, metrics = correct_rows(rows, old_rows, correction, lags)
 
     want_w, want_mask, want = correction.apply(old, engine, mask)
     for i, n in enumerate(lengths):

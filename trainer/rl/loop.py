@@ -34,7 +34,6 @@ Departures from textbook GRPO, all on purpose:
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import math
 import random
@@ -51,7 +50,6 @@ from trainer.config.checks import correction_of, placement_of
 from trainer.config.roles import adapters_of
 from trainer.maths import algorithms as algo
 from trainer.maths.estimators import adaptive_kl_coef
-from trainer.maths.rollout_correction import Correction, mismatch_metrics
 from trainer.maths.schedule import next_tasks
 from trainer.model.build import build_policy
 from trainer.model.checkpoint import check_resume, find_resume, load, model_fingerprint, save, saved_state
@@ -60,6 +58,7 @@ from trainer.model.layout import computed_metrics
 from trainer.model.lora import activate
 from trainer.model.policy import collate, device_of, micro_batches, padded, to_device, token_logprobs
 from trainer.rl.async_rollouts import RolloutsAhead, keep_fresh, plan_steps
+from trainer.rl.correction import bypass_keys, bypass_measures, correct_step, still_trained
 from trainer.rl.experience import advantages_of, experience_of, gae_of, mean_token_kl
 from trainer.rl.oom import oom_explained
 from trainer.rl.parts import (
@@ -179,13 +178,8 @@ def _train(cfg: TrainConfig, dist: Dist, placement: Placement | None) -> dict[st
                 is_weights = [None] * len(old)
             else:  # the correction, on the whole batch before the advantages (verl's order): rejected tokens untrained
                 lags = [step - 1 - v for v in experience.versions] if staleness else None
-                masks, is_weights, corrected = _correct_rows(experience.samples, old, correction, lags)
+                experience, is_weights, corrected, sampled = correct_step(experience, old, correction, lags)
                 metrics.update(corrected)
-                if any(m is not None for m in masks):
-                    sampled = [sum(r.loss_mask) for r in experience.samples]  # response lengths as sampled
-                    experience = dataclasses.replace(experience, samples=[
-                        r if m is None else dataclasses.replace(r, loss_mask=m)
-                        for r, m in zip(experience.samples, masks, strict=True)])
                 if correction.reject:  # which rows train must agree on every rank: rank 0's masks
                     experience = broadcast(experience if dist.is_main else None, dist)
 
@@ -197,14 +191,9 @@ def _train(cfg: TrainConfig, dist: Dist, placement: Placement | None) -> dict[st
             else:
                 keep, advantages, adv_metrics = advantages_of(experience, old, ref, cfg, kl_coef)
             metrics.update(adv_metrics)
-            if correction.reject:
-                live = [j for j, i in enumerate(keep) if any(experience.samples[i].loss_mask)]
-                # a row whose every token was rejected trains nothing; the lengths are the sampled ones
-                metrics.update({"rollout_corr/rows_rejected": len(keep) - len(live), "samples/trained": len(live)})
-                if sampled is not None and keep:
-                    lengths = [sampled[i] for i in keep]
-                    metrics.update({"response/length_mean": sum(lengths) / len(lengths),
-                                    "response/length_max": max(lengths)})
+            if correction.reject:  # a row whose every token was rejected trains nothing
+                live, found = still_trained(experience, keep, sampled)
+                metrics.update(found)
                 keep, advantages = [keep[j] for j in live], [advantages[j] for j in live]
                 if critic is not None:
                     returns, values = [returns[j] for j in live], [values[j] for j in live]
@@ -363,7 +352,7 @@ def _update(model, optimizer, rows, tasks_of_rows, advantages, old, ref, pad_id:
             dist: Dist, is_weights=None) -> dict:
     """ppo_epochs passes over the rows in mini-batches of whole groups (the rows of `mini_batch_size` tasks);
     one optimizer step per mini-batch, whose metrics (and gradient norm) the host reads once, after the step.
-    `is_weights`: per row its importance weights (`_correct_rows`), or None (none)."""
+    `is_weights`: per row its importance weights (trainer/rl/correction.py), or None (none)."""
     t = cfg.trainer
     n_mini = max(1, cfg.rollout.batch_size // (t.mini_batch_size or cfg.rollout.batch_size))
     sums: dict[str, float] = {}
@@ -439,7 +428,7 @@ def _mini_batch(model, rows, advantages, old, ref, weights, filler: Sample, pad_
     if t.kl_coef > 0:
         sums = {"actor/kl": zero, **sums}
     if correction.bypass:
-        sums.update({f"rollout_corr/{key}": zero for key in _bypass_measures(correction)})
+        sums.update({f"rollout_corr/{key}": zero for key in bypass_keys(correction)})
     policy = torch.zeros(len(algo.POLICY_METRICS), dtype=torch.float64, device=device)
     computed = 0
     weighted = is_weights is not None and any(v is not None for v in is_weights)
@@ -469,7 +458,7 @@ def _mini_batch(model, rows, advantages, old, ref, weights, filler: Sample, pad_
             isw, kept, _ = correction.apply(logprobs.detach(), old_lp, mask, measure=False)
             if n < len(groups):
                 share = batch.n_trained / all_tokens
-                for key, value in _bypass_measures(correction, logprobs.detach(), old_lp, mask, kept, isw).items():
+                for key, value in bypass_measures(correction, logprobs.detach(), old_lp, mask, kept, isw).items():
                     sums[f"rollout_corr/{key}"] = sums[f"rollout_corr/{key}"] + value * share
             isw = kept if isw is None or not correction.reinforce else isw * kept  # rejected: out of the pg loss
         if correction.reinforce:  # REINFORCE: -A x logprob x weight; the ratio to the engine only measured
@@ -499,62 +488,6 @@ def _mini_batch(model, rows, advantages, old, ref, weights, filler: Sample, pad_
 
 
 # ---------------------------------------------------------------------------------------------- small helpers
-
-
-def _correct_rows(rows: list[Sample], old: list[torch.Tensor], correction: Correction, lags: list[int] | None = None):
-    """The decoupled correction over the step's rows at once (verl's compute_rollout_correction_and_rejection_mask,
-    before the advantages): per row its loss mask less the rejected tokens (None: unchanged) and its importance
-    weights (None without a level), and the `rollout_corr/` metrics: the engine/trainer mismatch always, and
-    with `lags` (per row, how many weight versions behind the trained ones it was sampled) the mismatch of each
-    lag under `rollout_corr/lag<k>/`."""
-    none = [None] * len(rows)
-    if not any(any(r.loss_mask) for r in rows):
-        return none, none, {}
-    mask = padded([torch.tensor(r.loss_mask, dtype=torch.float32) for r in rows],
-                  torch.zeros(len(rows), max(len(r.token_ids) for r in rows)))
-    old_lp = padded(old, mask)
-    engine = padded([torch.tensor(r.logprobs, dtype=torch.float32) for r in rows], mask)
-    weights, kept, metrics = correction.apply(old_lp, engine, mask)
-    sizes = [len(r.token_ids) for r in rows]
-    masks = none if not correction.reject else [
-        None if torch.equal(kept[i, :n], mask[i, :n]) else kept[i, :n].int().tolist() for i, n in enumerate(sizes)]
-    per_row = none if weights is None else [weights[i, :n] for i, n in enumerate(sizes)]
-    if weights is not None:  # the weights' spread, beyond verl's mean/std/extremes: their 5/50/95% quantiles
-        on = weights[mask > 0].double().sort().values  # (torch.quantile refuses more than 2^24 values)
-        for q in (5, 50, 95):
-            at = q / 100 * (len(on) - 1)
-            low, high = on[math.floor(at)], on[math.ceil(at)]
-            metrics[f"rollout_corr/rollout_is_q{q:02d}"] = (low + (high - low) * (at - math.floor(at))).item()
-    for lag in sorted(set(lags or ())):
-        idx = [i for i, k in enumerate(lags) if k == lag]
-        tokens = mask[idx].sum()
-        if not tokens:
-            continue
-        found = mismatch_metrics(old_lp[idx], engine[idx], mask[idx])
-        found = {key: found[key] for key in ("kl", "k3_kl", "log_ppl_abs_diff", "chi2_token")}
-        found["tokens"] = tokens.item()
-        if correction.reject:
-            found["rollout_rs_masked_fraction"] = 1.0 - (kept[idx].sum() / tokens).item()
-        metrics.update({f"rollout_corr/lag{lag}/{key}": value for key, value in found.items()})
-    return masks, per_row, metrics
-
-
-def _bypass_measures(correction: Correction, logprobs=None, engine=None, mask=None, kept=None, weights=None) -> dict:
-    """With mode bypass, what a micro-batch measures (token means over its sampled tokens, on the device): the
-    engine/trainer KL estimators, the importance weights' mean and the share rejected. Without tensors: the keys."""
-    keys = ("kl", "k3_kl") + (("rollout_is_mean",) if correction.level else ()) + \
-        (("rollout_rs_masked_fraction",) if correction.reject else ())
-    if logprobs is None:
-        return dict.fromkeys(keys)
-    count = mask.sum().clamp_min(1.0)
-    log_ratio = (logprobs - engine).clamp(-20.0, 20.0)
-    values = {"kl": ((engine - logprobs) * mask).sum() / count,
-              "k3_kl": ((log_ratio.exp() - log_ratio - 1) * mask).sum() / count}
-    if correction.level:
-        values["rollout_is_mean"] = (weights * mask).sum() / count
-    if correction.reject:
-        values["rollout_rs_masked_fraction"] = ((mask - kept) * mask).sum() / count
-    return {key: value.double() for key, value in values.items()}
 
 
 def _pad_advantages(values: list, mask: torch.Tensor) -> torch.Tensor:
