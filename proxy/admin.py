@@ -130,4 +130,5 @@ async def status(request: web.Request) -> web.Response:
         "calls_written": recorder.calls_written, "calls_spilled": recorder.calls_spilled,
         "pending_records": recorder.pending, "last_error": recorder.last_error and str(recorder.last_error),
         "episodes_in_memory": len(episodes), "episodes_forgotten": episodes.evicted, "disk_full": recorder.disk_full,
+        "forwarded": state.forwarded,
     })

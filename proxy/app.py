@@ -407,12 +407,32 @@ def _call_seed(state: RunState, episode_id: str, call_index: int) -> int | None:
 async def models(request: web.Request) -> web.Response:
     api_key = request_key(request)
     _check_agent_auth(request, api_key)
-    url, fwd = request.app[ENGINES].any_up() + "/v1/models", forwarded(request, api_key)
+    engine = request.app[ENGINES].any_up()
+    url, fwd = engine + "/v1/models", forwarded(request, api_key)
     try:
         async with request.app[SESSION].get(fwd.url(url), headers=fwd.headers) as resp:
-            return web.Response(body=await resp.read(), status=resp.status, content_type="application/json")
+            body, status = await resp.read(), resp.status
     except (TimeoutError, aiohttp.ClientError) as exc:
+        _count_forwarded(request, "/v1/models", engine, None, exc)
         raise ApiError(502, redact(f"the engine at {url} is unreachable: {exc}"), code="upstream_unavailable") from None
+    _count_forwarded(request, "/v1/models", engine, status)
+    return web.Response(body=body, status=status, content_type="application/json")
+
+
+def _count_forwarded(request: web.Request, route: str, engine: str, status: int | None,
+                     error: BaseException | None = None) -> None:
+    """Count a call the proxy only forwards (it records none of them) by route and the engine's status, for
+    GET /harness/status (`forwarded`); an engine's 5xx or no answer at all is logged, with the route and status only
+    (never a header, a key or a query string), so a failing engine shows on a route nothing records."""
+    key = f"{request.method} {route}"
+    counts = request.app[STATE].forwarded.setdefault(key, {})
+    label = "unreachable" if status is None else str(status)
+    counts[label] = counts.get(label, 0) + 1
+    if status is None:
+        log.warning("forwarded %s: the engine at %s could not be reached (%s); the agent got a 502", key,
+                    redact(engine), redact(f"{type(error).__name__}: {error}"))
+    elif status >= 500:
+        log.warning("forwarded %s: the engine at %s answered %d", key, redact(engine), status)
 
 
 _OWN_ROUTES = {"chat/completions": "POST", "completions": "POST", "models": "GET", "responses": "POST",
@@ -458,7 +478,9 @@ async def passthrough(request: web.Request) -> web.Response:
             body, status = await resp.read(), resp.status
             out_headers = {k: v for k in ("Content-Type", "Content-Encoding") if (v := resp.headers.get(k))}
     except (TimeoutError, aiohttp.ClientError) as exc:
+        _count_forwarded(request, _route_of(tail), engine, None, exc)
         raise ApiError(502, redact(f"the engine at {url} is unreachable: {exc}"), code="upstream_unavailable") from None
+    _count_forwarded(request, _route_of(tail), engine, status)
     if status in (404, 405):
         if tail.split("/", 1)[0] in _API_ENDPOINTS:
             raise ApiError(501, f"the engine at {engine} does not offer /v1/{tail} (it answered "
@@ -468,6 +490,13 @@ async def passthrough(request: web.Request) -> web.Response:
     if status >= 500 and status not in (502, 503, 504):
         status = 502
     return web.Response(body=body, status=status, headers=out_headers)
+
+
+def _route_of(tail: str) -> str:
+    """A pass-through path as counted: its first segment, the rest (ids: files/<id>, models/<name>) as `*`, so the
+    counts stay a few keys however many ids agents ask for."""
+    first, _, rest = tail.partition("/")
+    return f"/v1/{first}" + ("/*" if rest else "")
 
 
 async def health(request: web.Request) -> web.Response:

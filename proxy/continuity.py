@@ -44,6 +44,7 @@ from proxy.tool_parsers import RequestParsing
 # Fallback reasons (Call.extra["continuity"]["reason"]).
 NO_EARLIER_CALL = "no_earlier_call"  # nothing of this episode to continue (its first call, or forgotten)
 HISTORY_NOT_RECORDED = "history_not_recorded"  # no earlier call + its reply is a prefix of these messages
+RESEND = "resend"  # the same messages as an earlier call of the episode (a retry of a reply cut off or lost)
 REPLY_EDITED = "reply_edited"  # the history follows an earlier call up to a reply whose words the agent changed
 NO_NEW_MESSAGES = "no_new_messages"  # the messages end with the earlier reply itself
 PARENT_EMPTY = "parent_empty"  # the earlier reply has no sampled token at all
@@ -193,6 +194,7 @@ class _EpisodeTimelines:
     parents: dict[bytes, Parent] = field(default_factory=dict)  # extension key -> parent, oldest first
     answered: dict[bytes, list[Parent]] = field(default_factory=dict)  # request's prefix hash -> its parents
     seen_prefixes: set[bytes] = field(default_factory=set)  # prefix hashes of requests recorded
+    prompts: dict[bytes, str] = field(default_factory=dict)  # a request's whole prefix hash -> its latest call_id
     tokens: int = 0  # ids held by its parents (a prompt shared by n choices counts n times)
 
 
@@ -250,7 +252,9 @@ class Timelines:
         ep = self._episode(call.episode_id, create=True)
         if len(ep.seen_prefixes) >= self.max_seen_prefixes:
             ep.seen_prefixes.clear()
+            ep.prompts.clear()
         ep.seen_prefixes.update(hashes)
+        ep.prompts[hashes[-1]] = call.call_id
         prefix = hashes[-1]
         prompt = array("i", call.prompt_ids)
         for choice in call.choices:
@@ -284,7 +288,7 @@ class Timelines:
         assistant message that answers a remembered request but is none of its replies (the agent edited it)."""
         ep = self._episode(episode_id, create=False)
         if ep is None or not ep.parents:
-            return Found(fallback=Plan("chat", NO_EARLIER_CALL))
+            return Found(fallback=_resend(ep, hashes) or Plan("chat", NO_EARLIER_CALL))
         messages = body["messages"]
         parent, i, edited_at = None, len(messages), -1
         while parent is None and i > 0:
@@ -302,6 +306,8 @@ class Timelines:
         if parent is None:
             if notes:
                 return Found(fallback=Plan("chat", REPLY_EDITED), notes=notes)
+            if (resent := _resend(ep, hashes)) is not None:
+                return Found(fallback=resent)
             matched = max((k for k, h in enumerate(hashes) if h in ep.seen_prefixes), default=0)
             return Found(fallback=Plan("chat", HISTORY_NOT_RECORDED, {"first_unmatched_message": matched}))
         replies = [*self._replies(ep, messages[:i], hashes), (i, parent)]
@@ -322,6 +328,13 @@ class Timelines:
                 key = _extension_key(hashes[j], canonical_reply(message.get("content"), message.get("tool_calls")))
                 if (parent := ep.parents.get(key)) is not None:
                     yield j, parent
+
+
+def _resend(ep: _EpisodeTimelines | None, hashes: list[bytes]) -> Plan | None:
+    """RESEND when these messages are exactly an earlier request's of the episode (model, tools and template fields
+    too): an agent retrying a call, e.g. Qwen Code after a reply cut off. Not a history the proxy failed to keep."""
+    earlier = ep.prompts.get(hashes[-1]) if ep is not None else None
+    return Plan("chat", RESEND, {"earlier_call": earlier}) if earlier is not None else None
 
 
 def _edit(replies: list[Parent], message: dict, index: int) -> dict:

@@ -171,8 +171,11 @@ def openapi() -> dict:
     }, {"type": "object", "required": ["weight_version", "served_model", "policy_models"],
         "properties": {"policy_models": {"type": "object", "additionalProperties": {"type": "string",
                                                                                      "nullable": True}}}})
-    paths["/harness/status"] = _admin("get", "run id, weight version, recorder and episode counters", None,
-                                      {"type": "object", "required": ["run_id", "weight_version"]})
+    per_status = {"type": "object", "additionalProperties": {"type": "integer"}}  # "503" -> count
+    paths["/harness/status"] = _admin(
+        "get", "run id, weight version, recorder and episode counters, calls only forwarded (by route and status)",
+        None, {"type": "object", "required": ["run_id", "weight_version"],
+               "properties": {"forwarded": {"type": "object", "additionalProperties": per_status}}})
     return {
         "openapi": "3.0.3",
         "info": {"title": "harness recording proxy", "version": __version__,

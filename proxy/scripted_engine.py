@@ -46,6 +46,7 @@ class Script:
     text_finish: str = "length"  # a chat text answer's finish_reason ("stop": as a model that ended its reply)
     reasoning: str | None = None  # chat answers carry this as `reasoning` (streamed word by word, before the text)
     wake_status: int = 200  # POST /wake_up answers this (non-200: a wake that failed; the engine keeps sleeping)
+    models_status: int = 200  # GET /v1/models answers this (non-200: an OpenAI-style error, e.g. a dying engine's 503)
     # A scripted conversation: before each chat request, the first of these is taken off and its fields set on
     # this script (e.g. [{"tool_name": "exec_command", "tool_arguments": ...}, {"tool_arguments": None, ...}])
     then: list[dict] = field(default_factory=list)
@@ -133,6 +134,8 @@ class ScriptedEngine:
     async def _models(self, request: web.Request) -> web.Response:
         self.models_headers.append(dict(request.headers))
         self.targets.append(request.raw_path)
+        if self.script.models_status != 200:
+            return _error(self.script.models_status, "scripted /v1/models failure")
         card = {"id": self.script.model, "object": "model", "owned_by": "scripted"}
         if self.script.max_model_len is not None:
             card["max_model_len"] = self.script.max_model_len

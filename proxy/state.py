@@ -32,6 +32,9 @@ class RunState:
     sampling: SamplingOverrides | None = None  # the overrides in force; starts as the config's, a trainer may swap it
     max_model_len: int | None = None  # the engine's context, as its /v1/models said at start (None: not said)
     parsing: ReplyParsing | None = None
+    # Calls the proxy only forwards (GET /v1/models, pass-through routes): "METHOD /v1/route" -> {engine status or
+    # "unreachable": count}, shown by GET /harness/status; none of them is recorded.
+    forwarded: dict[str, dict[str, int]] = field(default_factory=dict)
 
     def engine_model(self, policy: str) -> str | None:
         """The engine's model name `policy`'s calls go to now: its own once a trainer set one, else the default

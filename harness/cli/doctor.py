@@ -21,8 +21,10 @@ the tokenizer and template alone (no engine, no weights):
    template writes after it is glue: context, never trained.
 
 A FAIL breaks merging or the proxy's answers for every agent; a warn depends on what the model writes or the
-agent sends back. The conversations, the rendering and the reading back that the checks share are in
-harness/cli/doctor_render.py. transformers is imported inside `load_tokenizer`: the harness core imports without it.
+agent sends back, or on whether the agents use tools (a template with no tool-call format at all suits agents without
+tools: a FAIL only when tools were asked for, `diagnose(tools=True)`). The conversations, the rendering and the
+reading back that the checks share are in harness/cli/doctor_render.py. transformers is imported inside
+`load_tokenizer`: the harness core imports without it.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ from harness.cli.doctor_render import (
 )
 from proxy.parsing import reply_parsing
 from proxy.tool_parsers import check_reasoning_parser
+from proxy.tool_parsers import check_tool_parser as check_parser_name
 
 __all__ = ["Check", "DoctorError", "Finding", "Report", "diagnose", "format_report", "load_tokenizer"]
 
@@ -89,6 +92,7 @@ class Report:
     checks: tuple[Check, ...]
     reasoning_parser: str | None = None
     notes: tuple[str, ...] = field(default=())  # conversations the template could not render, and the like
+    tools: bool = True  # whether tool use was checked strictly (the agents use tools; see check_tool_parser)
 
     @property
     def failed(self) -> bool:
@@ -96,7 +100,7 @@ class Report:
 
     def to_json(self) -> dict:
         return {"model": self.model, "template": self.template, "tool_parser": self.tool_parser,
-                "reasoning_parser": self.reasoning_parser, "ok": not self.failed,
+                "reasoning_parser": self.reasoning_parser, "tools": self.tools, "ok": not self.failed,
                 "checks": [asdict(c) for c in self.checks], "notes": list(self.notes)}
 
 
@@ -212,11 +216,12 @@ def check_history(template: Template, parser: Reader, reasoned: bool = False) ->
 
 
 def check_tool_parser(template: Template, parser: Reader, reasoned: Reader | None = None,
-                      others: Callable[[list[ToolTurn]], list[str]] | None = None) -> Check:
+                      others: Callable[[list[ToolTurn]], list[str]] | None = None, tools: bool = True) -> Check:
     """`reasoned`: the tool parser with the reasoning parser, as the engine reads a reply; it reads the turns the
     template renders with a reasoning block (GLM's `<think></think>` in every turn), the tool parser alone the others
     (a reasoning parser takes a turn without one for unfinished reasoning). `others(turns)`: the other tool parsers
-    that read every turn, named when this one does not."""
+    that read every turn, named when this one does not. `tools`: whether the user's agents use tools; when not, a
+    template with no tool-call format at all is a warn (the model still drives agents without tools), not a FAIL."""
     try:
         turns = tool_turns(template)
     except (Divergence, RenderError) as exc:
@@ -225,12 +230,7 @@ def check_tool_parser(template: Template, parser: Reader, reasoned: Reader | Non
     written = [word for t in calling for c in t.message["tool_calls"]  # what any tool-call format writes down
                for word in (c["function"]["name"], *c["function"]["arguments"]) if word in t.text]
     if calling and not written:
-        return Check("tool-parser", FAIL, "the template writes no tool calls at all: it has no tool-call format, so "
-                     "no parser can read one back", tuple(Finding(t.where, f"the template renders this turn as "
-                                                                           f"{show(t.text)}") for t in calling),
-                     "Agents that use tools cannot work with this template. Serve the model with a "
-                     "template that writes tool calls in the format its parser reads (vLLM --chat-template FILE; "
-                     "check it with `harness doctor --chat-template FILE`), or use a model with tool support.")
+        return _no_tool_format(calling, tools)
     read = [read_turn(turn, parser, reasoned) for turn in turns]
     misread = [f for verdict, f in read if verdict == "misread"]
     limits = [f for verdict, f in read if verdict == "limit"]
@@ -250,6 +250,22 @@ def check_tool_parser(template: Template, parser: Reader, reasoned: Reader | Non
                      tuple(limits))
     return Check("tool-parser", OK, f"the {parser.name} parser reads back the names, arguments and content of all "
                  f"{len(turns)} assistant turns the template renders (one and two tool calls, text before calls)")
+
+
+def _no_tool_format(calling: list[ToolTurn], tools: bool) -> Check:
+    """The template drops tool calls (SmolLM2's): the model can serve agents without tools only. A FAIL when the
+    user asked for tools (--tools, or a --tool-parser named), else a warn that says what the model is good for."""
+    findings = tuple(Finding(t.where, f"the template renders this turn as {show(t.text)}") for t in calling)
+    serve = ("a template that writes tool calls in the format its parser reads (vLLM --chat-template FILE; check it "
+             "with `harness doctor --chat-template FILE`), or use a model with tool support.")
+    if tools:
+        return Check("tool-parser", FAIL, "the template writes no tool calls at all: it has no tool-call format, so "
+                     "no parser can read one back", findings,
+                     f"Agents that use tools cannot work with this template. Serve the model with {serve}")
+    return Check("tool-parser", WARN, "the template has no tool-call format (it writes no tool calls): use this model "
+                 "for agents without tools; the other checks hold for those", findings,
+                 "The template drops tool calls from the history (the turns above), so agents that use tools cannot "
+                 f"work with it: for those, serve the model with {serve} `harness doctor --tools` makes this a FAIL.")
 
 
 def other_readers(template: Template, model_dir: str | Path, tried: str, reasoning_parser: str | None):
@@ -357,15 +373,11 @@ def check_close_token(template: Template) -> Check:
 def load_tokenizer(model_dir: str | Path, chat_template: str | Path | None = None):
     """The model's tokenizer (offline), with `chat_template` (a file) in place of its own when given."""
     path = Path(model_dir)
-    if not path.is_dir():
-        raise DoctorError(f"model {str(path)!r} is not a directory: pass the model's directory (with its "
-                          "tokenizer files)")
+    _tokenizer_files(path)
     try:
         from transformers import AutoTokenizer
     except ImportError as exc:
         raise DoctorError(f"harness doctor needs transformers ({exc}): {install_hint('train')}") from exc
-    if not any((path / name).is_file() for name in _TOKENIZER_FILES):
-        raise DoctorError(f"no tokenizer in {str(path)!r}: the directory needs one of {', '.join(_TOKENIZER_FILES)}")
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     except Exception as exc:
@@ -380,6 +392,14 @@ def load_tokenizer(model_dir: str | Path, chat_template: str | Path | None = Non
         raise DoctorError(f"{str(path)!r} has no chat template (tokenizer_config.json \"chat_template\" or "
                           "chat_template.jinja): pass --chat-template FILE")
     return tokenizer
+
+
+def _tokenizer_files(path: Path) -> None:
+    if not path.is_dir():
+        raise DoctorError(f"model {str(path)!r} is not a directory: pass the model's directory (with its "
+                          "tokenizer files)")
+    if not any((path / name).is_file() for name in _TOKENIZER_FILES):
+        raise DoctorError(f"no tokenizer in {str(path)!r}: the directory needs one of {', '.join(_TOKENIZER_FILES)}")
 
 
 def _stop_ids(tokenizer, model_dir: Path) -> dict[int, str]:
@@ -410,14 +430,44 @@ def _quiet_vllm():
 
 
 def diagnose(model_dir: str | Path, tool_parser: str = "hermes", chat_template: str | Path | None = None,
-             reasoning_parser: str | None = None) -> Report:
-    """Run the five checks on the model in `model_dir`; raises DoctorError on bad input."""
+             reasoning_parser: str | None = None, tools: bool = True,
+             say: Callable[[str], None] | None = None) -> Report:
+    """Run the five checks on the model in `model_dir`; raises DoctorError on bad input. `tools`: whether the agents
+    use tools (False: a template without any tool-call format is a warn, see check_tool_parser). `say(line)` is told
+    once the input looks right, before the slow part (importing transformers and vLLM's parsers)."""
+    _check_input(Path(model_dir), chat_template, tool_parser, reasoning_parser)
+    if say is not None:
+        say("doctor: loading the tokenizer and vLLM's parsers, then rendering the checks' conversations ...")
     with _quiet_vllm():
-        return _diagnose(model_dir, tool_parser, chat_template, reasoning_parser)
+        return _diagnose(model_dir, tool_parser, chat_template, reasoning_parser, tools)
+
+
+_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json", "additional_chat_templates")
+
+
+def _check_input(path: Path, chat_template: str | Path | None, tool_parser: str, reasoning_parser: str | None):
+    """What can be refused without loading anything, so a bad input is one line before a 20 s wait, not after.
+    load_tokenizer checks the same again, and what only a loaded tokenizer can tell."""
+    _tokenizer_files(path)
+    if chat_template is not None and not Path(chat_template).is_file():
+        raise DoctorError(f"chat template {str(chat_template)!r} is not a file: pass a Jinja template file")
+    if chat_template is None and not any((path / name).exists() for name in _TEMPLATE_FILES):
+        try:
+            config = json.loads((path / "tokenizer_config.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            config = {}
+        if not (isinstance(config, dict) and config.get("chat_template")):
+            raise DoctorError(f"{str(path)!r} has no chat template (tokenizer_config.json \"chat_template\" or "
+                              "chat_template.jinja): pass --chat-template FILE")
+    try:
+        check_parser_name(tool_parser)
+        check_reasoning_parser(reasoning_parser)
+    except ValueError as exc:
+        raise DoctorError(str(exc)) from exc
 
 
 def _diagnose(model_dir: str | Path, tool_parser: str, chat_template: str | Path | None,
-              reasoning_parser: str | None) -> Report:
+              reasoning_parser: str | None, tools: bool) -> Report:
     tokenizer = load_tokenizer(model_dir, chat_template)
     try:  # tool calls are read by the tool parser alone (the reasoning check places the reasoning), but for turns
         # the template renders with a reasoning block (check_tool_parser)
@@ -432,11 +482,11 @@ def _diagnose(model_dir: str | Path, tool_parser: str, chat_template: str | Path
     append_only, notes = check_append_only(template)
     history, history_notes = check_history(template, parser, reasoned=reasoning_parser is not None)
     others = other_readers(template, model_dir, tool_parser, reasoning_parser)
-    checks = (append_only, history, check_tool_parser(template, parser, reasoned, others),
+    checks = (append_only, history, check_tool_parser(template, parser, reasoned, others, tools),
               check_reasoning(template, reasoning_parser), close_check)
     source = str(chat_template) if chat_template is not None else "the model's own"
     return Report(str(model_dir), source, parser.name, checks, reasoning_parser=reasoning_parser,
-                  notes=tuple(notes + history_notes))
+                  notes=tuple(notes + history_notes), tools=tools)
 
 
 def format_report(report: Report) -> str:

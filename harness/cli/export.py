@@ -115,6 +115,11 @@ def _checkpoint_main(args) -> int:
 
     from trainer.model.checkpoint import checkpoint_model
 
+    if not args.checkpoint.is_dir():
+        what = "is not a directory" if args.checkpoint.exists() else "does not exist"
+        print(f"error: --checkpoint {str(args.checkpoint)!r} {what}: give a checkpoint directory of harness train, "
+              "<run>/checkpoints/step_<k>", file=sys.stderr)
+        return 2
     resolved = args.checkpoint.resolve().parent.parent / "config.resolved.yaml"
     named = None
     if args.model is None and resolved.is_file():
@@ -174,6 +179,9 @@ def _retokenize_main(args) -> int:
     from harness.store.database import SchemaVersionError
     from harness.store.retokenize import retokenize_database
 
+    if not args.db.is_file():  # before the model, which may be a download
+        print(f"error: no database at {str(args.db)!r}: give --db", file=sys.stderr)
+        return 2
     try:
         model = local_model(args.model, "--model", files="tokenizer")  # retokenizing reads the tokenizer only
     except ValueError as exc:
@@ -182,9 +190,6 @@ def _retokenize_main(args) -> int:
     if not (model / "tokenizer_config.json").is_file():
         print(f"error: --model {args.model!r} has no tokenizer_config.json: give a model directory with its "
               "tokenizer", file=sys.stderr)
-        return 2
-    if not args.db.is_file():
-        print(f"error: no database at {str(args.db)!r}: give --db", file=sys.stderr)
         return 2
     try:
         done = retokenize_database(args.db, model, args.run)

@@ -15,6 +15,7 @@ from harness.cli.export import add_parser as add_export_parser
 from harness.cli.export import add_retokenize_parser
 from harness.cli.models import add_model_parsers
 from harness.cli.parsers import add_parser as add_parsers_parser
+from harness.cli.parsers import quiet_vllm_info
 from harness.cli.serve import add_parser as add_serve_parser
 from harness.cli.train import add_sft_parser, add_train_parser
 from harness.running.limits import AGENT_MAX_PROCS, AGENT_MEMORY_MB
@@ -24,6 +25,7 @@ from harness.viewer.app import add_parser as add_view_parser
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    quiet_vllm_info()  # every verb that imports vLLM in this process (its parsers): no "Triton not installed" INFO
     try:
         status = args.func(args)
         sys.stdout.flush()  # here, where a closed pipe is caught, not at exit
@@ -78,7 +80,7 @@ def _add_run(verbs) -> None:
                    help="tasks: a .jsonl file, a datasets dir or .parquet/.json file, an environment service URL, "
                    "or module:function")
     p.add_argument("--split", default="train", help="dataset split (default: %(default)s)")
-    p.add_argument("--limit", type=int, help="use only the first N tasks")
+    p.add_argument("--limit", type=_at_least_one("--limit"), metavar="N", help="use only the first N tasks")
     p.add_argument("--judge", help="judge: a built-in (exact_match, math, substring, f1, rubric, env), "
                    "module:function, module:Class or path.py:name")
     p.add_argument("--repeat", type=int, default=1, help="episodes per task, the GRPO group size (default: 1)")
@@ -110,17 +112,25 @@ def _add_run(verbs) -> None:
 def _run(args) -> int:
     import shlex
 
+    import duckdb
+
     from harness.running.dataset import run_dataset
     from harness.running.judges import JudgeError
     from harness.running.report import print_report
     from harness.running.runner import RunConfig
     from harness.running.tasks import TaskError, read_tasks
     from harness.running.vllm_server import Engine, EngineError, start_or_attach
+    from harness.store.database import SchemaVersionError, check_database
     from proxy.server import loop_kind
     from proxy.server import run as run_on_proxy_loop
 
-    if (args.agent is None) == (args.cmd is None):
-        print("error: give the agent's Python file, or --cmd \"COMMAND\", not both", file=sys.stderr)
+    if args.agent is None and args.cmd is None:
+        print("error: no agent given: give the agent's Python file (harness run agent.py --data ...), or any "
+              "command with --cmd \"COMMAND\"", file=sys.stderr)
+        return 2
+    if args.agent is not None and args.cmd is not None:
+        print(f"error: both an agent file ({str(args.agent)!r}) and --cmd {args.cmd!r} given: give one of them",
+              file=sys.stderr)
         return 2
     if args.agent is not None and not args.agent.is_file():
         print(f"error: agent {str(args.agent)!r} is not a file", file=sys.stderr)
@@ -145,13 +155,14 @@ def _run(args) -> int:
             raise ValueError(problem)
         interceptor, roles = options.interceptor(args, args.run_dir), options.role_rules(args)
         settings = options.proxy_settings(args)
+        check_database(args.run_dir / "harness.duckdb")  # a file the run could not record into, before any engine
         if args.record_only:  # a hosted API: nothing to probe (it may want a key), every call goes on as sent
             engine = Engine(args.upstream[0].rstrip("/").removesuffix("/v1"), "", returns_token_ids=False)
         else:
             engine = start_or_attach(model=options.model(args), upstream=(args.upstream or [None])[0],
                                      run_dir=args.run_dir, max_model_len=args.max_model_len,
                                      extra_args=engine_args, **options.parsers(args))
-    except (TaskError, JudgeError, EngineError, ValueError) as exc:
+    except (TaskError, JudgeError, EngineError, ValueError, SchemaVersionError, duckdb.IOException) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     try:
@@ -176,6 +187,20 @@ def _run(args) -> int:
     return 0
 
 
+def _at_least_one(option: str):
+    """An argparse type for a count that must be 1 or more: 0 or less is refused naming the option (exit 2)."""
+    def count(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number: give {option} N, N >= 1") from None
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"{value} is less than 1: give {option} N, N >= 1, or leave it out "
+                                             "for every task")
+        return value
+    return count
+
+
 def _add_judge(verbs) -> None:
     p = verbs.add_parser(
         "judge", help="re-score a stored run with a (new) judge, without re-running agents",
@@ -197,14 +222,15 @@ def _judge(args) -> int:
     from harness.running.dataset import rejudge
     from harness.running.judges import JudgeError
     from harness.running.report import print_report
+    from harness.store.database import SchemaVersionError
 
-    if not args.db.exists():
+    if not args.db.is_file():
         print(f"error: no database at {str(args.db)!r}: pass --db PATH", file=sys.stderr)
         return 2
     try:
         run_id, report = asyncio.run(rejudge(args.db, args.run_id, args.judge,
                                              success_threshold=args.success_threshold, timeout_s=args.judge_timeout))
-    except (JudgeError, ValueError, duckdb.Error) as exc:
+    except (JudgeError, ValueError, SchemaVersionError, duckdb.Error) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print_report(report, run_id)
@@ -255,7 +281,8 @@ def _add_sql(verbs) -> None:
         "proxy is recording into it (the query then goes through the proxy). Tables: runs, episodes, calls, "
         "choices, tasks, episode_outcomes, judgements, reports, samples, merge_breaks, episode_merges, metrics; "
         "views: completions, episode_summary, rewards, merge_metrics, merge_reasons, training_curve, roles, flags. "
-        "See docs/schema.md.",
+        "See docs/schema.md. Exit code: 0 when the query ran, 1 when the query failed (an SQL error, or a statement "
+        "that is not read-only), 2 on bad input (no database file, a file that is not a harness database).",
     )
     p.add_argument("query", help='e.g. "SELECT episode_id, count(*) FROM calls GROUP BY 1"')
     p.add_argument("--db", type=Path, default=options.DEFAULT_RUN_DIR / "harness.duckdb",
@@ -269,13 +296,13 @@ def _add_sql(verbs) -> None:
 
 
 def _sql(args) -> int:
-    from harness.store.sql import SqlError, print_table, run_sql, to_csv, to_json
+    from harness.store.sql import DatabaseError, SqlError, print_table, run_sql, to_csv, to_json
 
     try:
         result = run_sql(args.db, args.query, max_rows=args.max_rows)
     except SqlError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 1
+        return 2 if isinstance(exc, DatabaseError) else 1
     if args.csv:
         sys.stdout.write(to_csv(result))
     elif args.json:
@@ -290,7 +317,9 @@ def _add_roles(verbs) -> None:
         "roles", help="the roles found in recorded calls: model name, system prompt, tools (docs/schema.md: roles)",
         description="List the roles of the recorded calls, most calls first: a role is what the agent asked for "
         "(model name), its system prompt and its tool set, so the agents of a multi-agent app show apart without "
-        "annotations. Each with its counts and an example call. Works on a closed file and live, like harness sql.",
+        "annotations. Each with its counts and an example call. Works on a closed file and live, like harness sql. "
+        "Exit code: 0 when listed, 2 on bad input (no database file, a file that is not a harness database, a --run "
+        "with no calls).",
     )
     p.add_argument("--db", type=Path, default=options.DEFAULT_RUN_DIR / "harness.duckdb",
                    help="DuckDB file (default: %(default)s)")
@@ -305,9 +334,9 @@ def _roles(args) -> int:
 
     try:
         result = run_sql(args.db, "SELECT * FROM roles ORDER BY run_id, calls DESC, role_key")
-    except SqlError as exc:
+    except SqlError as exc:  # the query is ours: what fails is the database given
         print(f"error: {exc}", file=sys.stderr)
-        return 1
+        return 2
     if args.run_id is not None:  # filtered here, not spliced into the SQL
         run = result.columns.index("run_id")
         rows = [row for row in result.rows if row[run] == args.run_id]
@@ -315,7 +344,7 @@ def _roles(args) -> int:
             runs = sorted({row[run] for row in result.rows})
             print(f"error: no calls of run {args.run_id!r} in {args.db}; runs with calls: {', '.join(runs) or 'none'}",
                   file=sys.stderr)
-            return 1
+            return 2
         result = QueryResult(result.columns, result.types, rows, False)
     if args.json:
         print(to_json(result))
@@ -334,13 +363,18 @@ def _add_doctor(verbs) -> None:
         "tool calls and tool results, that earlier assistant turns come back as the model wrote them, that the "
         "tool-call parser reads back what the template renders, where the template puts a reply's reasoning (and "
         "so which --reasoning-history fits), and that an assistant turn ends on a stop token. "
-        "One line per check (ok, warn, FAIL); exit 0 when nothing FAILs, 1 otherwise, 2 on bad input.",
+        "One line per check (ok, warn, FAIL); exit 0 when nothing FAILs, 1 otherwise, 2 on bad input. A template "
+        "with no tool-call format at all (SmolLM2's) is a warn, since the model still drives agents without tools, "
+        "and a FAIL when tools are asked for (--tools, or --tool-parser given).",
     )
     p.add_argument("--model", required=True, help="model directory (tokenizer and chat template), or a Hugging Face "
-                   "id in the local cache")
-    p.add_argument("--tool-parser", default="hermes", help="tool-call parser, a name vLLM's --tool-call-parser "
-                   "takes (hermes, qwen3_xml, llama3_json, mistral, pythonic, deepseek_v3, glm45, kimi_k2, ...; "
-                   "default: %(default)s)")
+                   "id: its tokenizer, template and config files only (no weights), from the local cache, else "
+                   "downloaded")
+    p.add_argument("--tool-parser", help="tool-call parser, a name vLLM's --tool-call-parser takes (hermes, "
+                   "qwen3_xml, llama3_json, mistral, pythonic, deepseek_v3, glm45, kimi_k2, ...; default: hermes); "
+                   "naming one means the agents use tools, as --tools does")
+    p.add_argument("--tools", action="store_true", help="the agents use tools: a template with no tool-call format "
+                   "FAILs (without this or --tool-parser it is a warn: the model suits agents without tools)")
     p.add_argument("--reasoning-parser", help="reasoning parser of a reasoning model, a name vLLM's "
                    "--reasoning-parser takes (qwen3, deepseek_r1, glm45, ...)")
     p.add_argument("--chat-template", type=Path, help="a Jinja template file to check instead of the model's own")
@@ -352,15 +386,14 @@ def _doctor(args) -> int:
     import json
 
     from harness.cli.doctor import DoctorError, diagnose, format_report
-    from harness.cli.parsers import quiet_vllm_info
     from harness.running.hub import ModelNotFoundError, local_model
 
-    quiet_vllm_info()
     try:
         model = (args.model if Path(args.model).exists()  # a directory of tokenizer files is enough here
                  else local_model(args.model, "--model", files="tokenizer"))  # a Hub id: those files, no weights
-        report = diagnose(model, tool_parser=args.tool_parser, chat_template=args.chat_template,
-                          reasoning_parser=args.reasoning_parser)
+        report = diagnose(model, tool_parser=args.tool_parser or "hermes", chat_template=args.chat_template,
+                          reasoning_parser=args.reasoning_parser, tools=args.tools or args.tool_parser is not None,
+                          say=lambda line: print(line, file=sys.stderr, flush=True))
     except (DoctorError, ModelNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

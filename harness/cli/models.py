@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import tempfile
 from pathlib import Path
 
 from harness import install_hint
@@ -41,6 +42,9 @@ def _tiny_model(args) -> int:
         print(f"error: tiny-model needs torch and transformers ({exc}); {install_hint('train')}",
               file=sys.stderr)
         return 1
+    if problem := output_error(args.out, args.out):
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     try:
         path = build_tiny_model(args.out, seed=args.seed, output_scale=args.output_scale)
     except ValueError as exc:
@@ -53,6 +57,9 @@ def _tiny_model(args) -> int:
 def _smollm2(args) -> int:
     from harness.running.smollm2 import SmolLM2Error, build_smollm2
 
+    if problem := output_error(args.out, args.out.parent):  # built beside OUT, then renamed into its place
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     try:
         path = build_smollm2(args.out, gguf=args.gguf)
     except ImportError as exc:
@@ -63,3 +70,19 @@ def _smollm2(args) -> int:
         return 2
     print(path)
     return 0
+
+
+def output_error(out: Path, folder: Path) -> str | None:
+    """Why a model could not be written to `out`, or None, found before the build spends a minute: `out` is a file,
+    or `folder` (where the build writes: `out` itself, or the folder the build renames into `out`) cannot be made or
+    written. Making `folder` is what the build does first anyway; the probe file is removed."""
+    if out.exists() and not out.is_dir():
+        return f"{str(out)!r} is a file: give the model a folder of its own (a new path, or a model directory)"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=folder).close()
+    except OSError as exc:
+        blocker = next((p for p in (folder, *folder.parents) if p.exists()), folder)
+        why = "is a file" if not blocker.is_dir() else f"cannot be written ({exc.strerror})"
+        return f"{str(out)!r} cannot be made: {str(blocker)!r} {why}; give a path in a folder you can write"
+    return None

@@ -1,10 +1,13 @@
 """Flag groups shared by several `harness` verbs: the engine (run, serve), named roles (run, serve), record-only
-(run, serve) and transparent mode (run, serve)."""
+(run, serve), transparent mode (run, serve), and the port a server listens on (serve, view)."""
 
 from __future__ import annotations
 
+import argparse
+import errno
 import functools
 import os
+import socket
 from pathlib import Path
 
 from proxy.tool_parsers import check_reasoning_parser, check_tool_parser
@@ -223,3 +226,48 @@ def parsers(args) -> dict:
     """The engine's reply parsers from --tool-parser and --reasoning-parser (a ValueError names a bad one)."""
     return {"tool_parser": check_tool_parser(args.tool_parser),
             "reasoning_parser": check_reasoning_parser(args.reasoning_parser)}
+
+
+def port_number(text: str) -> int:
+    """argparse's type for --port: a TCP port, 0 for a free one; anything else is refused at parse time, naming
+    the value (the socket layer's OverflowError, raised once the server starts, names none)."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number: give 1-65535, or 0 for a free one") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is not a port number: give 1-65535, or 0 for a free one")
+    return port
+
+
+def listen_error(host: str, port: int) -> str | None:
+    """Why a server could not listen on `host` port `port`, or None. Found by binding each address `host` resolves
+    to for a moment, as asyncio's create_server binds them (SO_REUSEADDR; IPv6 sockets IPv6-only), so a verb
+    refuses a taken port before it spends minutes starting an engine."""
+    try:
+        addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        return f"--host {host!r} is not an address of this machine ({exc.strerror}): give one, e.g. 127.0.0.1"
+    for family, kind, proto, _, address in dict.fromkeys(addresses):
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                probe.bind(address)
+            except OSError as exc:
+                return bind_failure(host, port, exc)
+    return None
+
+
+def bind_failure(host: str, port: int, exc: OSError) -> str:
+    """One line for a server's failed bind, naming the address and what to do (also for a bind that fails after
+    listen_error passed: another process took the port in between)."""
+    if exc.errno == errno.EADDRINUSE:
+        return (f"port {port} on {host} is in use (another process listens on it): pass --port N or stop the other "
+                "process")
+    if exc.errno == errno.EADDRNOTAVAIL:
+        return f"--host {host} is not an address of this machine: give one it has, e.g. 127.0.0.1 or 0.0.0.0"
+    if exc.errno == errno.EACCES:
+        return f"port {port} on {host} needs privileges this user lacks: pass --port N above 1023"
+    return f"cannot listen on {host} port {port} ({exc.strerror or exc}): pass another --host or --port"

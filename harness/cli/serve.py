@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import errno
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -21,7 +23,8 @@ def add_parser(verbs) -> None:
     p.add_argument("--run-dir", type=Path, default=options.DEFAULT_RUN_DIR, help="where logs go (default: %(default)s)")
     p.add_argument("--db", type=Path, help="DuckDB file to record into (default: RUN_DIR/harness.duckdb)")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: %(default)s)")
-    p.add_argument("--port", type=int, default=8400, help="proxy port; 0 picks a free one (default: %(default)s)")
+    p.add_argument("--port", type=options.port_number, default=8400,
+                   help="proxy port; 0 picks a free one (default: %(default)s)")
     p.add_argument("--auth-token", default=os.environ.get("HARNESS_AUTH_TOKEN"),
                    help="api key agents must send; required when binding beyond loopback (env HARNESS_AUTH_TOKEN)")
     p.add_argument("--db-memory-mb", type=int, default=ProxyConfig.db_memory_mb,
@@ -38,7 +41,7 @@ def add_parser(verbs) -> None:
 
 def _serve(args) -> int:
     from harness.running.vllm_server import EngineError, start_or_attach
-    from proxy.server import loop_kind, run, serve_forever
+    from proxy.server import loop_kind
 
     try:
         loop_kind()  # a bad HARNESS_EVENT_LOOP, before anything starts
@@ -46,7 +49,6 @@ def _serve(args) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    args.run_dir.mkdir(parents=True, exist_ok=True)
     db = args.db or args.run_dir / "harness.duckdb"
     if args.record_only or args.upstream_key_env:
         return _record_only(args, db)
@@ -54,9 +56,16 @@ def _serve(args) -> int:
         sampling = options.sampling(args)
         settings = options.proxy_settings(args)  # before an engine starts
         roles = options.role_rules(args)
+        parsers = options.parsers(args)
+        # the proxy's own checks of these flags (a host beyond loopback without a token, ...), before an engine
+        # starts: the engine's address comes later
+        ProxyConfig(upstream_url="http://127.0.0.1", db_path=db, host=args.host, port=args.port,
+                    auth_token=args.auth_token, db_memory_mb=args.db_memory_mb, roles=roles, **settings, **parsers)
+        if problem := _start_error(args, db):  # what would stop the proxy, found before an engine starts for minutes
+            print(f"error: {problem}", file=sys.stderr)
+            return 2
         engine = start_or_attach(model=options.model(args), upstream=(args.upstream or [None])[0], run_dir=args.run_dir,
-                                 max_model_len=args.max_model_len, extra_args=engine_args,
-                                 **options.parsers(args))
+                                 max_model_len=args.max_model_len, extra_args=engine_args, **parsers)
     except (EngineError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1 if isinstance(exc, EngineError) else 2  # the engine failed; else bad input
@@ -93,7 +102,7 @@ def _serve(args) -> int:
             sys.stderr.flush()
 
         try:
-            run(serve_forever(config, on_ready=ready))
+            return _run_proxy(config, ready)
         finally:
             if interceptor is not None:
                 interceptor.close()
@@ -102,14 +111,11 @@ def _serve(args) -> int:
         return 2
     finally:
         engine.stop()
-    return 0
 
 
 def _record_only(args, db: Path) -> int:
     """The proxy in front of an API that is not ours: no probe (it may want a key the proxy does not have), every
     call forwarded as sent."""
-    from proxy.server import run, serve_forever
-
     if problem := options.record_only_error(args):
         print(f"error: {problem}", file=sys.stderr)
         return 2
@@ -122,6 +128,9 @@ def _record_only(args, db: Path) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if problem := _start_error(args, db):
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
 
     def ready(server):
         print(f"recording {config.upstream_base} as it is: {server.url}/v1  (into {db})", file=sys.stderr)
@@ -129,8 +138,81 @@ def _record_only(args, db: Path) -> int:
               file=sys.stderr)
         sys.stderr.flush()
 
-    run(serve_forever(config, on_ready=ready))
+    return _run_proxy(config, ready)
+
+
+def _run_proxy(config: ProxyConfig, ready) -> int:
+    """Serve until stopped. A port or a database another process took since `_start_error` looked is one line,
+    not a traceback."""
+    import duckdb
+
+    from harness.store.database import SchemaVersionError
+    from proxy.server import run, serve_forever
+
+    try:
+        run(serve_forever(config, on_ready=ready))
+    except OSError as exc:
+        if exc.errno not in (errno.EADDRINUSE, errno.EADDRNOTAVAIL):
+            raise
+        print(f"error: {options.bind_failure(config.host, config.port, exc)}", file=sys.stderr)
+        return 2
+    except duckdb.IOException as exc:
+        print(f"error: {_held(config.db_path, exc) or exc}", file=sys.stderr)
+        return 2
+    except SchemaVersionError as exc:  # the file changed since _start_error looked
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     return 0
+
+
+def _start_error(args, db: Path) -> str | None:
+    """What would stop the proxy once the engine is up, or None: a run directory that cannot be made, a port in
+    use, a database file another process holds or that is not a database."""
+    try:
+        args.run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        return f"--run-dir {str(args.run_dir)!r} cannot be made ({exc.strerror}): give a folder you can write"
+    return options.listen_error(args.host, args.port) or _db_error(db)
+
+
+def _db_error(db: Path) -> str | None:
+    """Why the proxy could not open `db` read-write, found by opening it for a moment as the store does (ATTACH with
+    its row group size, so a write-ahead log it replays is written as the store writes): DuckDB lets one process
+    hold a file, and the store would only open it after the engine started."""
+    import duckdb
+
+    from harness.store.database import ROW_GROUP_SIZE
+
+    if not db.exists():
+        return None
+    if db.is_dir():
+        return f"--db {str(db)!r} is a folder: give the path of a database file (new or recorded into before)"
+    con = duckdb.connect(":memory:")
+    try:
+        quoted = "'" + str(db).replace("'", "''") + "'"
+        con.execute(f"ATTACH {quoted} AS probe (ROW_GROUP_SIZE {ROW_GROUP_SIZE})")
+    except duckdb.Error as exc:
+        return _held(db, exc) or (f"{str(db)!r} is not a database harness can record into ({exc}): pass --db a "
+                                  "harness database, or a new path")
+    finally:
+        con.close()
+    from harness.store.database import SchemaVersionError, check_database
+
+    try:  # another application's file, or a newer harness's: refused as the store would, nothing written
+        check_database(db)
+    except SchemaVersionError as exc:
+        return str(exc)
+    return None
+
+
+def _held(db: Path, exc: Exception) -> str | None:
+    """The one line for a database another process holds (DuckDB's lock error names its pid), or None for another
+    error."""
+    if "lock" not in str(exc).lower():
+        return None
+    pid = re.search(r"\(PID (\d+)\)", str(exc))
+    by = f" (pid {pid.group(1)})" if pid else ""
+    return f"{db} is held by another process{by}: stop it, or pass --run-dir/--db elsewhere"
 
 
 #

@@ -12,6 +12,7 @@ All read one config file (docs/training.md); torch is imported only once a confi
 from __future__ import annotations
 
 import dataclasses
+import shlex
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -106,14 +107,17 @@ def _launch(args, overrides: list[str], verb: str) -> int:
         cfg = load_config(args.config, overrides, "sft" if verb == "sft" else "rl", locate_model=True)
         mode = "sft" if verb == "sft" else "from_run" if cfg.offline.run else "rl"
     except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return _refused(exc.problems)
     if cfg.backbone == "verl":  # verl's trainer on Ray, imported only when chosen
+        if problems := _bad_inputs(cfg, mode):
+            return _refused(problems)
         from trainer.rl.verl_backbone import main as verl_main
 
         return verl_main(cfg)
     from trainer.model.fsdp import launch, under_torchrun
 
+    if not under_torchrun() and (problems := _bad_inputs(cfg, mode)):  # once, not on every rank
+        return _refused(problems)
     if cfg.trainer.fsdp.nprocs > 1 and not under_torchrun():
         if mode != "rl":  # bad data is said here, once, rather than by every rank under torchrun's report
             from trainer.offline.loop import check_data
@@ -123,6 +127,7 @@ def _launch(args, overrides: list[str], verb: str) -> int:
                 return 2
         argv = ["-m", "harness.cli", verb, str(args.config), *(f"--set={o}" for o in overrides)]
         return launch(cfg.trainer.fsdp.nprocs, argv)
+    from harness.running.judges import JudgeError
     from harness.running.tasks import TaskError
     from trainer.model.checkpoint import ResumeError
     from trainer.offline.chat_data import ChatDataError
@@ -138,13 +143,30 @@ def _launch(args, overrides: list[str], verb: str) -> int:
             from trainer.offline.loop import train_offline
 
             train_offline(cfg, mode)
-    except (TaskError, OfflineDataError, ChatDataError, ResumeError) as exc:  # bad data, found once the run reads it
+    except (TaskError, JudgeError, OfflineDataError, ChatDataError, ResumeError) as exc:  # bad data or judge, found
+        # once the run reads it (what _bad_inputs can't read up front: a service's tasks, a judge that fails later)
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except TrainerOutOfMemory as exc:  # settings too big for the device: what to lower, not a traceback
         print(f"error: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+def _bad_inputs(cfg: TrainConfig, mode: str) -> list[str]:
+    """The problems of the tasks and the judge, found before the policy is built or an engine starts (rather than
+    minutes in, when step 1's rollouts would load the judge): what --check reads (trainer/config/inputs.py).
+    Offline data is read by the offline loop itself before its model is built (and by the launcher of ranks)."""
+    from trainer.config.inputs import check_inputs
+
+    return check_inputs(cfg, mode, offline=False).problems
+
+
+def _refused(problems: Sequence[str]) -> int:
+    """Exit code 2, each problem one `error:` line on stderr."""
+    for problem in problems:
+        print(f"error: {problem}", file=sys.stderr)
+    return 2
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -164,8 +186,7 @@ def _show_config(config: Path | None, overrides: Sequence[str], verb: str) -> in
     try:
         cfg = read_config(config, overrides)
     except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return _refused(exc.problems)
     print(f"# {config}{' with ' + ' '.join(overrides) if overrides else ''}: every key's value (paths resolved), "
           f"its type and default\n")
     print(describe_config(cfg=cfg))
@@ -173,9 +194,11 @@ def _show_config(config: Path | None, overrides: Sequence[str], verb: str) -> in
 
 
 def run_check(config: Path, overrides: Sequence[str], verb: str = "train", gpus: Gpus | None = None) -> int:
-    """`harness VERB CONFIG --check`: print what the config amounts to and its problems; 0 when there are none."""
+    """`harness VERB CONFIG --check`: print what the config amounts to and its problems; 0 when there are none.
+    The plan goes to stdout; a line on stderr says each phase before it starts (finding the model, building the
+    reply parsers, reading the tasks...: together some seconds), so that the wait says what it waits for."""
     lines, problems = check_config(config, overrides, verb, gpus)
-    print(f"harness {verb} {config} --check")
+    print(f"harness {verb} {config} --check{''.join(f' --set {shlex.quote(o)}' for o in overrides)}")
     for line in lines:
         print(f"  {line}")
     if problems:
@@ -191,16 +214,20 @@ def check_config(config: Path, overrides: Sequence[str], verb: str = "train",
                  gpus: Gpus | None = None) -> tuple[list[str], list[str]]:
     """What `--check` finds: (the plan, as lines; the problems). The config is read with its overrides and checked
     as `harness VERB` would; the model located without downloading anything (a directory, or a Hub id's snapshot in
-    the local cache); the reply parsers built on its tokenizer as the proxy builds them; the placement and memory
-    plan computed on `gpus` (None: this machine's). Nothing is started."""
+    the local cache); the reply parsers built on its tokenizer as the proxy builds them; the tasks, the judge and
+    the offline data read as the run reads them first (trainer/config/inputs.py says which sources); the placement
+    and memory plan computed on `gpus` (None: this machine's). Every problem found is listed, not just the first.
+    Nothing is started and nothing is written."""
     from harness.running.gpus import this_machine
     from trainer.config import ConfigError, read_config
-    from trainer.config.checks import check, memory_plan
+    from trainer.config.checks import memory_plan, problems_of
+    from trainer.config.inputs import check_inputs, progress
 
+    progress(f"reading the config {config}")
     try:
         cfg = read_config(config, overrides)
     except ConfigError as exc:
-        return [], [str(exc)]
+        return [], exc.problems
     mode = "sft" if verb == "sft" else "from_run" if cfg.offline.run else "rl"
     serves = mode == "rl" or cfg.data.validation is not None
     lines = [f"config       {config}: harness {verb}{' --from-run' if mode == 'from_run' else ''}, experiment "
@@ -208,28 +235,30 @@ def check_config(config: Path, overrides: Sequence[str], verb: str = "train",
     problems: list[str] = []
     located = None
     if cfg.model.path:
+        progress(f"locating the model {cfg.model.path}")
         try:
             located = _located(cfg.model.path, verb)
             cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=located))
         except ConfigError as exc:
-            problems.append(str(exc))
+            problems += exc.problems
     machine = this_machine() if gpus is None else gpus
-    try:
-        check(cfg, config.name, mode, machine)
-    except ConfigError as exc:
-        problems.append(str(exc))
+    progress("the config's values, the GPUs and the memory plan")
+    problems += [p for p in problems_of(cfg, config.name, mode, machine) if p not in problems]
     try:
         found = memory_plan(cfg, machine, serves)
     except ConfigError as exc:
         found = None
-        if str(exc) not in problems:
-            problems.append(str(exc))
+        problems += [p for p in exc.problems if p not in problems]
     if found is not None and found.shape is not None:
         s = found.shape
         lines.append(f"model        {cfg.model.path}: {_count(s.parameters)} parameters, hidden {s.hidden}, {s.layers} "
                      f"layers, MLP {s.intermediate}, KV {s.kv_dim}, vocabulary {s.vocab}")
     if located is not None and serves:
+        progress("building the reply parsers on the model's tokenizer")
         lines.append(_parsers(cfg, located, problems))
+    inputs = check_inputs(cfg, mode, model_here=located is not None, say=progress)
+    lines += inputs.lines
+    problems += [p for p in inputs.problems if p not in problems]
     if found is not None:
         lines += _plan_lines(cfg, found)
         if found.problem is not None and found.problem not in problems:

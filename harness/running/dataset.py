@@ -13,6 +13,7 @@ import json
 import logging
 import signal
 import sys
+import time
 from datetime import UTC
 from pathlib import Path
 
@@ -56,7 +57,7 @@ async def run_dataset(tasks: list[Task], config: RunConfig, engine: Engine, run_
     except BaseException:
         await server.stop()
         raise
-    bar = _Progress(len(tasks) * config.repeat, enabled=progress)
+    bar = _Progress(len(tasks) * config.repeat, enabled=progress, concurrency=config.concurrency)
     runner = Runner(agents_config(config, proxy), run_id=server.run_id, proxy=server, run_dir=run_dir,
                     on_episode=bar.update, episode_env=agent_env(interceptor))
     loop = asyncio.get_running_loop()
@@ -145,36 +146,72 @@ def _merge_after_run(store: Store, run_id: str) -> dict:
 
 
 class _Progress:
-    """A progress bar with the live mean reward and failure count (silent when disabled)."""
+    """The run's progress with the live mean reward and failure count: a bar on a terminal; elsewhere (nohup, CI, a
+    pipe) plain lines on stderr, one per tenth of the episodes or every _EVERY_S, and a line every _EVERY_S while
+    none finishes; silent when disabled (--debug, whose agents own the terminal)."""
 
-    def __init__(self, total: int, enabled: bool):
-        self.total, self.enabled = total, enabled and sys.stderr.isatty()
+    def __init__(self, total: int, enabled: bool, concurrency: int = 1):
+        self.total, self.concurrency = total, concurrency
+        self.bar = enabled and sys.stderr.isatty()
+        self.plain = enabled and not self.bar
         self.rewards: list[float] = []
-        self.failures = 0
+        self.done = self.failures = 0
         self._progress = None
+        self._started = self._said = time.monotonic()
+        self._beat: asyncio.Task | None = None
 
     def __enter__(self):
-        if self.enabled:
+        if self.bar:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
             self._progress = Progress(TextColumn("episodes"), BarColumn(), MofNCompleteColumn(),
                                       TextColumn("{task.fields[stats]}"), TimeElapsedColumn(), transient=False)
             self._progress.__enter__()
             self._task = self._progress.add_task("run", total=self.total, stats="")
+        elif self.plain:
+            self._started = self._said = time.monotonic()
+            self._beat = asyncio.get_running_loop().create_task(self._heartbeat())
         return self
 
     def __exit__(self, *exc):
         if self._progress is not None:
             self._progress.__exit__(*exc)
+        if self._beat is not None:
+            self._beat.cancel()
 
     def update(self, outcome: EpisodeOutcome, judgement: Judgement | None) -> None:
+        self.done += 1
         if judgement is not None and judgement.reward is not None:
             self.rewards.append(judgement.reward)
         if outcome.status != "finished" or (judgement is not None and judgement.error):
             self.failures += 1
         if self._progress is not None:
-            mean = f"{sum(self.rewards) / len(self.rewards):.3f}" if self.rewards else "-"
-            self._progress.update(self._task, advance=1, stats=f"reward {mean}  failures {self.failures}")
+            self._progress.update(self._task, advance=1, stats=f"reward {self._mean()}  failures {self.failures}")
+        elif self.plain and (self.done == self.total or self.done % max(1, self.total // 10) == 0
+                             or time.monotonic() - self._said >= _EVERY_S):
+            self._say()
+
+    def line(self) -> str:
+        running = min(self.concurrency, self.total - self.done)
+        return (f"episodes {self.done}/{self.total} done, {running} running, reward mean {self._mean()}, "
+                f"{self.failures} failed, {time.monotonic() - self._started:.0f} s")
+
+    def _mean(self) -> str:
+        return f"{sum(self.rewards) / len(self.rewards):.3f}" if self.rewards else "-"
+
+    def _say(self) -> None:
+        self._said = time.monotonic()
+        print(self.line(), file=sys.stderr, flush=True)
+
+    async def _heartbeat(self) -> None:
+        """A line every _EVERY_S while no episode finishes: agents can run for minutes."""
+        while True:
+            await asyncio.sleep(max(0.0, self._said + _EVERY_S - time.monotonic()))
+            if time.monotonic() - self._said >= _EVERY_S:
+                self._say()
+
+
+_EVERY_S = 10.0
 
 
 __all__ = ["print_report", "rejudge", "run_dataset"]

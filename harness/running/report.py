@@ -112,5 +112,15 @@ def print_report(report: dict, run_id: str) -> None:
     for key, label in (("prompt_tokens_per_episode", "prompt tokens / episode"),
                        ("completion_tokens_per_episode", "completion tokens / episode"),
                        ("call_latency_ms", "call latency ms"), ("episode_duration_ms", "episode duration ms")):
-        table.add_row(label, "  ".join(f"{q} {fmt(v)}" for q, v in report[key].items()))
+        table.add_row(label, format_percentiles(report[key]))
     Console().print(table)
+
+
+def format_percentiles(values: dict[str, float | None]) -> str:
+    """One row of percentiles, every value with the same decimals (chosen by the largest): `p50 96  p90 104`, never
+    `p50 96.000  p90 104`. Whole numbers (token counts) print without decimals."""
+    present = [abs(v) for v in values.values() if v is not None]
+    largest = max(present, default=0.0)
+    whole = all(float(v).is_integer() for v in present)
+    decimals = 0 if whole or largest >= 100 else 1 if largest >= 10 else 3
+    return "  ".join(f"{q} {'-' if v is None else f'{v:.{decimals}f}'}" for q, v in values.items())

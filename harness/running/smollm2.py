@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import sys
 from pathlib import Path
 
 from harness.running.model_dir import write_model_dir
@@ -56,7 +57,13 @@ def build_smollm2(out_dir: str | Path, gguf: str | Path | None = None) -> Path:
     return write_model_dir(out_dir, lambda folder: _write(tokenizer, model, folder))
 
 
+def _step(text: str) -> None:
+    """A plain line on stderr per phase of the build (about a minute on a small machine, most of it silent)."""
+    print(f"smollm2: {text} ...", file=sys.stderr, flush=True)
+
+
 def _load(source: Path):
+    _step("importing torch and transformers")
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
@@ -65,7 +72,9 @@ def _load(source: Path):
     hf_logging.set_verbosity_error()  # GGUF loading warns of what is on purpose here (dequantising)
     hf_logging.disable_progress_bar()  # the dequantising bar (its own tqdm) still shows: the slow part
     try:
+        _step(f"reading the tokenizer and chat template from {source}")
         tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
+        _step("reading the weights and dequantising them to float32 (the longest step: up to a minute)")
         model = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name, dtype=torch.float32)
     except Exception as exc:  # a truncated or foreign file fails deep inside gguf / transformers
         raise SmolLM2Error(f"{str(source)!r} is not a readable SmolLM2 GGUF ({type(exc).__name__}: {exc}); give "
@@ -81,6 +90,7 @@ def _load(source: Path):
 def _write(tokenizer, model, out: Path) -> None:
     from safetensors.torch import save_file
 
+    _step("writing the model directory: model.safetensors (float32), config, generation config, tokenizer")
     state = {name: t.detach().contiguous() for name, t in model.state_dict().items() if name != "lm_head.weight"}
     save_file(dict(sorted(state.items())), str(out / "model.safetensors"), metadata={"format": "pt"})
     config = model.config.to_dict()

@@ -25,6 +25,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -32,7 +33,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
@@ -46,6 +47,7 @@ __all__ = ["Engine", "EngineError", "attach", "engine_command", "is_sleeping", "
 
 _STOP_GRACE_S = 20.0  # SIGTERM, then this long, then SIGKILL
 _LOG_TAIL_LINES = 30
+_PROGRESS_EVERY_S = 15.0  # how often a start that is still waiting says so
 # Talk to engines directly: HTTP(S)_PROXY in the environment may point at our own recording proxy.
 _DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
@@ -68,6 +70,7 @@ class Engine:
     reasoning_parser: str | None = None
     model_dir: str | None = None
     _process: subprocess.Popen | None = field(default=None, repr=False, compare=False)
+    _log_start: int = field(default=0, repr=False, compare=False)  # where this engine's part of log_path begins
 
     def stop(self, grace_s: float = _STOP_GRACE_S) -> None:
         """Stop the server we started (SIGTERM to its process group, SIGKILL after `grace_s`; 0 kills it at once,
@@ -105,7 +108,8 @@ def start_vllm(
     gpu_memory_utilization: float | None = None,
     sleep_mode: bool = False,
 ) -> Engine:
-    """Start vLLM's OpenAI server on `model_dir` and wait until it serves; the log goes to run_dir/engine.log.
+    """Start vLLM's OpenAI server on `model_dir` and wait until it serves, saying every 15 s how far it is (stderr);
+    its log is appended to run_dir/engine.log, after a header line naming the command that started it.
 
     `model_dir` is a local directory (hub.resolve_model makes one of a Hugging Face id): the server starts with
     HF_HUB_OFFLINE=1, so it never reaches for the network. It serves the model as `served_model_name`, by default
@@ -132,14 +136,18 @@ def start_vllm(
                                     env=env, base_env=os.environ)
 
     log_path = run_dir / "engine.log"
-    with open(log_path, "ab") as log:
+    with open(log_path, "ab") as log:  # appended: each engine's part starts with a header (_log_header)
+        log.write(_log_header(args).encode())
+        log.flush()
+        log_start = log.tell()
         process = subprocess.Popen(
             args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=full_env,
             start_new_session=True,  # its own process group: stop() reaches vLLM's workers too
             preexec_fn=_die_with_parent,
         )  # fmt: skip
     engine = Engine(f"http://127.0.0.1:{port}", served, True, log_path=log_path, tool_parser=tool_parser,
-                    reasoning_parser=reasoning_parser, model_dir=str(model_dir), _process=process)
+                    reasoning_parser=reasoning_parser, model_dir=str(model_dir), _process=process,
+                    _log_start=log_start)
     atexit.register(engine.stop)
     try:
         _wait_until_serving(engine, process, ready_timeout_s)
@@ -190,18 +198,24 @@ def engine_command(model_dir: Path, run_dir: Path, *, port: int, served_model_na
 
 
 def attach(url: str, *, timeout_s: float = 10, api_key: str | None = None, tool_parser: str = "hermes",
-           reasoning_parser: str | None = None) -> Engine:
+           reasoning_parser: str | None = None, what: str = "the engine URL") -> Engine:
     """Describe an engine that is already running at `url` (with or without a trailing /v1), whose chat endpoint
     parses with `tool_parser` and `reasoning_parser` (vLLM's names: what it was started with).
 
     Serves the first model `/v1/models` lists; its `root`, where that is a directory on this machine, is the
     model whose tokenizer the proxy's parsers use. One chat call with max_tokens=1 probes whether the engine
-    returns token ids; a server that rejects the extra field counts as not returning them.
+    returns token ids; a server that rejects the extra field counts as not returning them. `what` names where the
+    URL came from (`--upstream`) in the error for a server that is not an OpenAI-compatible API.
     """
     check_tool_parser(tool_parser)
     check_reasoning_parser(reasoning_parser)
     base_url = url.rstrip("/").removesuffix("/v1")
-    models = _request(f"{base_url}/v1/models", None, timeout_s, api_key)
+    try:
+        models = _request(f"{base_url}/v1/models", None, timeout_s, api_key)
+    except NotOpenAIError as exc:
+        raise EngineError(f"{what} {url} answered {exc.status} with {exc.content_type} on GET /v1/models "
+                          f"({exc.excerpt!r}), not an OpenAI-compatible API: give the engine's base URL (e.g. "
+                          "http://host:8000/v1)") from None
     try:
         served = models["data"][0]["id"]
     except (KeyError, IndexError, TypeError):
@@ -328,10 +342,57 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _wait_until_serving(engine: Engine, process: subprocess.Popen, timeout_s: float) -> None:
-    """Poll /health and /v1/models until the served model is listed; fail fast if the process dies."""
-    deadline = time.monotonic() + timeout_s
+def _log_header(args: Sequence[str]) -> str:
+    """The line that opens an engine's part of engine.log: `harness serve` and `harness run` (and every restart)
+    append to the same file, each part saying when, by which command, and what was started."""
+    when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+    by = " ".join(["harness", *sys.argv[1:2]]) if sys.argv[1:2] else Path(sys.argv[0]).name
+    model = args[args.index("--model") + 1] if "--model" in args else "?"
+    return f"\n===== {when}: `{by}` (pid {os.getpid()}) starts vLLM on {model} =====\n"
+
+
+_LOG_PREFIX = re.compile(r"^(\(\w+ pid=\d+\)\s*)?(DEBUG|INFO|WARNING|ERROR|CRITICAL)\s+[\d-]+ [\d:.]+\s+"
+                         r"(\[[^\]]*\]\s*)?")  # "(APIServer pid=7) INFO 12-02 00:12:34 [api_server.py:1] "
+_SHOWN_CHARS = 100
+
+
+def last_log_line(text: str) -> str:
+    """The engine's latest word in `text` (its log): the last non-empty line, or the last state of a progress bar
+    redrawn with carriage returns, without vLLM's level, date and source prefix; shortened to _SHOWN_CHARS."""
+    for line in reversed(text.splitlines()):
+        line = next((part for part in reversed(line.split("\r")) if part.strip()), "")
+        line = _LOG_PREFIX.sub("", line.strip()).strip()
+        if line:
+            return line if len(line) <= _SHOWN_CHARS else line[:_SHOWN_CHARS - 1] + "…"
+    return ""
+
+
+def _say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def _starting(engine: Engine, pid: int, waited_s: float) -> str:
+    """A progress line for an engine start (plain text, for a terminal, a pipe or a log file alike)."""
+    try:
+        with open(engine.log_path, "rb") as log:
+            log.seek(max(engine._log_start, log.seek(0, os.SEEK_END) - 8192))
+            last = last_log_line(log.read().decode(errors="replace"))
+    except OSError:
+        last = ""
+    return (f"engine: starting vLLM (pid {pid}), {waited_s:.0f} s, log {engine.log_path}"
+            + (f" (last log line: {last})" if last else " (nothing logged yet)"))
+
+
+def _wait_until_serving(engine: Engine, process: subprocess.Popen, timeout_s: float, *,
+                        say: Callable[[str], None] = _say, every_s: float = _PROGRESS_EVERY_S) -> None:
+    """Poll /health and /v1/models until the served model is listed; fail fast if the process dies. Every
+    `every_s`, `say` a line of how long it has waited and what the engine last logged: a start takes minutes."""
+    started = time.monotonic()
+    deadline, next_say = started + timeout_s, started + every_s
     while True:
+        if time.monotonic() >= next_say:
+            say(_starting(engine, process.pid, time.monotonic() - started))
+            next_say += every_s
         code = process.poll()
         if code is not None:
             raise EngineError(_failure(f"vLLM exited with code {code} before serving", engine))
@@ -350,7 +411,9 @@ def _wait_until_serving(engine: Engine, process: subprocess.Popen, timeout_s: fl
 
 
 def _failure(what: str, engine: Engine) -> str:
-    lines = engine.log_path.read_text(errors="replace").splitlines()[-_LOG_TAIL_LINES:]
+    with open(engine.log_path, "rb") as log:  # this engine's part of the log only
+        log.seek(engine._log_start)
+        lines = log.read().decode(errors="replace").splitlines()[-_LOG_TAIL_LINES:]
     tail = "\n".join("    " + line for line in lines)
     return f"{what}; log: {engine.log_path}\n  last {len(lines)} lines:\n{tail}"
 
@@ -372,8 +435,33 @@ def _kill_group(process: subprocess.Popen, grace_s: float) -> None:
     process.wait()
 
 
+class NotOpenAIError(EngineError):
+    """The server answered, but not as an OpenAI-compatible API would (an HTML page, plain text): the URL is
+    likely not the engine's base URL."""
+
+    def __init__(self, url: str, status: int, content_type: str, body: bytes):
+        self.url, self.status, self.content_type = url, status, content_type or "no content type"
+        self.excerpt = _excerpt(body)
+        super().__init__(f"{url} answered {status} with {self.content_type} ({self.excerpt!r}), not an "
+                         "OpenAI-compatible API")
+
+
+_TAG = re.compile(r"<[^>]*>")
+_TITLE = re.compile(r"<title[^>]*>(.*?)</title>", re.IGNORECASE | re.DOTALL)
+
+
+def _excerpt(body: bytes, limit: int = 60) -> str:
+    """A short, printable glimpse of a body that is not JSON: an HTML page's title, else its text without tags."""
+    text = body[:4000].decode("utf-8", errors="replace")
+    title = _TITLE.search(text)
+    text = title.group(1) if title else _TAG.sub(" ", text)
+    text = " ".join("".join(c if c.isprintable() else " " for c in text).split())
+    return text if len(text) <= limit else text[:limit - 1] + "…"
+
+
 def _request(url: str, body: dict | None, timeout_s: float, api_key: str | None) -> Any:
-    """GET (body None) or POST JSON; every failure becomes an EngineError that names the URL."""
+    """GET (body None) or POST JSON; every failure becomes an EngineError that names the URL, a body that is not
+    JSON a NotOpenAIError."""
     headers = {"Content-Type": "application/json"}
     if api_key:
         headers["Authorization"] = f"Bearer {api_key}"
@@ -382,16 +470,26 @@ def _request(url: str, body: dict | None, timeout_s: float, api_key: str | None)
     request = urllib.request.Request(url, data=data, headers=headers, method=method)
     try:
         with _DIRECT.open(request, timeout=timeout_s) as r:
-            raw = r.read()
+            raw, status, content_type = r.read(), r.status, r.headers.get_content_type()
     except urllib.error.HTTPError as exc:
-        raise EngineError(f"{method} {url} answered HTTP {exc.code}: {exc.read()[:300]!r}") from None
+        raw = exc.read()
+        if not _is_json(raw):
+            raise NotOpenAIError(f"{method} {url}", exc.code, exc.headers.get_content_type(), raw) from None
+        raise EngineError(f"{method} {url} answered HTTP {exc.code}: {raw[:300]!r}") from None
     except (OSError, ValueError) as exc:
         raise EngineError(f"no engine reachable at {url}: {exc}") from None
     try:
         return json.loads(raw)
     except ValueError:
-        shown = raw[:200]
-        raise EngineError(f"{method} {url} answered non-JSON {shown!r}: not an OpenAI server") from None
+        raise NotOpenAIError(f"{method} {url}", status, content_type, raw) from None
+
+
+def _is_json(raw: bytes) -> bool:
+    try:
+        json.loads(raw)
+    except ValueError:
+        return False
+    return True
 
 
 def start_or_attach(*, model: str | Path | None, upstream: str | None, run_dir: str | Path,
@@ -405,7 +503,7 @@ def start_or_attach(*, model: str | Path | None, upstream: str | None, run_dir: 
     if upstream is not None:
         if extra_args:
             raise ValueError("engine arguments go to an engine harness starts; the one at --upstream is running")
-        return attach(upstream, tool_parser=tool_parser, reasoning_parser=reasoning_parser)
+        return attach(upstream, tool_parser=tool_parser, reasoning_parser=reasoning_parser, what="--upstream")
     model_dir = resolve_model(model_reference(model, Path.cwd()), "--model", Path.cwd())
     shown = model_dir if str(model_dir) == str(model) else f"{model} ({model_dir})"
     print(f"starting vLLM on {shown} (log: {Path(run_dir) / 'engine.log'}) ...", file=sys.stderr, flush=True)

@@ -46,8 +46,8 @@ from harness.store.journal import journal_segments, pending_records, replay
 from harness.store.readonly import check_read_only, confine, outside_files
 from harness.store.schema import MIGRATIONS, SCHEMA_VERSION
 
-__all__ = ["EPISODE_CALLS", "EPISODE_CALLS_NO_BODIES", "MIGRATIONS", "SCHEMA_VERSION", "ROW_GROUP_SIZE", "QueryResult",
-           "SchemaVersionError", "Store", "calls_of"]
+__all__ = ["EPISODE_CALLS", "EPISODE_CALLS_NO_BODIES", "MIGRATIONS", "SCHEMA_VERSION", "ROW_GROUP_SIZE",
+           "NotHarnessDatabaseError", "QueryResult", "SchemaVersionError", "Store", "calls_of", "check_database"]
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +62,15 @@ _CONVERT_SLICE = 32  # calls converted between two GIL hand-overs (~1 ms of Pyth
 
 class SchemaVersionError(RuntimeError):
     """The file's schema is older or newer than this code's, or its migration history differs."""
+
+
+class NotHarnessDatabaseError(SchemaVersionError):
+    """The file is not a harness database: not a DuckDB file at all, or another application's DuckDB file (tables,
+    no harness schema). Refused by every opening and left untouched: adding our tables to another application's
+    file would mix two schemas in one file, and a proxy recording into it locks that application out."""
+
+
+_FIX = "pass a run's harness database (e.g. runs/harness.duckdb), or a new path to create one"
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,8 +121,11 @@ class Store:
             con.execute(f"USE {_DATABASE}")
         except duckdb.IOException as e:
             con.close()
-            hint = "If a proxy is running on it, it holds the file read-write: query it through the proxy."
-            raise duckdb.IOException(f"cannot open harness database {path}: {e}. {hint}") from e
+            if "not a valid duckdb database" in str(e).lower():
+                raise NotHarnessDatabaseError(f"{path} is not a DuckDB database file: {_FIX}") from None
+            hint = (" If a proxy is running on it, it holds the file read-write: query it through the proxy."
+                    if "lock" in str(e).lower() else "")
+            raise duckdb.IOException(f"cannot open harness database {path}: {e}.{hint}") from e
         store = cls(path, con, read_only)
         try:
             if read_only:
@@ -151,6 +163,23 @@ class Store:
 
     # --- schema -------------------------------------------------------------------------------------------
 
+    def _foreign_tables(self) -> list[str]:
+        """The tables and views of a file without a harness schema (no schema_migrations table): another
+        application's, when there are any. Empty for a harness database and for an empty file."""
+        with self.cursor() as cur:
+            sql = ("SELECT table_name AS name FROM duckdb_tables() WHERE database_name = $1 AND NOT internal "
+                   "UNION ALL SELECT view_name FROM duckdb_views() WHERE database_name = $1 AND NOT internal "
+                   "ORDER BY name")
+            names = [name for (name,) in cur.execute(sql, [_DATABASE]).fetchall()]
+        return [] if "schema_migrations" in names else names
+
+    def _refuse_foreign(self) -> None:
+        """Refuse another application's DuckDB file before anything is written into it."""
+        if names := self._foreign_tables():
+            shown = ", ".join(names[:5]) + (f", ... ({len(names)} in all)" if len(names) > 5 else "")
+            raise NotHarnessDatabaseError(f"{self.path} has tables ({shown}) but no harness schema: it is not a "
+                                          f"harness database, and harness leaves it as it is; {_FIX}")
+
     def _applied_migrations(self) -> tuple[int, list[str]]:
         with self.cursor() as cur:
             sql = "SELECT count(*) FROM duckdb_tables() WHERE database_name = ? AND table_name = ?"
@@ -160,6 +189,8 @@ class Store:
         return len(rows), [name for (name,) in rows]
 
     def _check_schema(self, found: int, names: list[str]) -> None:
+        if found == 0:
+            self._refuse_foreign()
         expected = [name for name, _ in MIGRATIONS]
         if found > SCHEMA_VERSION:
             raise SchemaVersionError(
@@ -170,6 +201,8 @@ class Store:
             raise SchemaVersionError(
                 f"{self.path} has migrations {names}, which are not a prefix of this harness's {expected}"
             )
+        if self.read_only and found == 0:
+            raise SchemaVersionError(f"{self.path} is an empty database: nothing was recorded into it; {_FIX}")
         if self.read_only and found < SCHEMA_VERSION:
             raise SchemaVersionError(
                 f"{self.path} has schema version {found}, this harness expects {SCHEMA_VERSION}: open it "
@@ -177,6 +210,7 @@ class Store:
             )
 
     def _migrate(self) -> None:
+        self._refuse_foreign()  # before the first write: another application's file stays as it is
         with self.cursor() as cur:
             cur.execute("CREATE TABLE IF NOT EXISTS schema_migrations "
                         "(version INTEGER, name VARCHAR, applied_at TIMESTAMP)")  # fmt: skip
@@ -379,6 +413,32 @@ class Store:
             call["request"] = orjson.loads(call["request"]) if call["request"] else None
             call["response"] = orjson.loads(call["response"]) if call["response"] else None
         return calls
+
+
+def check_database(path: str | Path) -> None:
+    """Raise what a read-write `Store.open(path)` would refuse, without writing anything: a file that is not a
+    DuckDB database or is another application's (NotHarnessDatabaseError), a newer harness's schema
+    (SchemaVersionError), a file another process holds (duckdb.IOException). A missing file passes (the store
+    creates it). For commands to call before their slow part (an engine start), so the refusal comes first."""
+    path = Path(path)
+    if not path.exists():
+        return
+    if path.is_dir():
+        raise NotHarnessDatabaseError(f"{path} is a folder, not a database file: {_FIX}")
+    con = duckdb.connect(":memory:")
+    try:
+        quoted = "'" + str(path).replace("'", "''") + "'"
+        try:
+            con.execute(f"ATTACH {quoted} AS {_DATABASE} (READ_ONLY)")
+        except duckdb.IOException as e:
+            if "not a valid duckdb database" in str(e).lower():
+                raise NotHarnessDatabaseError(f"{path} is not a DuckDB database file: {_FIX}") from None
+            hint = " Another process holds it: stop it, or give another path." if "lock" in str(e).lower() else ""
+            raise duckdb.IOException(f"cannot open harness database {path}: {e}.{hint}") from None
+        store = Store(path, con, read_only=False)  # checked as the read-write open would: an older schema is fine
+        store._check_schema(*store._applied_migrations())
+    finally:
+        con.close()
 
 
 def _recover_for_reader(path: Path, memory_mb: int | None) -> None:

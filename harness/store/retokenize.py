@@ -43,10 +43,11 @@ def retokenize_database(db_path: str | Path, model_dir: str | Path, run_id: str 
 
     from harness.store.database import Store
 
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    if tokenizer.chat_template is None:
-        raise ValueError(f"{str(model_dir)!r} has no chat template: give the model the agent's calls were meant for")
-    with Store.open(db_path) as store:
+    with Store.open(db_path) as store:  # first: a file that is no harness database is refused before any tokenizer
+        tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        if tokenizer.chat_template is None:
+            raise ValueError(f"{str(model_dir)!r} has no chat template: give the model the agent's calls were meant "
+                             "for")
         rows = store.query(_PENDING.format(run="AND c.run_id = ?" if run_id else ""),
                            [NONE, OK, *([run_id] if run_id else [])]).rows
         calls, choices, skipped = [], [], {}

@@ -3,6 +3,10 @@
 DuckDB allows one process per database file. While a proxy owns the file, the query goes through that proxy's
 read-only SQL route (found via the run-info file next to the database); otherwise the file is opened read-only.
 Either way the same statement check refuses anything that is not a query.
+
+Two errors, for two exit codes of `harness sql` and `harness roles`: DatabaseError when there is nothing to query
+(no file, not a harness database, held by a process that announces no proxy; 2, like every bad input of the CLI),
+SqlError when the query itself failed (1).
 """
 
 from __future__ import annotations
@@ -19,13 +23,17 @@ from pathlib import Path
 import duckdb
 import orjson
 
-from harness.store.database import QueryResult, SchemaVersionError, Store
+from harness.store.database import NotHarnessDatabaseError, QueryResult, SchemaVersionError, Store
 from harness.store.live import discover
 from harness.store.readonly import ReadOnlyError, check_read_only, confine, outside_files
 
 
 class SqlError(RuntimeError):
     """A query that could not run; the message says why and what to do."""
+
+
+class DatabaseError(SqlError):
+    """No database to run the query on: a missing file, one that is not a harness database, or one held elsewhere."""
 
 
 def run_sql(db_path: str | Path, query: str, params: list | None = None, *,
@@ -59,16 +67,19 @@ class Reader:
         if self._proxy is not None:
             return self
         if not path.exists():
-            raise SqlError(f"no database at {str(path)!r}: record something first, or pass --db PATH")
+            raise DatabaseError(f"no database at {str(path)!r}: record something first, or pass --db PATH")
         try:
             self._store = Store.open(path, read_only=True)
+        except NotHarnessDatabaseError as exc:
+            raise DatabaseError(str(exc)) from None
         except duckdb.IOException as exc:
             if "lock" in str(exc).lower():
-                raise SqlError(f"{str(path)!r} is held by another process and no running proxy announces it "
-                               f"({path.name}.proxy.json): stop that process, or query through its proxy") from None
-            raise SqlError(f"cannot read {str(path)!r}: {exc}") from None
+                raise DatabaseError(f"{str(path)!r} is held by another process and no running proxy announces "
+                                    f"it ({path.name}.proxy.json): stop that process, or query through its "
+                                    "proxy") from None
+            raise DatabaseError(f"cannot read {str(path)!r}: {exc}") from None
         except (duckdb.Error, ValueError, SchemaVersionError) as exc:
-            raise SqlError(f"cannot read {str(path)!r}: {exc}") from None
+            raise DatabaseError(f"cannot read {str(path)!r}: {exc}") from None
         return self
 
     def __exit__(self, *exc_info) -> None:
@@ -101,7 +112,7 @@ def _open_folder(folder: Path) -> duckdb.DuckDBPyConnection:
     (docs/scale-out.md)."""
     paths = sorted(folder.rglob("*.duckdb"))
     if not paths:
-        raise SqlError(f"no .duckdb files under {str(folder)!r}: pass a database file, or a folder that has some")
+        raise DatabaseError(f"no .duckdb files under {str(folder)!r}: pass a database file, or a folder that has some")
     con = duckdb.connect(":memory:")
     try:
         for k, path in enumerate(paths):
@@ -110,7 +121,10 @@ def _open_folder(folder: Path) -> duckdb.DuckDBPyConnection:
                 con.execute(f"ATTACH {quoted} AS db{k} (READ_ONLY)")
             except duckdb.Error as exc:
                 held = "lock" in str(exc).lower()
-                raise SqlError(f"cannot read {str(path)!r}: " + (
+                if "not a valid duckdb database" in str(exc).lower():
+                    raise DatabaseError(f"{path} is not a DuckDB database file: move it out of {folder}, or pass "
+                                        "the database files one at a time with --db") from None
+                raise DatabaseError(f"cannot read {str(path)!r}: " + (
                     "a running process holds it (a proxy still recording?): query it alone with --db, or after "
                     "the run" if held else str(exc))) from None
         tables = [set(r[0] for r in con.execute(
@@ -174,7 +188,7 @@ def _via_proxy(info: dict, query: str, params: list | None, max_rows: int | None
             message = str(exc)
         raise SqlError(message) from None
     except OSError as exc:
-        raise SqlError(f"the proxy at {info['url']} did not answer: {exc}") from None
+        raise DatabaseError(f"the proxy at {info['url']} did not answer: {exc}") from None
     return QueryResult(columns=data["columns"], types=data["types"], rows=[tuple(r) for r in data["rows"]],
                        truncated=data["truncated"])
 

@@ -18,8 +18,11 @@ is read off that suffix.
 from __future__ import annotations
 
 import asyncio
+import errno
+import hmac
 import logging
 import math
+import os
 import sys
 import threading
 from pathlib import Path
@@ -222,14 +225,19 @@ VIEWER = web.AppKey("viewer", Viewer)
 
 LOCAL_NAMES = frozenset({"127.0.0.1", "localhost", "[::1]", "::1"})
 LOCAL_ONLY = web.AppKey("local_only", bool)
+AUTH_TOKEN = web.AppKey("auth_token", str)
+TOKEN_COOKIE = "harness_view_token"
 
 
-def create_app(viewer: Viewer, *, local_only: bool = True) -> web.Application:
+def create_app(viewer: Viewer, *, local_only: bool = True, auth_token: str | None = None) -> web.Application:
     """The page and its API. local_only: answer only requests addressed to this machine by name (a web page
-    elsewhere cannot reach the API through DNS rebinding)."""
+    elsewhere cannot reach the API through DNS rebinding). auth_token: every request must carry it, as `?token=`
+    (the page's address: the answer keeps it in a cookie for the page's own requests), that cookie, or
+    `Authorization: Bearer`; `harness view` demands one beyond loopback, as `harness serve` does."""
     app = web.Application(middlewares=[_errors])
     app[VIEWER] = viewer
     app[LOCAL_ONLY] = local_only
+    app[AUTH_TOKEN] = auth_token or ""
     app.router.add_get("/", _index)
     app.router.add_static("/static/", STATIC)
     app.router.add_get("/api/runs", _runs)
@@ -284,8 +292,15 @@ async def _errors(request: web.Request, handler):
     if request.app[LOCAL_ONLY] and (request.host or "").rsplit(":", 1)[0] not in LOCAL_NAMES:
         return ApiError(403, f"this viewer answers requests for 127.0.0.1 or localhost, not {request.host!r}",
                         code="host_not_allowed").response()
+    token = request.app[AUTH_TOKEN]
+    if token and not _carries(request, token):
+        return ApiError(401, "this viewer needs its token: open the page as /?token=TOKEN (the --auth-token it was "
+                        "started with), or send Authorization: Bearer TOKEN", code="invalid_token").response()
     try:
-        return await handler(request)
+        response = await handler(request)
+        if token and request.query.get("token"):  # the page's own requests carry it from here on
+            response.set_cookie(TOKEN_COOKIE, token, httponly=True, samesite="Strict")
+        return response
     except ApiError as exc:
         return exc.response()
     except SqlError as exc:
@@ -295,6 +310,13 @@ async def _errors(request: web.Request, handler):
             raise
         return json_response(error_body(exc.status, exc.reason, code=exc.reason.lower().replace(" ", "_")),
                              status=exc.status)
+
+
+def _carries(request: web.Request, token: str) -> bool:
+    """Whether the request carries the viewer's token (query, cookie or bearer), compared in constant time."""
+    bearer = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
+    given = [request.query.get("token"), request.cookies.get(TOKEN_COOKIE), bearer]
+    return any(value and hmac.compare_digest(value.encode(), token.encode()) for value in given)
 
 
 def _json_response(obj) -> web.Response:
@@ -356,6 +378,8 @@ def tokenizer_dir_for(db: Path) -> Path | None:
 
 # ---- harness view ---------------------------------------------------------------------------------------------
 def add_parser(verbs) -> None:
+    from harness.cli.options import port_number  # here: harness.cli imports this module
+
     p = verbs.add_parser(
         "view", help="a local web page over recorded rollouts: runs, curves, episodes token by token, SQL",
         description="Serve a page on 127.0.0.1 over a run's DuckDB file: runs, per-step curves, a filterable episode "
@@ -367,18 +391,27 @@ def add_parser(verbs) -> None:
     where.add_argument("--run", type=Path, help="a run directory (its harness.duckdb; or, without one, every "
                        ".duckdb file under it, e.g. a backbone: verl run)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s, this machine only)")
-    p.add_argument("--port", type=int, default=8500, help="port (default: %(default)s; 0: any free port)")
+    p.add_argument("--port", type=port_number, default=8500, help="port (default: %(default)s; 0: any free port)")
+    p.add_argument("--auth-token", default=os.environ.get("HARNESS_AUTH_TOKEN"),
+                   help="token the page and API demand (open the page as /?token=TOKEN); required when binding "
+                   "beyond loopback, as for harness serve (env HARNESS_AUTH_TOKEN)")
     p.add_argument("--tokenizer", type=Path, help="model directory whose tokenizer.json shows token text (default: "
                    "the model in the run's config.resolved.yaml, if any; else token ids)")
     p.set_defaults(func=main)
 
 
 def main(args) -> int:
+    from harness.cli.options import bind_failure
+
     db = args.db if args.run is None else (args.run / "harness.duckdb" if (args.run / "harness.duckdb").exists()
                                            else args.run)
     if not db.exists():
         print(f"error: no database at {str(db)!r}: record or train something first, or pass --db / --run",
               file=sys.stderr)
+        return 2
+    local = args.host in LOCAL_NAMES
+    if problem := _start_error(db, args.host, args.port, args.auth_token, local):
+        print(f"error: {problem}", file=sys.stderr)
         return 2
     tokenizer = args.tokenizer or tokenizer_dir_for(db)
     try:
@@ -386,22 +419,44 @@ def main(args) -> int:
     except FileNotFoundError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-
-    local = args.host in LOCAL_NAMES
-    if not local:
-        print(f"warning: serving on {args.host}: anyone who can reach it can read this run and query it",
-              file=sys.stderr)
-    asyncio.run(_serve(create_app(viewer, local_only=local), args.host, args.port, db, tokenizer))
+    app = create_app(viewer, local_only=local, auth_token=args.auth_token)
+    try:
+        asyncio.run(_serve(app, args.host, args.port, db, tokenizer, bool(args.auth_token)))
+    except OSError as exc:  # the port was taken since _start_error looked
+        if exc.errno not in (errno.EADDRINUSE, errno.EADDRNOTAVAIL):
+            raise
+        print(f"error: {bind_failure(args.host, args.port, exc)}", file=sys.stderr)
+        return 2
     return 0
 
 
-async def _serve(app: web.Application, host: str, port: int, db: Path, tokenizer: Path | None) -> None:
+def _start_error(db: Path, host: str, port: int, auth_token: str | None, local: bool) -> str | None:
+    """What would leave the page unusable, found before it is served: a page open beyond this machine without a
+    token, a port in use, a file that is not a harness database (else the page starts and every answer fails)."""
+    from harness.cli.options import listen_error
+
+    if not local and not auth_token:
+        return (f"binding to {host!r} exposes the recorded runs beyond this machine: set an auth token (--auth-token "
+                "or HARNESS_AUTH_TOKEN), or bind to 127.0.0.1")
+    if problem := listen_error(host, port):
+        return problem
+    try:
+        with Reader(db) as reader:
+            reader.query("SELECT count(*) FROM runs")
+    except SqlError as exc:
+        return f"harness view reads a harness database: {exc}"
+    return None
+
+
+async def _serve(app: web.Application, host: str, port: int, db: Path, tokenizer: Path | None,
+                 with_token: bool) -> None:
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()
     bound = runner.addresses[0][1]
-    print(f"harness view: http://{host}:{bound}/ over {db}" + ("" if tokenizer else " (token ids only: pass "
+    page = f"http://{host}:{bound}/" + ("?token=TOKEN (your --auth-token)" if with_token else "")
+    print(f"harness view: {page} over {db}" + ("" if tokenizer else " (token ids only: pass "
           "--tokenizer for their text)"), flush=True)
     try:
         await asyncio.Event().wait()

@@ -26,7 +26,8 @@ ROOT = Path(__file__).resolve().parents[2]
 needs_verl = pytest.mark.skipif(importlib.util.find_spec("verl") is None, reason="verl is not installed")
 
 
-_VERL = "prompt_length: 128, response_length: 160, nnodes: 2, n_gpus_per_node: 4"
+# 4 ranks for 2 tasks x 2 repeats: one sample each, one a micro-batch (verl splits a step evenly: checks.py)
+_VERL = "prompt_length: 128, response_length: 160, nnodes: 2, n_gpus_per_node: 2, micro_batch_size_per_gpu: 1"
 
 
 TERSE = ROOT / "examples" / "terse_agent"
@@ -68,7 +69,7 @@ def test_translation_is_a_config_verl_accepts(tmp_path, tiny_model_dir):
     assert (c.algorithm.adv_estimator, actor.use_kl_loss, actor.kl_loss_coef, actor.kl_loss_type) == \
         ("rloo", True, 0.01, "kl")
     assert (actor.clip_ratio_high, actor.optim.lr, c.trainer.total_training_steps) == (0.28, 3e-6, 7)
-    assert (c.trainer.nnodes, c.trainer.n_gpus_per_node, rollout.n, c.data.train_batch_size) == (2, 4, 2, 2)
+    assert (c.trainer.nnodes, c.trainer.n_gpus_per_node, rollout.n, c.data.train_batch_size) == (2, 2, 2, 2)
     assert (rollout.agent.default_agent_loop, rollout.agent.agent_loop_config_path) == \
         ("harness", str(tmp_path / "loop.yaml"))
     assert (rollout.response_length, c.algorithm.rollout_correction.rollout_is_threshold) == (160, 2.0)
@@ -92,8 +93,8 @@ def test_translation_is_a_config_verl_accepts(tmp_path, tiny_model_dir):
         verl_config(_config(tmp_path, tiny_model_dir, "  trainer: {lora: {rank: 8, dropout: 0.1}}"), files)
 
     with pytest.raises(ConfigError, match="verl has no setting 'actor_rollout_ref.actor.no_such_key'"):
-        verl_config(_config(tmp_path, tiny_model_dir, verl="overrides: [actor_rollout_ref.actor.no_such_key=1]"),
-                    files)
+        verl_config(_config(tmp_path, tiny_model_dir,
+                            verl="n_gpus_per_node: 1, overrides: [actor_rollout_ref.actor.no_such_key=1]"), files)
     with pytest.raises(ConfigError, match="episode-mean has no verl counterpart"):
         verl_config(_config(tmp_path, tiny_model_dir, "  trainer: {loss_agg_mode: episode-mean}"), files)
 
@@ -145,7 +146,8 @@ def test_gae_remax_and_the_adaptive_kl_controller_translate_to_verl_s_own(tmp_pa
     from trainer.rl.verl_backbone import VerlFiles, verl_config
 
     files = VerlFiles(tmp_path / "t.parquet", None, tmp_path / "loop.yaml", tmp_path / "ck")
-    small = "prompt_length: 128, response_length: 160, nnodes: 1, n_gpus_per_node: 2"  # the critic's batch: 4
+    small = ("prompt_length: 128, response_length: 160, nnodes: 1, n_gpus_per_node: 2, "  # the critic's batch: 4
+             "micro_batch_size_per_gpu: 2")
     cfg = _config(tmp_path, tiny_model_dir, "  trainer: {adv_estimator: gae, kl_coef: 0.02, use_kl_in_reward: true, "
                   "kl_ctrl: adaptive, kl_target: 0.05, kl_horizon: 500, ppo_epochs: 2, critic: {lr: 2.0e-5, "
                   "warmup_steps: 3, gamma: 0.99, lam: 0.95, cliprange_value: 0.3}}", verl=small)

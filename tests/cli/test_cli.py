@@ -150,7 +150,7 @@ def test_upstream_without_token_ids_is_recorded_as_text(upstream, tmp_path, capl
 def test_sql_errors_are_clear(tmp_path):
     missing = subprocess.run(HARNESS + ["sql", "--db", str(tmp_path / "nope.duckdb"), "SELECT 1"],
                              capture_output=True, text=True)
-    assert missing.returncode == 1 and "no database at" in missing.stderr
+    assert missing.returncode == 2 and "no database at" in missing.stderr
     parser = subprocess.run(HARNESS + ["serve", "--model", str(tmp_path), "--tool-parser", "qwen2.5"],
                             capture_output=True, text=True, timeout=60)
     assert parser.returncode == 2 and "unknown tool parser 'qwen2.5'" in parser.stderr and "hermes" in parser.stderr
@@ -207,4 +207,4 @@ def test_roles_lists_each_role_with_its_counts_and_an_example(upstream, tmp_path
     assert only.returncode == 0 and "solver" in only.stdout and "critic" in only.stdout
     missing = subprocess.run(HARNESS + ["roles", "--db", str(db), "--run", "nope"], capture_output=True, text=True,
                              timeout=60)
-    assert missing.returncode == 1 and "no calls of run 'nope'" in missing.stderr and run_id in missing.stderr
+    assert missing.returncode == 2 and "no calls of run 'nope'" in missing.stderr and run_id in missing.stderr

@@ -195,7 +195,34 @@ def test_doctor_help_answers(capsys):
     with pytest.raises(SystemExit) as exited:
         main(["doctor", "--help"])
     assert exited.value.code == 0
-    assert "usage: harness doctor" in capsys.readouterr().out
+    out = " ".join(capsys.readouterr().out.split())
+    assert "usage: harness doctor" in out and "--tools" in out
+    assert "from the local cache, else downloaded" in out  # what the command does with a Hub id (docs/doctor.md)
+
+
+def test_a_model_without_tool_format_is_for_agents_without_tools(smollm2_dir):
+    """SmolLM2's template has no tool-call format: doctor says the model suits agents without tools, warns and exits
+    0, having said on stderr what it loads before the wait; asked for tools, the same template FAILs with exit 1."""
+    done = subprocess.run([sys.executable, "-m", "harness.cli", "doctor", "--model", str(smollm2_dir)],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    line = next(x for x in done.stdout.splitlines() if x.split()[1:2] == ["tool-parser"])
+    assert line.startswith("warn ") and "use this model for agents without tools" in line, line
+    assert "harness doctor --tools" in " ".join(done.stdout.split())  # how to check strictly
+    assert not [x for x in done.stdout.splitlines() if x.startswith("FAIL")], done.stdout
+    assert done.stderr.splitlines()[0].startswith("doctor: loading the tokenizer and vLLM's parsers"), done.stderr
+    strict = subprocess.run([sys.executable, "-m", "harness.cli", "doctor", "--model", str(smollm2_dir), "--tools"],
+                            capture_output=True, text=True, timeout=600)
+    assert strict.returncode == 1, strict.stdout + strict.stderr
+    line = next(x for x in strict.stdout.splitlines() if x.split()[1:2] == ["tool-parser"])
+    assert line.startswith("FAIL ") and "writes no tool calls at all" in line, line
+
+
+def test_naming_a_tool_parser_asks_for_tools(smollm2_dir, capsys):
+    assert main(["doctor", "--model", str(smollm2_dir), "--tool-parser", "hermes", "--json"]) == 1
+    out = json.loads(capsys.readouterr().out)
+    assert out["tools"] is True and out["ok"] is False
+    assert next(c for c in out["checks"] if c["name"] == "tool-parser")["status"] == "FAIL"
 
 
 def test_doctor_takes_a_cached_hub_id(tiny_model_dir, tmp_path, monkeypatch, capsys):

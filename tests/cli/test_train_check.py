@@ -48,8 +48,10 @@ def qwen25_1_5b(tmp_path_factory, tiny_model_dir):
 def test_check_prints_the_plan_and_exits_0_on_a_machine_without_a_gpu(tiny_model_dir, capsys):
     assert main(["train", str(MATH_YAML), "--check", "--set", f"model.path={tiny_model_dir}"]) == 0
     out = capsys.readouterr().out
-    assert out.startswith(f"harness train {MATH_YAML} --check\n  config       {MATH_YAML}: harness train, experiment "
-                          "math, backbone harness\n")
+    assert out.startswith(f"harness train {MATH_YAML} --check --set model.path={tiny_model_dir}\n  config       "
+                          f"{MATH_YAML}: harness train, experiment math, backbone harness\n")
+    assert "  tasks        data.train " in out and "math_agent/tasks.jsonl: 10 tasks in split 'train'" in out
+    assert "  judge        task_judge.judge math: loaded (harness.judges:math)" in out
     assert f"  model        {tiny_model_dir}: 0.8M parameters, hidden 128, 2 layers" in out
     assert ("  parsers      rollout.tool_parser hermes, rollout.reasoning_parser null: built on the model's "
             "tokenizer") in out
@@ -138,9 +140,13 @@ def test_sft_and_from_run_check_as_they_would_train(tiny_model_dir, tmp_path, ca
                                              {"role": "assistant", "content": "4"}]}) + "\n")
     assert main(["sft", str(TERSE_YAML), "--check", "--data", str(chat), "--set", f"model.path={tiny_model_dir}"]) == 0
     assert f"config       {TERSE_YAML}: harness sft, experiment terse" in capsys.readouterr().out
-    assert main(["train", str(TERSE_YAML), "--check", "--from-run", "run-1", "--set",
-                 f"model.path={tiny_model_dir}"]) == 0
-    assert "harness train --from-run, experiment terse" in capsys.readouterr().out
+    db = tmp_path / "runs.duckdb"
+    assert main(["train", str(TERSE_YAML), "--check", "--from-run", "run-1", "--db", str(db), "--set",
+                 f"model.path={tiny_model_dir}"]) == 1  # no database there: said, and none created
+    out = capsys.readouterr().out
+    assert "harness train --from-run, experiment terse" in out
+    assert f"  - offline.run 'run-1' in {str(db)!r}: no database at {str(db)!r}" in out
+    assert not db.exists()
     assert main(["sft", str(TERSE_YAML), "--check", "--set", f"model.path={tiny_model_dir}"]) == 1
     assert "harness sft needs chat records: set offline.data" in capsys.readouterr().out
 

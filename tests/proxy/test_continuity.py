@@ -189,6 +189,62 @@ def test_a_whole_answer_has_the_chat_shape_with_only_the_first_call_when_not_par
     assert plain["message"]["content"] == text and plain["finish_reason"] == "stop"
 
 
+def test_a_call_sent_again_with_the_same_messages_is_a_resend():
+    """Qwen Code retries a call whose reply was cut off with the identical prompt: that is a resend of the call,
+    not a history the proxy failed to keep (history_not_recorded with every message matched)."""
+    timelines = Timelines()
+    body = _body(BASE)
+    first = _call("ep", [1, 2, 3], [7, 8], text="It is", finish="length")  # cut off by max_tokens
+    timelines.remember(first, body, prefix_hashes(body))
+    again = _body([dict(m) for m in BASE])
+    found = timelines.find("ep", again, prefix_hashes(again))
+    assert found.parent is None and found.notes == {}
+    assert found.fallback.reason == "resend" and found.fallback.detail == {"earlier_call": first.call_id}
+    assert found.fallback.record() == {"mode": "chat", "reason": "resend", "earlier_call": first.call_id}
+    # the same messages under another tool list, or in another episode, or one message more: no resend
+    other_tools = _body(BASE, tools=[])
+    assert timelines.find("ep", other_tools, prefix_hashes(other_tools)).fallback.reason == "history_not_recorded"
+    assert timelines.find("other", again, prefix_hashes(again)).fallback.reason == "no_earlier_call"
+    longer = _body([*BASE, {"role": "user", "content": "and 3?"}])
+    found = timelines.find("ep", longer, prefix_hashes(longer))
+    assert found.fallback.reason == "history_not_recorded"
+    assert found.fallback.detail == {"first_unmatched_message": len(BASE)}
+
+
+def test_a_resend_names_the_latest_call_it_repeats():
+    timelines = Timelines()
+    body = _body(BASE)
+    calls = [_call("ep", [1, 2, 3], [7 + k], text=f"r{k}", finish="length") for k in range(2)]
+    for call in calls:
+        timelines.remember(call, body, prefix_hashes(body))
+    found = timelines.find("ep", body, prefix_hashes(body))
+    assert found.fallback.reason == "resend" and found.fallback.detail["earlier_call"] == calls[1].call_id
+
+
+async def test_a_resent_call_through_the_proxy_is_recorded_as_a_resend_and_merges_as_a_sibling(upstream, tmp_path):
+    """The retry as it happens: the same request twice through the proxy (the scripted engine cuts the reply off,
+    finish_reason length). The record says resend, naming the first call; the merger puts both on one prompt."""
+    from harness.core.merge import merge_episode
+    from harness.store.database import Store
+
+    proxy = RunningProxy(upstream.url, tmp_path / "rec.duckdb")
+    url = f"{proxy.url}/e/ep/v1/chat/completions"
+    try:
+        async with aiohttp.ClientSession() as session:
+            for _ in range(2):
+                async with session.post(url, json={"model": "m", "messages": BASE, "max_tokens": 8}) as r:
+                    assert r.status == 200 and (await r.json())["choices"][0]["finish_reason"] == "length"
+    finally:
+        proxy.close()
+    rows = db_rows(tmp_path / "rec.duckdb", "SELECT call_id, extra->'continuity' FROM calls ORDER BY call_index")
+    (first_id, first), (_, second) = [(call_id, json.loads(c)) for call_id, c in rows]
+    assert first == {"mode": "chat", "reason": "no_earlier_call"}
+    assert second == {"mode": "chat", "reason": "resend", "earlier_call": first_id}
+    with Store.open(tmp_path / "rec.duckdb", read_only=True) as store:
+        merged = merge_episode(store.load_calls("ep"))
+    assert [b.reason for b in merged.breaks] == ["first_call", "n_branch"]
+
+
 async def test_an_engine_that_cannot_render_falls_back_to_chat_and_says_why(upstream, tmp_path):
     proxy = RunningProxy(upstream.url, tmp_path / "rec.duckdb")
     url = f"{proxy.url}/e/ep/v1/chat/completions"

@@ -7,7 +7,7 @@ import itertools
 import pytest
 
 from harness.core.records import EpisodeOutcome, Judgement
-from harness.running.report import build_report, pass_at_k, percentiles
+from harness.running.report import build_report, format_percentiles, pass_at_k, percentiles
 
 
 @pytest.mark.parametrize("n, c", [(4, 0), (4, 1), (4, 2), (5, 3), (6, 6), (3, 1)])
@@ -43,3 +43,14 @@ def test_report_counts_successes_failures_and_judge_errors():
     assert report["pass_at_k"] == {"pass@1": 0.25, "pass@2": 0.5}
     assert report["failures"] == {"crashed": 1, "judge_error": 1}
     assert report["episode_duration_ms"]["p50"] == 15.0
+
+
+@pytest.mark.parametrize("values, shown", [
+    ({"p50": 96.0, "p90": 104.0, "p99": 110.4}, "p50 96  p90 104  p99 110"),  # not `p50 96.000  p90 104`
+    ({"p50": 12.25, "p90": 40.0}, "p50 12.2  p90 40.0"),
+    ({"p50": 0.5, "p90": 3.25}, "p50 0.500  p90 3.250"),
+    ({"p50": 3.0, "p90": 7.0}, "p50 3  p90 7"),  # token counts
+    ({"p50": None, "p90": None}, "p50 -  p90 -"),
+])
+def test_a_row_of_percentiles_shows_every_value_with_the_same_decimals(values, shown):
+    assert format_percentiles(values) == shown

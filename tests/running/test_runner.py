@@ -35,6 +35,7 @@ AGENT = textwrap.dedent('''
     if mode == "hog":
         hoard = bytearray(task["bytes"])
     if mode == "bomb":  # children that leave the process group, each writing its pid, until fork fails
+        open(task["pidfile"] + ".agent", "w").write(str(os.getpid()))  # its pids group is harness-<this pid>
         forked = 0
         for _ in range(task["children"]):
             try:
@@ -87,18 +88,39 @@ def test_parse_answer_rule():
 
 
 async def test_failures_are_episodes_with_a_cause(upstream, agent, tmp_path):
-    pidfile = tmp_path / "child.pid"
-    tasks = _tasks({}, {"mode": "crash"}, {"mode": "hang", "pidfile": str(pidfile)}, {"mode": "silent"},
-                   {"a": 5, "calls": 2, "answer": "6"})
-    config = RunConfig(command=agent, judge="exact_match", concurrency=5, timeout_s=8)
+    """Agents that finish, crash or print nothing run with a timeout no load reaches; the agent meant to hang runs
+    alone under a short one, so only it can be cut off."""
+    tasks = _tasks({}, {"mode": "crash"}, {"mode": "silent"}, {"a": 5, "calls": 2, "answer": "6"})
+    config = RunConfig(command=agent, judge="exact_match", concurrency=4, timeout_s=600)
     run_id, report = await run_dataset(tasks, config, attach(upstream.url), tmp_path / "run", progress=False)
     rows = db_rows(tmp_path / "run" / "harness.duckdb",
                    "SELECT task_id, status, answer, error, exit_code, log_path FROM episode_outcomes ORDER BY task_id")
     by_task = {r[0]: r[1:] for r in rows}
-    assert by_task["t0"][:2] == ("finished", "1") and by_task["t4"][:2] == ("finished", "6")
+    assert by_task["t0"][:2] == ("finished", "1") and by_task["t3"][:2] == ("finished", "6")
     assert by_task["t1"][0] == "crashed" and "boom: the agent gave up" in by_task["t1"][2]
-    assert by_task["t2"][0] == "timeout" and by_task["t2"][3] is None
-    assert by_task["t3"][0] == "no_output"
+    assert by_task["t2"][0] == "no_output"
+    assert "boom" in open(by_task["t1"][4]).read()  # stderr went to the episode's log
+    assert report["failures"] == {"crashed": 1, "no_output": 1}
+    assert report["episodes"] == 4 and report["pass_at_k"]["pass@1"] == 0.5  # t0 and t3 answered right
+    calls = db_rows(tmp_path / "run" / "harness.duckdb",
+                    "SELECT e.meta->>'task_id', count(c.call_id) FROM episodes e LEFT JOIN calls c USING (episode_id) "
+                    "WHERE e.run_id = ? GROUP BY 1 ORDER BY 1", [run_id])
+    assert dict(calls) == {"t0": 1, "t1": 1, "t2": 1, "t3": 2}
+
+    pidfile = tmp_path / "child.pid"
+    hang = [Task("hang", {"q": "add", "a": 1, "b": 1, "answer": "2", "mode": "hang", "pidfile": str(pidfile)})]
+    timeout_s = 4.0
+    while True:  # the timeout is meant to cut this agent; it doubles while load kept it from reaching its hang
+        run_dir = tmp_path / f"hang-{timeout_s:g}"
+        hang_config = RunConfig(command=agent, judge="exact_match", timeout_s=timeout_s)
+        hang_run, hang_report = await run_dataset(hang, hang_config, attach(upstream.url), run_dir, progress=False)
+        if pidfile.exists() or timeout_s >= 256:
+            break
+        timeout_s *= 2
+    [(status, error, exit_code)] = db_rows(run_dir / "harness.duckdb",
+                                           "SELECT status, error, exit_code FROM episode_outcomes")
+    assert status == "timeout" and "episode timeout" in error and exit_code is None  # killed: no exit code
+    assert hang_report["failures"] == {"timeout": 1}
     child = int(pidfile.read_text())
     for _ in range(50):  # the hanging agent's child died with its process group
         try:
@@ -108,13 +130,7 @@ async def test_failures_are_episodes_with_a_cause(upstream, agent, tmp_path):
         time.sleep(0.1)
     else:
         raise AssertionError(f"the hanging agent's child {child} outlived the episode timeout")
-    assert "boom" in open(by_task["t1"][4]).read()  # stderr went to the episode's log
-    assert report["failures"] == {"crashed": 1, "no_output": 1, "timeout": 1}
-    assert report["episodes"] == 5 and report["pass_at_k"]["pass@1"] == 0.4  # t0 and t4 answered right
-    calls = db_rows(tmp_path / "run" / "harness.duckdb",
-                    "SELECT e.meta->>'task_id', count(c.call_id) FROM episodes e LEFT JOIN calls c USING (episode_id) "
-                    "WHERE e.run_id = ? GROUP BY 1 ORDER BY 1", [run_id])
-    assert dict(calls) == {"t0": 1, "t1": 1, "t2": 1, "t3": 1, "t4": 2}
+    assert db_rows(run_dir / "harness.duckdb", "SELECT count(*) FROM calls WHERE run_id = ?", [hang_run]) == [(1,)]
 
 
 async def test_any_task_id_runs_and_no_episode_file_leaves_the_run_directory(upstream, agent, tmp_path):
@@ -169,7 +185,8 @@ async def test_a_fork_bomb_is_held_to_its_process_cap_and_nothing_outlives_the_e
             return False
 
     assert not [p for p in children if alive(p)]
-    assert not list(root.glob("harness-*"))
+    agent_pid = (tmp_path / "children.txt.agent").read_text()
+    assert not (root / f"harness-{agent_pid}").exists()  # this agent's group (other runs on the machine have theirs)
 
 
 async def test_32_concurrent_episodes_each_get_one_episode_row_and_their_calls(upstream, agent, tmp_path):

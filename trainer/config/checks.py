@@ -32,12 +32,12 @@ from harness.running.gpus import (
     this_machine,
     trainer_memory,
 )
-from trainer.config.errors import ConfigError
+from trainer.config.errors import ConfigError, raise_all
 from trainer.config.keys import GROUP_ESTIMATORS, TrainConfig
 from trainer.config.reference import in_range, key_name, range_text
 from trainer.config.roles import check_roles
 
-__all__ = ["ConfigError", "MemoryPlan", "Mode", "check", "correction_of", "memory_plan", "placement_of"]
+__all__ = ["ConfigError", "MemoryPlan", "Mode", "check", "correction_of", "memory_plan", "placement_of", "problems_of"]
 
 Mode = Literal["rl", "from_run", "sft"]
 
@@ -45,19 +45,56 @@ Mode = Literal["rl", "from_run", "sft"]
 
 def check(cfg: TrainConfig, where: str, mode: Mode = "rl", gpus: Gpus | None = None) -> None:
     """Values in range, required keys set, keys that must agree with each other, for `mode`, and the memory plan
-    on `gpus` (None: this machine's); ConfigError names the key, the value and what to do."""
+    on `gpus` (None: this machine's); ConfigError names the key, the value and what to do, with every problem
+    found in its `problems`."""
+    raise_all(problems_of(cfg, where, mode, gpus))
+
+
+def problems_of(cfg: TrainConfig, where: str, mode: Mode = "rl", gpus: Gpus | None = None) -> list[str]:
+    """Every problem `check` finds. Values out of range or missing stop the checks there (those below take them as
+    valid); past that, each group of checks is run and its problem kept, so that one --check lists them all."""
+    found = _leaf_problems(cfg, where, mode)
+    if found:
+        return found
+    serves = mode == "rl" or cfg.data.validation is not None
+    groups = [
+        *([lambda: _check_offline(cfg, where, mode)] if mode != "rl" else []),
+        lambda: _check_agreement(cfg, where, mode),
+        lambda: _check_lora(cfg),
+        lambda: _check_engine_args(cfg),
+        lambda: _check_tied(cfg, serves=serves),
+        lambda: _check_memory_plan(cfg, gpus, serves=serves),
+        lambda: _check_parsers(cfg),
+        lambda: _check_verl_batch(cfg, mode),
+        lambda: check_roles(cfg, mode),
+    ]
+    for group in groups:
+        try:
+            group()
+        except ConfigError as exc:
+            found += [p for p in exc.problems if p not in found]
+    return found
+
+
+def _leaf_problems(cfg: TrainConfig, where: str, mode: Mode) -> list[str]:
+    """Required keys left null and numbers out of their range."""
     online = mode == "rl"
     # offline modes train on stored data: tasks and a judge only for validating with the agent
     offline_optional = {"data.train"} | (set() if cfg.data.validation else {"task_judge.judge"})
+    found = []
     for key, f, _, value in _leaves(cfg):
         meta = f.metadata
         if meta["required"] and value is None and (online or key not in offline_optional):
-            raise ConfigError(f"{key} is required ({meta['help']}): set it in {where} or with --set {key}=...")
+            found.append(f"{key} is required ({meta['help']}): set it in {where} or with --set {key}=...")
         if isinstance(value, (int, float)) and not isinstance(value, bool) and not in_range(value, meta):
-            raise ConfigError(f"{key} must be {range_text(meta)}, got {value!r}")
+            found.append(f"{key} must be {range_text(meta)}, got {value!r}")
+    return found
+
+
+def _check_agreement(cfg: TrainConfig, where: str, mode: Mode) -> None:
+    """Keys that must agree with each other; every one that does not, in one ConfigError."""
+    online = mode == "rl"
     r, t = cfg.rollout, cfg.trainer
-    if not online:
-        _check_offline(cfg, where, mode)
     problems = [
         (r.agent is None and r.command is None and (online or cfg.data.validation is not None),
          f"rollout.agent (a Python file) or rollout.command (any command) is required"
@@ -91,27 +128,36 @@ def check(cfg: TrainConfig, where: str, mode: Mode = "rl", gpus: Gpus | None = N
         (r.engine.url is not None and r.engines > 1,
          "rollout.engines starts engines; with rollout.engine.url, list the other running ones in "
          "rollout.engine.more_urls instead"),
+        (online and t.adv_estimator == "remax" and r.async_.max_staleness > 0,
+         "trainer.adv_estimator remax takes each task's greedy episode at the weights being trained as the "
+         "baseline: it runs with rollout.async.max_staleness 0"),
+        (not r.guard.enabled and (r.guard.end_episode or r.guard.penalty is not None or r.guard.length_cap
+                                  or r.guard.min_surprisal is not None),
+         "rollout.guard.end_episode, penalty, length_cap and min_surprisal act on what the guard finds: set "
+         "rollout.guard.enabled: true (or leave them out)"),
+        (t.kl_ctrl == "adaptive" and not t.use_kl_in_reward,
+         "trainer.kl_ctrl adaptive steers the KL penalty in the reward: set trainer.use_kl_in_reward: true (and "
+         "trainer.kl_coef > 0, its starting value)"),
+        ((r.llm_hosts or r.refuse_other_hosts) and not r.transparent,
+         "rollout.llm_hosts and rollout.refuse_other_hosts need rollout.transparent: true"),
     ]
-    for failed, message in problems:
-        if failed:
-            raise ConfigError(message)
-    if online and t.adv_estimator == "remax" and r.async_.max_staleness > 0:
-        raise ConfigError("trainer.adv_estimator remax takes each task's greedy episode at the weights being trained "
-                          "as the baseline: it runs with rollout.async.max_staleness 0")
-    g = r.guard
-    if not g.enabled and (g.end_episode or g.penalty is not None or g.length_cap or g.min_surprisal is not None):
-        raise ConfigError("rollout.guard.end_episode, penalty, length_cap and min_surprisal act on what the guard "
-                          "finds: set rollout.guard.enabled: true (or leave them out)")
-    if t.kl_ctrl == "adaptive" and not t.use_kl_in_reward:
-        raise ConfigError("trainer.kl_ctrl adaptive steers the KL penalty in the reward: set "
-                          "trainer.use_kl_in_reward: true (and trainer.kl_coef > 0, its starting value)")
-    correction = correction_of(cfg)
-    if online and r.async_.max_staleness > 0 and not correction.corrects:
-        raise ConfigError(f"rollout.async.max_staleness {r.async_.max_staleness} trains on episodes sampled with older "
-                          "weights: choose an off-policy correction (docs/training.md: Off-policy correction), e.g. "
-                          "trainer.tis_cap: 2.0 (token TIS), trainer.correction.level: token with threshold 0.5_5.0 "
-                          "(IcePop), trainer.correction.reject: seq_mean_k3 with reject_threshold 0.01, or "
-                          "trainer.correction.mode: bypass")
+    found = [message for failed, message in problems if failed]
+    try:
+        correction = correction_of(cfg)
+    except ConfigError as exc:
+        found += exc.problems
+    else:
+        if online and r.async_.max_staleness > 0 and not correction.corrects:
+            found.append(f"rollout.async.max_staleness {r.async_.max_staleness} trains on episodes sampled with "
+                         "older weights: choose an off-policy correction (docs/training.md: Off-policy correction), "
+                         "e.g. trainer.tis_cap: 2.0 (token TIS), trainer.correction.level: token with threshold "
+                         "0.5_5.0 (IcePop), trainer.correction.reject: seq_mean_k3 with reject_threshold 0.01, or "
+                         "trainer.correction.mode: bypass")
+    raise_all(found)
+
+
+def _check_lora(cfg: TrainConfig) -> None:
+    t = cfg.trainer
     if t.lora.rank > 0:
         from trainer.model.lora import LoraSpec
 
@@ -119,19 +165,71 @@ def check(cfg: TrainConfig, where: str, mode: Mode = "rl", gpus: Gpus | None = N
             LoraSpec(t.lora.rank, t.lora.alpha, tuple(t.lora.target_modules), t.lora.dropout)
         except ValueError as exc:
             raise ConfigError(f"trainer.lora: {exc}") from None
-    _check_engine_args(cfg)
-    _check_tied(cfg, serves=online or cfg.data.validation is not None)
-    _check_memory_plan(cfg, gpus, serves=online or cfg.data.validation is not None)
+
+
+def _check_parsers(cfg: TrainConfig) -> None:
+    """The parser names vLLM knows (building them on the model's tokenizer is --check's: harness/cli/train.py)."""
     from proxy.tool_parsers import check_reasoning_parser, check_tool_parser
 
+    r = cfg.rollout
     try:
         check_tool_parser(r.tool_parser)
         check_reasoning_parser(r.reasoning_parser)
     except ValueError as exc:
         raise ConfigError(f"rollout: {exc}") from None
-    if (r.llm_hosts or r.refuse_other_hosts) and not r.transparent:
-        raise ConfigError("rollout.llm_hosts and rollout.refuse_other_hosts need rollout.transparent: true")
-    check_roles(cfg, mode)
+
+
+def _check_verl_batch(cfg: TrainConfig, mode: Mode) -> None:
+    """With backbone verl, each optimizer step's samples must split evenly into verl's micro-batches, or verl stops
+    after the first rollout ("data size must be divisible by force_group_size * micro_batch_size_per_gpu").
+
+    verl 0.9's v1 trainer (the one trainer/rl/verl_backbone.py runs) takes a mini-batch of trainer.mini_batch_size
+    (else rollout.batch_size) tasks x rollout.num_repeat samples per optimizer step, splits it over its
+    data-parallel ranks (verl.nnodes x verl.n_gpus_per_node / verl.ulysses_sequence_parallel_size) and cuts each
+    rank's share into micro-batches of exactly verl.micro_batch_size_per_gpu sequences (actor, reference,
+    logprob passes and critic alike: verl_config gives them all that one value). So mini-batch / ranks must be a
+    whole number, and a multiple of the micro-batch size.
+
+    Episodes whose calls do not extend each other give several samples, so a step's sample count varies; verl pads
+    every step with no-op samples up to a whole number of mini-batches (trainer_base.py _balance_batch,
+    _get_required_batch_multiple), so the rule above holds for any count and is checked exactly. With verl's
+    token-based micro-batches (verl.overrides actor_rollout_ref.actor.use_dynamic_bsz=true) there is no fixed
+    micro-batch size, and nothing to check."""
+    if cfg.backbone != "verl" or mode != "rl" or _verl_dynamic_batches(cfg):
+        return
+    r, t, v = cfg.rollout, cfg.trainer, cfg.verl
+    dp = max(1, v.nnodes * v.n_gpus_per_node // v.ulysses_sequence_parallel_size)
+    tasks = t.mini_batch_size or r.batch_size
+    samples = tasks * r.num_repeat
+    counted = (f"trainer.mini_batch_size {tasks}" if t.mini_batch_size else f"rollout.batch_size {tasks}") + \
+        f" tasks x rollout.num_repeat {r.num_repeat} = {samples} samples per optimizer step"
+    ranks = (f"{dp} data-parallel rank(s) (verl.nnodes {v.nnodes} x verl.n_gpus_per_node {v.n_gpus_per_node}"
+             + (f" / verl.ulysses_sequence_parallel_size {v.ulysses_sequence_parallel_size}"
+                if v.ulysses_sequence_parallel_size > 1 else "") + ")")
+    anyway = " (or verl.overrides actor_rollout_ref.actor.use_dynamic_bsz=true: micro-batches by tokens)"
+    if samples % dp:
+        raise ConfigError(f"backbone verl splits {counted} over {ranks}, and {samples} is not a multiple of {dp}: "
+                          f"make the tasks x num_repeat a multiple of {dp}, or use fewer GPUs")
+    per_rank, micro = samples // dp, v.micro_batch_size_per_gpu
+    if per_rank % micro:
+        fits = max(d for d in range(1, micro + 1) if per_rank % d == 0)
+        instead = f"verl.micro_batch_size_per_gpu: {fits}"
+        if not t.mini_batch_size:  # the next batch size whose samples split evenly
+            more = next(n for n in range(tasks + 1, tasks + micro * dp + 1) if n * r.num_repeat % (micro * dp) == 0)
+            instead += f", or rollout.batch_size: {more} ({more * r.num_repeat} samples)"
+        raise ConfigError(f"backbone verl splits {counted} over {ranks}, {per_rank} on each, into micro-batches of "
+                          f"verl.micro_batch_size_per_gpu {micro}, which does not divide {per_rank}: verl would stop "
+                          f"after the first rollout (\"data size must be divisible by ... micro_batch_size_per_gpu\"). "
+                          f"Set {instead}{anyway}")
+
+
+def _verl_dynamic_batches(cfg: TrainConfig) -> bool:
+    """Whether verl.overrides turn on verl's token-based micro-batches for the actor (no fixed count to divide)."""
+    for item in cfg.verl.overrides:
+        key, _, raw = item.partition("=")
+        if key.strip() == "actor_rollout_ref.actor.use_dynamic_bsz" and raw.strip().lower() in ("true", "1", "yes"):
+            return True
+    return False
 
 
 def _check_engine_args(cfg: TrainConfig) -> None:
@@ -419,9 +517,7 @@ def _check_offline(cfg: TrainConfig, where: str, mode: Mode) -> None:
          "trainer.kl_coef=0 and trainer.entropy_coef=0 (e.g. --set trainer.kl_coef=0)"),
         (cfg.backbone != "harness", f"{command} runs on backbone harness; got backbone {cfg.backbone!r}"),
     ]
-    for failed, message in problems:
-        if failed:
-            raise ConfigError(message)
+    raise_all([message for failed, message in problems if failed])
 
 
 def _split_ok(command: str) -> bool:

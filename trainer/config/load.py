@@ -33,6 +33,7 @@ import yaml
 from harness.running.gpus import Gpus
 from harness.running.hub import ModelNotFoundError, hub_id_of, model_reference, resolve_model
 from trainer.config.checks import ConfigError, Mode, check
+from trainer.config.errors import raise_all
 from trainer.config.keys import (
     ADV_ESTIMATORS,
     GROUP_ESTIMATORS,
@@ -97,11 +98,17 @@ def load_config(path: str | Path, overrides: Sequence[str] = (), mode: Mode = "r
 def read_config(path: str | Path, overrides: Sequence[str] = (), *, locate_model: bool = False) -> TrainConfig:
     """The config in the YAML file at `path` with `overrides` applied, typed and its paths resolved, but not
     checked (load_config checks it): what `harness train FILE --show-config` shows and `--check` checks. A
-    ConfigError names what can't be read: the file, an unknown key, a value of the wrong type."""
+    ConfigError names what can't be read: the file, or every unknown key and value of the wrong type (its
+    `problems`, one each: the reading goes on past the first, so that a user fixes them in one go)."""
     path = Path(path)
-    values = _walk(TrainConfig, _root(_read_yaml(path), path.name), "", path.resolve().parent, path.name)
+    problems: list[str] = []  # every unknown key and unreadable value, of the file and of the overrides
+    values = _walk(TrainConfig, _root(_read_yaml(path), path.name), "", path.resolve().parent, path.name, problems)
     for item in overrides:
-        _override(values, item)
+        try:
+            _override(values, item)
+        except ConfigError as exc:
+            problems += exc.problems
+    raise_all(problems)
     if values.get("experiment_name") is None:
         values["experiment_name"] = path.stem
     rollout = values.setdefault("rollout", {})
@@ -216,21 +223,27 @@ def _root(raw: Any, where: str) -> Any:
     raise ConfigError(f"unknown top-level key {extra[0]!r} in {where}: the file holds one root, 'harness:'")
 
 
-def _walk(cls: type, mapping: Any, prefix: str, base: Path, where: str) -> dict:
-    """The values of one section as given in the file: types coerced, paths resolved against `base`."""
+def _walk(cls: type, mapping: Any, prefix: str, base: Path, where: str, problems: list[str]) -> dict:
+    """The values of one section as given in the file: types coerced, paths resolved against `base`. An unknown
+    key or a value that can't be read is added to `problems` and left out, and the walk goes on."""
     if mapping is None:
         return {}
     if not isinstance(mapping, dict):
-        raise ConfigError(f"{prefix.rstrip('.') or ROOT} in {where} must be a section of keys, got {mapping!r}")
+        problems.append(f"{prefix.rstrip('.') or ROOT} in {where} must be a section of keys, got {mapping!r}")
+        return {}
     fields, hints, out = _fields(cls), typing.get_type_hints(cls), {}
     for name, value in mapping.items():
         if name not in fields:
-            raise ConfigError(f"unknown key {prefix + str(name)!r} in {where}: {_suggest(str(name), prefix, fields)}")
+            problems.append(f"unknown key {prefix + str(name)!r} in {where}: {_suggest(str(name), prefix, fields)}")
+            continue
         f = fields[name]
         if dataclasses.is_dataclass(hints[f.name]):
-            out[name] = _walk(hints[f.name], value, f"{prefix}{name}.", base, where)
-        else:
+            out[name] = _walk(hints[f.name], value, f"{prefix}{name}.", base, where, problems)
+            continue
+        try:
             out[name] = _value(f, hints[f.name], value, prefix + name, base)
+        except ConfigError as exc:
+            problems += exc.problems
     return out
 
 
