@@ -155,9 +155,9 @@ def _launch(args, overrides: list[str], verb: str) -> int:
 
 def _bad_inputs(cfg: TrainConfig, mode: str) -> list[str]:
     """The problems of the tasks and the judge, found before the policy is built or an engine starts (rather than
-    minutes in, when step 1's rollouts would load the judge): what --check reads (trainer/config/inputs.py).
+    minutes in, when step 1's rollouts would load the judge): what --check reads (harness/cli/inputs.py).
     Offline data is read by the offline loop itself before its model is built (and by the launcher of ranks)."""
-    from trainer.config.inputs import check_inputs
+    from harness.cli.inputs import check_inputs
 
     return check_inputs(cfg, mode, offline=False).problems
 
@@ -215,13 +215,13 @@ def check_config(config: Path, overrides: Sequence[str], verb: str = "train",
     """What `--check` finds: (the plan, as lines; the problems). The config is read with its overrides and checked
     as `harness VERB` would; the model located without downloading anything (a directory, or a Hub id's snapshot in
     the local cache); the reply parsers built on its tokenizer as the proxy builds them; the tasks, the judge and
-    the offline data read as the run reads them first (trainer/config/inputs.py says which sources); the placement
+    the offline data read as the run reads them first (harness/cli/inputs.py says which sources); the placement
     and memory plan computed on `gpus` (None: this machine's). Every problem found is listed, not just the first.
     Nothing is started and nothing is written."""
+    from harness.cli.inputs import check_inputs, progress
     from harness.running.gpus import this_machine
     from trainer.config import ConfigError, read_config
     from trainer.config.checks import memory_plan, problems_of
-    from trainer.config.inputs import check_inputs, progress
 
     progress(f"reading the config {config}")
     try:
