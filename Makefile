@@ -87,7 +87,18 @@ $(CHROMIUM):
 demo: install
 	$(BIN)/python examples/demo.py --run-dir $(RUN_DIR)
 
-test: install $(CHROMIUM) lint test-fast test-engine
+# Both tiers at once: vLLM on CPU computes on one core (its worker pins itself there), so the fast tier runs beside
+# the engine tier on the other; its output goes to $(FAST_LOG) and is printed after the engine tier's.
+FAST_LOG := runs/test-fast.log
+test: install $(CHROMIUM) lint
+	@mkdir -p $(dir $(FAST_LOG))
+	@echo "the fast tier runs beside the engine tier; its output: $(FAST_LOG), printed when both are done"
+	@$(BIN)/pytest -q -m "not engine" --durations=15 > $(FAST_LOG) 2>&1 & fast=$$!; \
+	$(BIN)/pytest -q -m engine --durations=15; engine=$$?; \
+	wait $$fast; fast=$$?; \
+	echo "===== the fast tier (pytest -m 'not engine'), beside the engine tier ====="; cat $(FAST_LOG); \
+	echo "engine tier: exit $$engine; fast tier: exit $$fast"; \
+	[ $$engine = 0 ] && [ $$fast = 0 ]
 
 test-fast: install $(CHROMIUM)
 	$(BIN)/pytest -q -m "not engine" --durations=15
@@ -95,10 +106,12 @@ test-fast: install $(CHROMIUM)
 test-engine: install $(CHROMIUM)
 	$(BIN)/pytest -q -m engine --durations=15
 
-# Long learning runs that CI leaves out (tests marked long_run): the gae and remax estimators and rejection-sampling
-# fine-tuning learning end to end.
+# What CI leaves out or runs short (HARNESS_LONG_TESTS): the gae and remax estimators and rejection-sampling
+# fine-tuning learning end to end, the tool conversation of every model family (CI runs four), the real model's
+# held-out reward rising on two trainer processes (CI trains two steps) and asynchronous rollouts learning.
 test-long: install
-	HARNESS_LONG_TESTS=1 $(BIN)/pytest -q -m engine -k "gae_with_a_critic or remax_learns or rejection_sampling" \
+	HARNESS_LONG_TESTS=1 $(BIN)/pytest -q -m engine -k "gae_with_a_critic or remax_learns or rejection_sampling or \
+		family_tool_conversation or tied_real_model_trains_on_two_processes or asynchronous_rollouts_learn" \
 		--durations=5
 
 lint: install

@@ -13,6 +13,7 @@ from proxy.config import ProxyConfig, SamplingOverrides
 from proxy.continuity import Timelines
 from proxy.engine_client import EngineClient
 from proxy.episodes import Episodes
+from proxy.http_json import ApiError
 from proxy.tool_parsers import ReplyParsing
 from proxy.upstreams import Engines
 from proxy.wire.common import ConversationStore
@@ -64,3 +65,11 @@ def request_key(request: web.Request) -> str | None:
     if auth[:7].lower() == "bearer ":
         return auth[7:].strip() or None
     return request.headers.get("api-key") or request.headers.get("x-api-key") or None  # x-api-key: Anthropic SDK
+
+
+def check_agent_auth(request: web.Request, api_key: str | None) -> None:
+    """The agent's key against the proxy's auth token (when it has one) or an episode's token: a 401 otherwise."""
+    token = request.app[CONFIG].auth_token
+    if token and api_key != token and not request.app[EPISODES].is_token(api_key):
+        raise ApiError(401, "missing or wrong api key: this proxy requires its auth token or an episode token",
+                       code="invalid_api_key")

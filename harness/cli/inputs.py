@@ -17,7 +17,6 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from trainer.config.checks import Mode
 from trainer.config.keys import TrainConfig
@@ -61,11 +60,11 @@ def check_inputs(cfg: TrainConfig, mode: Mode, *, offline: bool = True, model_he
 
 def _tasks(found: Inputs, key: str, source: str, split: str, limit: int | None,
            say: Callable[[str], None]) -> None:
-    from harness.running.tasks import TaskError, read_tasks
+    from harness.running.tasks import TaskError, read_tasks, source_kind
 
     label = f"tasks        {key} {source}"
-    if not _read_here(source):
-        kind = "an environment service" if source.startswith(("http://", "https://")) else "a Hub dataset"
+    if (kind := source_kind(source)) != "local":
+        kind = "an environment service" if kind == "service" else "a Hub dataset"
         found.lines.append(f"{label}: not read by --check ({kind}: the run reads it when it starts)")
         return
     say(f"reading {key} {source}")
@@ -83,20 +82,6 @@ def _tasks(found: Inputs, key: str, source: str, split: str, limit: int | None,
         found.lines.append(f"{label}: no tasks")
         return
     found.lines.append(f"{label}: {len(tasks)} tasks in split {split!r}")
-
-
-def _read_here(source: str) -> bool:
-    """Whether read_tasks reads `source` without the network: anything but a service URL or a Hub dataset name,
-    told apart in the order read_tasks tells them apart (harness/running/tasks.py _read)."""
-    from harness.running import tasks as readers  # the reader's own patterns, so that the two never disagree
-
-    if source.startswith(("http://", "https://")):
-        return False
-    path = Path(source).expanduser()
-    if (path.exists() or readers._FUNCTION_SPEC.match(source) or path.suffix in readers._FILE_SUFFIXES  # noqa: SLF001
-            or source.startswith(("/", ".", "~"))):
-        return True
-    return not readers._HUB_NAME.match(source)  # noqa: SLF001 - not a Hub name either: the reader says so at once
 
 
 def _judge(found: Inputs, spec: str, say: Callable[[str], None]) -> None:

@@ -57,6 +57,7 @@ def _serve(args) -> int:
         settings = options.proxy_settings(args)  # before an engine starts
         roles = options.role_rules(args)
         parsers = options.parsers(args)
+        interceptor = options.interceptor(args, args.run_dir)  # --llm-host without --transparent, say
         # the proxy's own checks of these flags (a host beyond loopback without a token, ...), before an engine
         # starts: the engine's address comes later
         ProxyConfig(upstream_url="http://127.0.0.1", db_path=db, host=args.host, port=args.port,
@@ -81,7 +82,6 @@ def _serve(args) -> int:
             more_upstreams=tuple((args.upstream or [])[1:]), db_memory_mb=args.db_memory_mb, **settings,
         )
 
-        interceptor = options.interceptor(args, args.run_dir)
 
         def ready(server):
             print(f"proxy ready: {server.url}/v1  (recording into {db})", file=sys.stderr)

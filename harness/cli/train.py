@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from harness.running.gpus import Gpus
     from trainer.config import TrainConfig
-    from trainer.config.checks import MemoryPlan
+    from trainer.config.memory import MemoryPlan
 
 
 def add_train_parser(verbs) -> None:
@@ -221,7 +221,8 @@ def check_config(config: Path, overrides: Sequence[str], verb: str = "train",
     from harness.cli.inputs import check_inputs, progress
     from harness.running.gpus import this_machine
     from trainer.config import ConfigError, read_config
-    from trainer.config.checks import memory_plan, problems_of
+    from trainer.config.checks import problems_of
+    from trainer.config.memory import memory_plan
 
     progress(f"reading the config {config}")
     try:

@@ -45,7 +45,7 @@ from harness.running.task_records import (
     task_id_of,
 )
 
-__all__ = ["TaskError", "read_tasks", "instance_for", "evaluate_instance"]
+__all__ = ["TaskError", "read_tasks", "source_kind", "instance_for", "evaluate_instance"]
 
 ACCEPTED = (
     "a .jsonl file; a .parquet, .json or .arrow file; a directory saved with datasets' save_to_disk or holding "
@@ -111,6 +111,19 @@ def evaluate_instance(env_url: str, instance_id: str, answer: str | None, timeou
 
 # ---------------------------------------------------------------------------------------------------------------
 # Which reader
+
+
+def source_kind(source: str) -> str:
+    """Where `read_tasks` reads `source` from, told apart in the order `_read` tells them apart: "service" (an
+    environment service URL), "hub" (a Hugging Face Hub dataset name), or "local" (a file, a directory, a Python
+    task function, or a source it refuses at once without the network)."""
+    if source.startswith(("http://", "https://")):
+        return "service"
+    path = Path(source).expanduser()
+    if path.exists() or _FUNCTION_SPEC.match(source) or path.suffix in _FILE_SUFFIXES or source.startswith(
+            ("/", ".", "~")):
+        return "local"
+    return "hub" if "://" not in source and _HUB_NAME.match(source) else "local"
 
 
 def _read(source: str, split: str, limit: int | None) -> list[Task]:

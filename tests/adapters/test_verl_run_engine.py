@@ -192,33 +192,15 @@ def agent_loop_workers(env: dict) -> list[tuple[int, bool]]:
             if a["class_name"].startswith("AgentLoopWorker") and a.get("pid")]
 
 
-def test_two_nodes_agent_loop_workers_on_both_and_their_files_read_as_one(tmp_path, tiny_model_dir, two_nodes):
-    address, env = two_nodes
-    config = write_config(tmp_path, tiny_model_dir, name="two-nodes", ray_address=address, agent_workers=2,
-                          overrides=["ray_kwargs.ray_init={}"])  # joining a cluster: its resources are its own
-    harness_train(config, env)
-    run = tmp_path / "runs" / "two-nodes"
-    assert sorted(verl_metrics(run)) == list(range(1, STEPS + 1))
-
-    # verl placed one agent-loop worker on each node; each recorded into its own file
-    workers = [w for w in agent_loop_workers(env) if (run / "verl" / f"worker-{w[0]}").is_dir()]
-    assert sorted(on_second for _, on_second in workers) == [False, True], workers
-    per_file = {pid: sql(run / "verl" / f"worker-{pid}" / "harness.duckdb", "SELECT count(*) AS n FROM calls")[0]["n"]
-                for pid, _ in workers}
-    assert all(n > 0 for n in per_file.values()), per_file
-    # `harness sql --db <run>/verl` reads both as one
-    total = sql(run / "verl", "SELECT count(*) AS n, count(DISTINCT episode_id) AS episodes FROM calls")[0]
-    assert total == {"n": STEPS * TASKS * REPEATS * TURNS, "episodes": STEPS * TASKS * REPEATS}
-    assert total["n"] == sum(per_file.values())
-
-
-def test_a_worker_killed_mid_run_stops_the_run_with_what_happened_and_loses_nothing(tmp_path, tiny_model_dir,
-                                                                                    two_nodes):
-    """verl 0.9.1 would wait forever for a dead agent-loop worker's episodes; `harness train` notices the worker
-    gone and stops, naming it. What every worker recorded before is all there, the dead one's included."""
+def test_two_nodes_place_a_worker_on_each_and_a_worker_killed_mid_run_stops_the_run_losing_nothing(
+        tmp_path, tiny_model_dir, two_nodes):
+    """One run on the two-node cluster: verl places an agent-loop worker on each node, each recording into its own
+    file. After step 1 the second node's worker is killed: verl 0.9.1 would wait forever for its episodes;
+    `harness train` notices the worker gone and stops, naming it. What every worker recorded before is all there,
+    the dead one's included, and `harness sql --db <run>/verl` reads the files as one."""
     address, env = two_nodes
     config = write_config(tmp_path, tiny_model_dir, name="killed", ray_address=address, agent_workers=2, steps=4,
-                          overrides=["ray_kwargs.ray_init={}"])
+                          overrides=["ray_kwargs.ray_init={}"])  # joining a cluster: its resources are its own
     run = tmp_path / "runs" / "killed"
     metrics = run / "verl" / "metrics.jsonl"
     with open(tmp_path / "train.log", "w") as log:
@@ -231,7 +213,11 @@ def test_a_worker_killed_mid_run_stops_the_run_with_what_happened_and_loses_noth
                 assert time.monotonic() < deadline
                 time.sleep(1)
             alive = {a["pid"] for a in ray_list(env, "actors") if a["state"] == "ALIVE"}
-            victim = next(pid for pid, on_second in agent_loop_workers(env) if on_second and pid in alive)
+            # verl placed one agent-loop worker on each node, each recording into its own file
+            workers = [(pid, on_second) for pid, on_second in agent_loop_workers(env)
+                       if pid in alive and (run / "verl" / f"worker-{pid}").is_dir()]
+            assert sorted(on_second for _, on_second in workers) == [False, True], workers
+            victim = next(pid for pid, on_second in workers if on_second)
             os.kill(victim, signal.SIGKILL)
             rc = proc.wait(timeout=300)
         finally:
@@ -242,9 +228,15 @@ def test_a_worker_killed_mid_run_stops_the_run_with_what_happened_and_loses_noth
 
     # nothing recorded is lost: every episode of step 1 (verl trained on them, so every call had been answered) is
     # in the files with both its calls, the killed worker's file included, read after its process was killed
-    killed = sql(run / "verl" / f"worker-{victim}" / "harness.duckdb",
-                 "SELECT count(DISTINCT episode_id) AS episodes, count(*) AS calls FROM calls")[0]
-    assert killed["episodes"] >= 1 and killed["calls"] >= TURNS * killed["episodes"] - TURNS, killed
+    per_file = {pid: sql(run / "verl" / f"worker-{pid}" / "harness.duckdb",
+                         "SELECT count(DISTINCT episode_id) AS episodes, count(*) AS calls FROM calls")[0]
+                for pid, _ in workers}
+    assert all(n["episodes"] >= 1 for n in per_file.values()), per_file
+    killed = per_file[victim]
+    assert killed["calls"] >= TURNS * killed["episodes"] - TURNS, killed
     episodes = sql(run / "verl", "SELECT e.run_id, count(c.call_id) AS calls FROM episode_outcomes e "
                                  "JOIN calls c USING (episode_id) WHERE e.status = 'finished' GROUP BY ALL")
     assert len(episodes) >= TASKS * REPEATS and all(e["calls"] == TURNS for e in episodes), episodes
+    # `harness sql --db <run>/verl` reads both files as one
+    total = sql(run / "verl", "SELECT count(*) AS n FROM calls")[0]["n"]
+    assert total == sum(n["calls"] for n in per_file.values())

@@ -79,6 +79,15 @@ def test_serve_with_a_model_beyond_loopback_needs_a_token_before_any_engine_star
     assert not (run_dir / "engine.log").exists()
 
 
+def test_serve_with_a_model_refuses_llm_host_without_transparent_before_any_engine_starts(tiny_model_dir, tmp_path):
+    run_dir = tmp_path / "run"
+    done = _harness("serve", "--model", str(tiny_model_dir), "--llm-host", "llm.example.com", "--port", "0",
+                    "--run-dir", str(run_dir))
+    assert done.returncode == 2
+    assert _error_line(done) == "error: --llm-host and --refuse-other-hosts need --transparent"
+    assert not (run_dir / "engine.log").exists() and "starting vLLM" not in done.stderr
+
+
 def test_serve_record_only_refuses_a_taken_port(tmp_path, taken_port):
     done = _harness("serve", "--record-only", "--upstream", "http://127.0.0.1:9/v1", "--port", str(taken_port),
                     "--run-dir", str(tmp_path / "run"))
@@ -229,14 +238,15 @@ def test_view_with_a_token_answers_only_requests_that_carry_it(harness_db):
         view.wait(timeout=600)
 
 
-def test_tiny_model_refuses_an_existing_file(tmp_path):
+@pytest.mark.parametrize("verb", ["tiny-model", "smollm2"])
+def test_model_builders_refuse_an_existing_file_before_building(verb, tmp_path):
     out = tmp_path / "model"
     out.write_text("mine\n")
-    done = _harness("tiny-model", str(out))
+    done = _harness(verb, str(out))
     assert done.returncode == 2
     line = _error_line(done)
     assert line.startswith(f"error: {str(out)!r} is a file") and "folder" in line, line
-    assert out.read_text() == "mine\n" and sorted(tmp_path.iterdir()) == [out]
+    assert out.read_text() == "mine\n" and sorted(tmp_path.iterdir()) == [out]  # no .smollm2.building-* folder
 
 
 @pytest.mark.parametrize("verb", ["tiny-model", "smollm2"])
@@ -258,13 +268,3 @@ def test_tiny_model_refuses_a_folder_nothing_can_be_made_in():
     assert done.returncode == 2
     line = _error_line(done)
     assert "'/proc/harness-model' cannot be made" in line and "folder you can write" in line, line
-
-
-def test_smollm2_refuses_an_existing_file_before_building(tmp_path):
-    out = tmp_path / "smollm2"
-    out.write_text("mine\n")
-    done = _harness("smollm2", str(out))
-    assert done.returncode == 2
-    line = _error_line(done)
-    assert line.startswith(f"error: {str(out)!r} is a file") and "folder" in line, line
-    assert out.read_text() == "mine\n" and sorted(tmp_path.iterdir()) == [out]  # no .smollm2.building-* folder

@@ -15,7 +15,7 @@ from harness.running.gpus import GIB, Gpus
 from tests.shaped_model import QWEN25_1_5B, shaped_model
 from tests.support import ScriptedUpstream, db_rows
 from trainer.config import ConfigError, load_config, read_config
-from trainer.config.checks import memory_plan
+from trainer.config.memory import memory_plan
 
 TERSE_YAML = Path(__file__).resolve().parents[2] / "examples" / "train" / "terse.yaml"
 MATH_YAML = TERSE_YAML.with_name("math.yaml")

@@ -28,7 +28,10 @@ from trainer.model.weight_sync import WeightSync
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 6
 WINDOW = 2  # steps at each end compared
-ASYNC_STEPS, ASYNC_WINDOW = 8, 3  # rollouts a version behind learn a step later, and noisier
+LONG = bool(os.environ.get("HARNESS_LONG_TESTS"))
+# rollouts a version behind learn a step later, and noisier: 8 steps show it (make test-long); CI runs 4, for
+# the staleness bound and the correction, not the learning
+ASYNC_STEPS, ASYNC_WINDOW = (8, 3) if LONG else (4, 2)
 FAST = "trainer.ppo_epochs=8"  # 16 updates a step: the rollout is most of a step, and the reward rises sooner
 
 
@@ -256,11 +259,11 @@ def test_transparent_training_of_an_agent_that_hard_codes_api_openai_com(engine,
 
 
 def test_asynchronous_rollouts_learn_and_train_nothing_staler_than_the_bound(engine, tiny_model_dir, tmp_path):
-    """`rollout.async.max_staleness: 1`: the next step's episodes run while a step trains, corrected by token
-    IcePop and a sequence rejection mask. The tiny model still learns; every call of step s was sampled with
-    weights s-2 or s-1 (read back from DuckDB), some with s-2 (the rollouts did run ahead); no group was too stale
-    to train; the correction's masked share and the mismatch per lag are recorded each step; validation ran
-    alone at its own sampling."""
+    """`rollout.async.max_staleness: 1`: the next step's episodes run while a step trains, corrected by token IcePop
+    and a sequence rejection mask. The tiny model still learns (in 8 steps: make test-long); every call of step s
+    was sampled with weights s-2 or s-1 (read back from DuckDB), some with s-2 (the rollouts did run ahead); no
+    group was too stale to train; the correction's masked share and the mismatch per lag are recorded each step;
+    validation ran alone at its own sampling."""
     overrides = [f"model.path={tiny_model_dir}", f"rollout.engine.url={engine.base_url}",
                  f"logging.run_dir={tmp_path}", "trainer.save_freq=0", "logging.curve_png=false",
                  "rollout.async.max_staleness=1", "trainer.correction.level=token",
@@ -297,10 +300,11 @@ def test_asynchronous_rollouts_learn_and_train_nothing_staler_than_the_bound(eng
     per_step = db_rows(db, "SELECT m.step, round(avg(r.reward), 3), any_value(m.value) FROM rewards r JOIN metrics m "
                        "ON m.step = CAST(split_part(r.run_id, '-train', 2) AS INTEGER) AND m.name = 'actor/grad_norm' "
                        "WHERE r.run_id LIKE '%-train%' GROUP BY m.step ORDER BY m.step")
-    assert t > 3.0, (f"mean reward {statistics.mean(first):.3f} -> {statistics.mean(last):.3f}, Welch t = {t:.2f}; "
-                     f"(step, mean reward, grad norm): {per_step}; the run's log: {out.stderr[-3000:]}")
+    if LONG:
+        assert t > 3.0, (f"mean reward {statistics.mean(first):.3f} -> {statistics.mean(last):.3f}, Welch t = "
+                         f"{t:.2f}; (step, mean reward, grad norm): {per_step}; the run's log: {out.stderr[-3000:]}")
     val = db_rows(db, "SELECT step FROM metrics WHERE name = 'val/pass@n' ORDER BY step")
-    assert val == [(4,), (8,)]
+    assert val == [(step,) for step in range(4, ASYNC_STEPS + 1, 4)]
     overlapping = db_rows(db, """
         WITH spans AS (SELECT o.run_id LIKE '%-val%' AS val, c.started_at AS s,
                               c.started_at + to_milliseconds(c.latency_ms) AS e

@@ -38,7 +38,7 @@ from harness.core.records import Sample
 from harness.running.tasks import read_tasks
 from harness.store.database import Store
 from trainer.config import Mode, TrainConfig, config_to_dict, run_dir, save_resolved
-from trainer.config.checks import placement_of
+from trainer.config.memory import placement_of
 from trainer.config.roles import adapters_of
 from trainer.maths import algorithms as algo
 from trainer.model.build import build_policy

@@ -46,7 +46,8 @@ from harness.running.gpus import Placement
 from harness.running.tasks import read_tasks
 from harness.running.vllm_server import EngineError
 from trainer.config import TrainConfig, run_dir, save_resolved
-from trainer.config.checks import correction_of, placement_of
+from trainer.config.checks import correction_of
+from trainer.config.memory import placement_of
 from trainer.config.roles import adapters_of
 from trainer.maths import algorithms as algo
 from trainer.maths.estimators import adaptive_kl_coef

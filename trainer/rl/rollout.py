@@ -32,7 +32,7 @@ from proxy.guard import DEGENERATE, GuardConfig
 from proxy.roles import RoleRule
 from proxy.server import ProxyServer
 from trainer.config import TrainConfig, role_rules, trains
-from trainer.config.checks import placement_of
+from trainer.config.memory import placement_of
 from trainer.config.roles import adapters_of
 from trainer.model.lora import ENGINE_ENV, adapters_in_use, engine_args, spec_of
 from trainer.model.tied import engine_view, ties_embeddings
@@ -270,7 +270,7 @@ def run_config(cfg: TrainConfig) -> RunConfig:
 def start_engines(cfg: TrainConfig, out: Path) -> list[Engine]:
     """The engines serving the policy: attached (engine.url, engine.more_urls; with LoRA, started with
     trainer/model/lora.py's engine_args and ENGINE_ENV) or started (rollout.engines), each on the GPU and with the
-    memory share the memory plan gives it (config.checks.placement_of; on CPU none), with sleep mode when
+    memory share the memory plan gives it (config.memory.placement_of; on CPU none), with sleep mode when
     rollout.engine.sleep is on."""
     e, parsers = cfg.rollout.engine, {"tool_parser": cfg.rollout.tool_parser,
                                       "reasoning_parser": cfg.rollout.reasoning_parser}
