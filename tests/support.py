@@ -112,5 +112,6 @@ def record_terse_run(upstream_url: str, run_dir: Path) -> Path:
 
 # What CI leaves out, to keep within its 45 minutes (long learning runs, the sweep over every model family): `make
 # test-long` runs them.
-long_run = pytest.mark.skipif(not os.environ.get("HARNESS_LONG_TESTS"),
+LONG_TESTS = bool(os.environ.get("HARNESS_LONG_TESTS"))  # tests that run short in CI run whole
+long_run = pytest.mark.skipif(not LONG_TESTS,
                               reason="left out of CI: make test-long (HARNESS_LONG_TESTS=1) runs it")

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import re
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -27,7 +26,7 @@ from harness.running.vllm_server import start_vllm
 from harness.store.database import Store
 from tests.families import FAMILIES, Family
 from tests.families.talk import ask
-from tests.support import RunningProxy, long_run
+from tests.support import LONG_TESTS, RunningProxy, long_run
 
 pytestmark = pytest.mark.engine
 
@@ -106,7 +105,7 @@ class _Engines:
     def take(self, name: str):
         """(engine, marker bias) of `name`, the caller's to stop; the next family's engine starts meanwhile."""
         self._ahead(name)
-        later = [n for n in ORDER[ORDER.index(name) + 1:] if n in IN_CI or os.environ.get("HARNESS_LONG_TESTS")]
+        later = [n for n in ORDER[ORDER.index(name) + 1:] if n in IN_CI or LONG_TESTS]
         if later:
             self._ahead(later[0])
         return self.starting.pop(name).result()

@@ -12,7 +12,6 @@ five, and its held-out reward rises (bench/real_model_learns.py runs the full co
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import urllib.request
@@ -23,11 +22,11 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from harness.running.vllm_server import start_vllm
-from tests.support import db_rows
+from tests.support import LONG_TESTS, db_rows
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 2
-LONG = bool(os.environ.get("HARNESS_LONG_TESTS"))  # make test-long: the arithmetic example learns, on two processes
+LONG = LONG_TESTS  # make test-long: the arithmetic example learns, on two processes
 LEARN_STEPS = 5 if LONG else STEPS
 
 

@@ -21,14 +21,14 @@ import pytest
 
 from harness.store.sql import run_sql
 from proxy.scripted_engine import Script
-from tests.support import ScriptedUpstream, db_rows, long_run
+from tests.support import LONG_TESTS, ScriptedUpstream, db_rows, long_run
 from trainer.maths.estimators import adaptive_kl_coef
 from trainer.model.weight_sync import WeightSync
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 6
 WINDOW = 2  # steps at each end compared
-LONG = bool(os.environ.get("HARNESS_LONG_TESTS"))
+LONG = LONG_TESTS
 # rollouts a version behind learn a step later, and noisier: 8 steps show it (make test-long); CI runs 4, for
 # the staleness bound and the correction, not the learning
 ASYNC_STEPS, ASYNC_WINDOW = (8, 3) if LONG else (4, 2)
