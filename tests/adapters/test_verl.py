@@ -261,6 +261,37 @@ def test_settings_the_engine_here_refuses_are_said_at_load(tmp_path, tiny_model_
 
 
 @needs_verl
+def test_verl_starts_a_cluster_of_its_own_unless_told_to_join_one_whose_resources_are_its_own(
+        tmp_path, tiny_model_dir, monkeypatch):
+    """verl.ray_address null: ray.init gets address "local", so a cluster `ray start` left on this machine is not
+    joined (Ray would, and then refuse the num_cpus that CPU runs set; the engine tier runs one beside it). Joining
+    (verl.ray_address, or RAY_ADDRESS): no address of ours, and num_cpus/num_gpus in ray_init are one line naming
+    them, at load and through `harness train`."""
+    from trainer.rl.verl_backbone import VerlFiles, verl_config
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    files = VerlFiles(tmp_path / "t.parquet", None, tmp_path / "verl" / "loop.yaml", tmp_path / "ck")
+    sized = ", overrides: ['ray_kwargs.ray_init={num_cpus: 16, num_gpus: 1}']"
+    assert verl_config(_config(tmp_path, tiny_model_dir, verl=_VERL + sized), files).ray_kwargs.ray_init.address \
+        == "local"
+    joined = verl_config(_config(tmp_path, tiny_model_dir, verl=_VERL + ", ray_address: auto"), files)
+    assert "address" not in joined.ray_kwargs.ray_init
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:6390")
+    assert "address" not in verl_config(_config(tmp_path, tiny_model_dir), files).ray_kwargs.ray_init
+    with pytest.raises(ConfigError, match=r"ray_init.num_cpus while the run joins the Ray cluster at "
+                                          r"'127.0.0.1:6390'.*drop it from verl.overrides"):
+        verl_config(_config(tmp_path, tiny_model_dir, verl=_VERL + sized), files)
+    monkeypatch.delenv("RAY_ADDRESS")
+    _config(tmp_path, tiny_model_dir, verl=_VERL + ", ray_address: auto" + sized)
+    proc = subprocess.run([sys.executable, "-m", "harness.cli", "train", str(tmp_path / "verl.yaml")],
+                          capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith("error: verl.overrides sets ray_kwargs.ray_init.num_cpus while the run joins the "
+                                  "Ray cluster at 'auto'"), proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+@needs_verl
 def test_roles_with_verl_one_learning_role_and_what_is_refused(tmp_path, tiny_model_dir):
     """Selective training with verl: the role rules and the learning role reach the agent loop; a policy per role
     (verl trains one actor) and more than one learning role (verl groups by prompt) are refused by name."""

