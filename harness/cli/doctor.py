@@ -23,8 +23,8 @@ the tokenizer and template alone (no engine, no weights):
 A FAIL breaks merging or the proxy's answers for every agent; a warn depends on what the model writes or the
 agent sends back, or on whether the agents use tools (a template with no tool-call format at all suits agents without
 tools: a FAIL only when tools were asked for, `diagnose(tools=True)`). The conversations, the rendering and the
-reading back that the checks share are in harness/cli/doctor_render.py. transformers is imported inside
-`load_tokenizer`: the harness core imports without it.
+reading back that the checks share are in harness/cli/doctor_render.py, the reading of the model's files in
+harness/cli/doctor_input.py. transformers is imported inside `load_tokenizer`: the harness core imports without it.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from harness import install_hint
+from harness.cli.doctor_input import DoctorError, check_input, load_tokenizer, stop_ids
 from harness.cli.doctor_render import (
     CONTEXT_CHARS,
     CONVERSATIONS,
@@ -60,19 +60,13 @@ from harness.cli.doctor_render import (
 )
 from proxy.parsing import reply_parsing
 from proxy.tool_parsers import check_reasoning_parser
-from proxy.tool_parsers import check_tool_parser as check_parser_name
 
 __all__ = ["Check", "DoctorError", "Finding", "Report", "diagnose", "format_report", "load_tokenizer"]
 
 OK, WARN, FAIL = "ok", "warn", "FAIL"
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 TOKEN_EXACT = ("Token-exact continuity (the proxy's default when the engine returns token ids) builds each prompt "
                "from the recorded ids and does not depend on this.")
-
-
-class DoctorError(ValueError):
-    """Bad input: not a directory, no tokenizer, no chat template, unknown tool parser."""
 
 
 @dataclass(frozen=True)
@@ -370,53 +364,6 @@ def check_close_token(template: Template) -> Check:
 
 # --- entry points ----------------------------------------------------------------------------------------------
 
-def load_tokenizer(model_dir: str | Path, chat_template: str | Path | None = None):
-    """The model's tokenizer (offline), with `chat_template` (a file) in place of its own when given."""
-    path = Path(model_dir)
-    _tokenizer_files(path)
-    try:
-        from transformers import AutoTokenizer
-    except ImportError as exc:
-        raise DoctorError(f"harness doctor needs transformers ({exc}): {install_hint('train')}") from exc
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    except Exception as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise DoctorError(f"no tokenizer in {str(path)!r} ({first}): the directory needs tokenizer.json or "
-                          "tokenizer_config.json") from exc
-    if chat_template is not None:
-        if not Path(chat_template).is_file():
-            raise DoctorError(f"chat template {str(chat_template)!r} is not a file: pass a Jinja template file")
-        tokenizer.chat_template = Path(chat_template).read_text(encoding="utf-8")
-    if not getattr(tokenizer, "chat_template", None):
-        raise DoctorError(f"{str(path)!r} has no chat template (tokenizer_config.json \"chat_template\" or "
-                          "chat_template.jinja): pass --chat-template FILE")
-    return tokenizer
-
-
-def _tokenizer_files(path: Path) -> None:
-    if not path.is_dir():
-        raise DoctorError(f"model {str(path)!r} is not a directory: pass the model's directory (with its "
-                          "tokenizer files)")
-    if not any((path / name).is_file() for name in _TOKENIZER_FILES):
-        raise DoctorError(f"no tokenizer in {str(path)!r}: the directory needs one of {', '.join(_TOKENIZER_FILES)}")
-
-
-def _stop_ids(tokenizer, model_dir: Path) -> dict[int, str]:
-    stops: dict[int, str] = {}
-    if tokenizer.eos_token_id is not None:
-        stops[tokenizer.eos_token_id] = "the tokenizer's eos"
-    config = model_dir / "generation_config.json"
-    if config.is_file():
-        try:
-            eos = json.loads(config.read_text(encoding="utf-8")).get("eos_token_id")
-        except (ValueError, AttributeError) as exc:
-            raise DoctorError(f"{str(config)!r} is not a JSON object ({exc}): fix or remove it") from exc
-        for i in eos if isinstance(eos, list) else [] if eos is None else [eos]:
-            stops.setdefault(int(i), "generation_config.json eos_token_id")
-    return stops
-
-
 @contextmanager
 def _quiet_vllm():
     """vLLM's parsers log every reply they cannot read, with a traceback: doctor reports those as findings."""
@@ -435,35 +382,11 @@ def diagnose(model_dir: str | Path, tool_parser: str = "hermes", chat_template: 
     """Run the five checks on the model in `model_dir`; raises DoctorError on bad input. `tools`: whether the agents
     use tools (False: a template without any tool-call format is a warn, see check_tool_parser). `say(line)` is told
     once the input looks right, before the slow part (importing transformers and vLLM's parsers)."""
-    _check_input(Path(model_dir), chat_template, tool_parser, reasoning_parser)
+    check_input(Path(model_dir), chat_template, tool_parser, reasoning_parser)
     if say is not None:
         say("doctor: loading the tokenizer and vLLM's parsers, then rendering the checks' conversations ...")
     with _quiet_vllm():
         return _diagnose(model_dir, tool_parser, chat_template, reasoning_parser, tools)
-
-
-_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json", "additional_chat_templates")
-
-
-def _check_input(path: Path, chat_template: str | Path | None, tool_parser: str, reasoning_parser: str | None):
-    """What can be refused without loading anything, so a bad input is one line before a 20 s wait, not after.
-    load_tokenizer checks the same again, and what only a loaded tokenizer can tell."""
-    _tokenizer_files(path)
-    if chat_template is not None and not Path(chat_template).is_file():
-        raise DoctorError(f"chat template {str(chat_template)!r} is not a file: pass a Jinja template file")
-    if chat_template is None and not any((path / name).exists() for name in _TEMPLATE_FILES):
-        try:
-            config = json.loads((path / "tokenizer_config.json").read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            config = {}
-        if not (isinstance(config, dict) and config.get("chat_template")):
-            raise DoctorError(f"{str(path)!r} has no chat template (tokenizer_config.json \"chat_template\" or "
-                              "chat_template.jinja): pass --chat-template FILE")
-    try:
-        check_parser_name(tool_parser)
-        check_reasoning_parser(reasoning_parser)
-    except ValueError as exc:
-        raise DoctorError(str(exc)) from exc
 
 
 def _diagnose(model_dir: str | Path, tool_parser: str, chat_template: str | Path | None,
@@ -477,7 +400,7 @@ def _diagnose(model_dir: str | Path, tool_parser: str, chat_template: str | Path
                     if reasoning_parser is not None else None)
     except (ValueError, TypeError) as exc:  # a bad name; a parser that cannot work with this tokenizer (vLLM's)
         raise DoctorError(str(exc)) from exc
-    template = Template(tokenizer, _stop_ids(tokenizer, Path(model_dir)), tool_parser in NAMED_ID_PARSERS)
+    template = Template(tokenizer, stop_ids(tokenizer, Path(model_dir)), tool_parser in NAMED_ID_PARSERS)
     close_check = check_close_token(template)
     append_only, notes = check_append_only(template)
     history, history_notes = check_history(template, parser, reasoned=reasoning_parser is not None)

@@ -1,11 +1,13 @@
 """Records as Arrow tables, column by column: the fast way into DuckDB (harness/store/database.py inserts them with one
 `INSERT ... SELECT` each). Column names are the SQL schema's (harness/store/schema.py); inserts match them by name.
+And back: an episode's calls read as records (`EPISODE_CALLS`, `calls_of`), by the store or through a proxy's SQL.
 """
 
 from __future__ import annotations
 
 import struct
 from collections.abc import Sequence
+from datetime import UTC, datetime
 from itertools import accumulate
 from typing import Any
 
@@ -13,7 +15,7 @@ import orjson
 import pyarrow as pa
 
 from harness.core.merge import MERGE_VERSION, Merged
-from harness.core.records import Call
+from harness.core.records import Call, Choice
 
 # Call fields stored as they are, by Arrow type (inserts match columns by name, so order does not matter).
 _PLAIN_CALL_FIELDS = {
@@ -137,3 +139,39 @@ def timestamps(unix_seconds: list[float]) -> pa.Array:
 
 def to_json(value: Any) -> str | None:
     return None if value is None else orjson.dumps(value, option=orjson.OPT_NON_STR_KEYS).decode()
+
+
+# --- calls as records, from any reader of the file ---------------------------------------------------------
+
+# Episodes' calls with their choices, one row per call, for `calls_of`; one parameter: the episode ids. Read-only,
+# so harness.store.sql.Reader can run it too (a file a proxy holds is read through that proxy). EPISODE_CALLS_NO_BODIES
+# leaves out the request and response JSON (which grow with the agent's history): what a merge needs.
+_EPISODE_CALLS = (
+    "SELECT {calls}, list({{'i': ch.choice_index, 'ids': ch.completion_ids, 'lp': ch.logprobs, "
+    "'finish': ch.finish_reason, 'text': ch.text, 'tools': ch.tool_calls, 'reasoning': ch.reasoning}} "
+    "ORDER BY ch.choice_index) FILTER (WHERE ch.call_id IS NOT NULL) AS choice_list "
+    "FROM calls c LEFT JOIN choices ch USING (call_id) "
+    "WHERE c.episode_id IN (SELECT unnest(?::VARCHAR[])) "
+    "GROUP BY ALL ORDER BY c.episode_id, c.call_index")
+EPISODE_CALLS = _EPISODE_CALLS.format(calls="c.*")
+EPISODE_CALLS_NO_BODIES = _EPISODE_CALLS.format(
+    calls="c.* EXCLUDE (request, response), '{}' AS request, NULL::VARCHAR AS response")
+
+
+def calls_of(columns: Sequence[str], rows: Sequence[Sequence]) -> dict[str, list[Call]]:
+    """The rows of EPISODE_CALLS as records: {episode_id: calls in call order}. Rows may come from DuckDB or as
+    JSON values (through a proxy's SQL route: timestamps as text)."""
+    calls: dict[str, list[Call]] = {}
+    for row in rows:
+        r = dict(zip(columns, row, strict=True))
+        choices = [Choice(x["i"], x["ids"], x["lp"], x["finish"], x["text"],
+                          orjson.loads(x["tools"]) if x["tools"] else None, x["reasoning"])
+                   for x in r.pop("choice_list") or []]
+        started = r["started_at"]
+        started = datetime.fromisoformat(started) if isinstance(started, str) else started
+        r["started_at"] = started.replace(tzinfo=UTC).timestamp()
+        r["request"] = r["request"].encode()
+        r["response"] = r["response"].encode() if r["response"] is not None else None
+        r["extra"] = orjson.loads(r["extra"]) if r["extra"] else {}
+        calls.setdefault(r["episode_id"], []).append(Call(**r, choices=choices))
+    return calls

@@ -32,9 +32,12 @@ import pyarrow as pa
 
 from harness.core.flags import DEGENERATE
 from harness.core.merge import Merged
-from harness.core.records import Call, Choice, Episode, EpisodeOutcome, Judgement, Sample, Task
+from harness.core.records import Call, Episode, EpisodeOutcome, Judgement, Sample, Task
 from harness.store.arrow_tables import (
+    EPISODE_CALLS,
+    EPISODE_CALLS_NO_BODIES,
     breaks_table,
+    calls_of,
     calls_table,
     choices_table,
     episode_merges_table,
@@ -466,39 +469,3 @@ def _rollback(cur: duckdb.DuckDBPyConnection) -> None:
 def _utc(unix_seconds: float) -> datetime:
     """TIMESTAMP columns hold naive UTC."""
     return datetime.fromtimestamp(unix_seconds, UTC).replace(tzinfo=None)
-
-
-# --- calls as records, from any reader of the file ---------------------------------------------------------
-
-# Episodes' calls with their choices, one row per call, for `calls_of`; one parameter: the episode ids. Read-only,
-# so harness.store.sql.Reader can run it too (a file a proxy holds is read through that proxy). EPISODE_CALLS_NO_BODIES
-# leaves out the request and response JSON (which grow with the agent's history): what a merge needs.
-_EPISODE_CALLS = (
-    "SELECT {calls}, list({{'i': ch.choice_index, 'ids': ch.completion_ids, 'lp': ch.logprobs, "
-    "'finish': ch.finish_reason, 'text': ch.text, 'tools': ch.tool_calls, 'reasoning': ch.reasoning}} "
-    "ORDER BY ch.choice_index) FILTER (WHERE ch.call_id IS NOT NULL) AS choice_list "
-    "FROM calls c LEFT JOIN choices ch USING (call_id) "
-    "WHERE c.episode_id IN (SELECT unnest(?::VARCHAR[])) "
-    "GROUP BY ALL ORDER BY c.episode_id, c.call_index")
-EPISODE_CALLS = _EPISODE_CALLS.format(calls="c.*")
-EPISODE_CALLS_NO_BODIES = _EPISODE_CALLS.format(
-    calls="c.* EXCLUDE (request, response), '{}' AS request, NULL::VARCHAR AS response")
-
-
-def calls_of(columns: Sequence[str], rows: Sequence[Sequence]) -> dict[str, list[Call]]:
-    """The rows of EPISODE_CALLS as records: {episode_id: calls in call order}. Rows may come from DuckDB or as
-    JSON values (through a proxy's SQL route: timestamps as text)."""
-    calls: dict[str, list[Call]] = {}
-    for row in rows:
-        r = dict(zip(columns, row, strict=True))
-        choices = [Choice(x["i"], x["ids"], x["lp"], x["finish"], x["text"],
-                          orjson.loads(x["tools"]) if x["tools"] else None, x["reasoning"])
-                   for x in r.pop("choice_list") or []]
-        started = r["started_at"]
-        started = datetime.fromisoformat(started) if isinstance(started, str) else started
-        r["started_at"] = started.replace(tzinfo=UTC).timestamp()
-        r["request"] = r["request"].encode()
-        r["response"] = r["response"].encode() if r["response"] is not None else None
-        r["extra"] = orjson.loads(r["extra"]) if r["extra"] else {}
-        calls.setdefault(r["episode_id"], []).append(Call(**r, choices=choices))
-    return calls

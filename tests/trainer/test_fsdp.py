@@ -299,6 +299,8 @@ SHUTDOWN_WORKER = textwrap.dedent(
         if not dist.is_main:
             (folder / "rank1-saw").write_text(str((folder / "rank0-wrote").exists()))
     else:  # rank 1 fails while rank 0 waits for something rank 1 would have sent: rank 1 must leave at once
+        # both ranks joined first: gloo's init can return on rank 1 while rank 0 still connects to it (seen under load)
+        torch.distributed.barrier()
         if dist.is_main:
             deadline = time.monotonic() + 60
             while not (folder / "rank1-left").exists() and time.monotonic() < deadline:
