@@ -100,7 +100,7 @@ def split(steps: dict[int, dict[str, float]]) -> dict[str, dict]:
 
 @dataclass
 class MiniBatch:
-    """One mini-batch of one PPO epoch, as trainer/rl/loop.py's _update builds it."""
+    """One mini-batch of one PPO epoch, as trainer/rl/update.py's `update` builds it."""
 
     rows: list  # Samples
     advantages: list[float]  # one per row: its episode's advantage
@@ -183,12 +183,12 @@ def mini_batches(model, steps: list[tuple[list, list[float]]], cfg, pad_id: int)
 
 
 def trainer_arm(model, mb: MiniBatch, cfg, pad_id: int) -> None:
-    """trainer/rl/loop.py's own _mini_batch on one mini-batch (no KL term: the terse config has none)."""
+    """trainer/rl/update.py's own mini_batch on one mini-batch (no KL term: the terse config has none)."""
     from trainer.model.fsdp import init_distributed
-    from trainer.rl.loop import _mini_batch
+    from trainer.rl.update import mini_batch
 
     dist = init_distributed(device="cpu")  # one rank: the group is made once and reused
-    _mini_batch(model, mb.rows, mb.advantages, mb.old, [None] * len(mb.rows), mb.weights, mb.rows[0], pad_id, cfg,
+    mini_batch(model, mb.rows, mb.advantages, mb.old, [None] * len(mb.rows), mb.weights, mb.rows[0], pad_id, cfg,
                 dist)
     model.zero_grad(set_to_none=True)
 

@@ -34,8 +34,7 @@ def load_tokenizer(model_dir: str | Path, chat_template: str | Path | None = Non
     if chat_template is not None:
         tokenizer.chat_template = _template_file(chat_template).read_text(encoding="utf-8")
     if not getattr(tokenizer, "chat_template", None):
-        raise DoctorError(f"{str(path)!r} has no chat template (tokenizer_config.json \"chat_template\" or "
-                          "chat_template.jinja): pass --chat-template FILE")
+        raise _no_template(path)
     return tokenizer
 
 
@@ -51,6 +50,11 @@ def _template_file(chat_template: str | Path) -> Path:
     if not Path(chat_template).is_file():
         raise DoctorError(f"chat template {str(chat_template)!r} is not a file: pass a Jinja template file")
     return Path(chat_template)
+
+
+def _no_template(path: Path) -> DoctorError:
+    return DoctorError(f"{str(path)!r} has no chat template (tokenizer_config.json \"chat_template\" or "
+                       "chat_template.jinja): pass --chat-template FILE")
 
 
 def stop_ids(tokenizer, model_dir: Path) -> dict[int, str]:
@@ -84,8 +88,7 @@ def check_input(path: Path, chat_template: str | Path | None, tool_parser: str, 
         except (OSError, ValueError):
             config = {}
         if not (isinstance(config, dict) and config.get("chat_template")):
-            raise DoctorError(f"{str(path)!r} has no chat template (tokenizer_config.json \"chat_template\" or "
-                              "chat_template.jinja): pass --chat-template FILE")
+            raise _no_template(path)
     try:
         check_parser_name(tool_parser)
         check_reasoning_parser(reasoning_parser)

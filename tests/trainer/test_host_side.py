@@ -27,7 +27,7 @@ from trainer.maths import algorithms as algo
 from trainer.model.fsdp import init_distributed
 from trainer.model.policy import collate, load_policy, micro_batches, padded, token_logprobs
 from trainer.offline import loop as offline_loop
-from trainer.rl import loop as rl_loop
+from trainer.rl import update as rl_update
 from trainer.rl.correction import correct_rows
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -191,7 +191,7 @@ def test_the_rl_update_is_bitwise_the_plain_loop_s(tiny_model_dir, dist, terms):
         else:
             recorded = _Recorded(model, optimizer)
             is_weights = correct_rows(ROWS, old, correction_of(cfg))[1]  # the step's (tis_cap: token TIS)
-            stats = rl_loop._update(model, recorded, ROWS, TASKS, ADVANTAGES, old, ref, 0, cfg, dist, is_weights)
+            stats = rl_update.update(model, recorded, ROWS, TASKS, ADVANTAGES, old, ref, 0, cfg, dist, is_weights)
             grads = recorded.grads
         results.append((stats, grads, [p.detach().clone() for p in model.parameters()]))
     (want, want_grads, want_params), (got, got_grads, got_params) = results
@@ -209,7 +209,7 @@ def test_scoring_the_rows_is_bitwise_the_plain_loop_s(tiny_model_dir):
     model, reference = _model(tiny_model_dir), _model(tiny_model_dir)
     with torch.no_grad():
         reference.model.embed_tokens.weight.mul_(1.5)  # another model, so the reference's logprobs differ
-    old, ref, metrics = rl_loop._score_rows(model, reference, ROWS, 0, cfg)
+    old, ref, metrics = rl_update.score_rows(model, reference, ROWS, 0, cfg)
     worst, total = 0.0, 0.0
     with torch.no_grad():
         for idx in micro_batches(ROWS, 40):
@@ -339,7 +339,7 @@ def _counted(run, monkeypatch):
         copies.append(1)
         return real(*args, **kwargs)
 
-    for module in (policy, rl_loop, offline_loop):
+    for module in (policy, rl_update, offline_loop):
         monkeypatch.setattr(module, "to_device", counting)
     syncs, reads = _Syncs(), _Reads()
     with syncs, reads:
@@ -360,7 +360,7 @@ def test_nothing_is_read_inside_the_micro_batch_loop_and_one_copy_moves_each_mic
     assert all(w is not None for w in is_weights)
 
     def mini_batch():
-        rl_loop._mini_batch(model, ROWS, ADVANTAGES, old, ref, weights, ROWS[0], 0, cfg, dist, is_weights)
+        rl_update.mini_batch(model, ROWS, ADVANTAGES, old, ref, weights, ROWS[0], 0, cfg, dist, is_weights)
 
     syncs, tolist, copies = _counted(mini_batch, monkeypatch)
     assert _ours(syncs) == {} and tolist == 0  # the whole micro-batch loop, forward and backward: trainer/ never waits
@@ -373,7 +373,7 @@ def test_nothing_is_read_inside_the_micro_batch_loop_and_one_copy_moves_each_mic
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
         def update(cfg_n=cfg_n, optimizer=optimizer):
-            rl_loop._update(model, optimizer, ROWS, TASKS, ADVANTAGES, old, ref, 0, cfg_n, dist)
+            rl_update.update(model, optimizer, ROWS, TASKS, ADVANTAGES, old, ref, 0, cfg_n, dist)
 
         per_mini.append(_counted(update, monkeypatch))
     (one_syncs, one_tolist, one_copies), (many_syncs, many_tolist, many_copies) = per_mini
@@ -387,7 +387,7 @@ def test_scoring_and_the_offline_step_read_once(tiny_model_dir, dist, monkeypatc
     n_micro = len(micro_batches(ROWS, 40))
     model, reference = _model(tiny_model_dir), _model(tiny_model_dir)
     weights = algo.token_weights(ROWS, cfg.trainer.loss_agg_mode)
-    syncs, tolist, copies = _counted(lambda: rl_loop._score_rows(model, reference, ROWS, 0, cfg), monkeypatch)
+    syncs, tolist, copies = _counted(lambda: rl_update.score_rows(model, reference, ROWS, 0, cfg), monkeypatch)
     assert (_ours(syncs), tolist, copies) == ({}, 1, n_micro)
     for kind in ("sft", "pg"):
         step = _counted(lambda kind=kind: offline_loop._step(model, ROWS, ADVANTAGES, weights, ROWS[0], 0, cfg,

@@ -28,7 +28,7 @@ from trainer.model.layout import lay_out
 from trainer.model.lora import LoraSpec, with_adapter
 from trainer.model.policy import collate, micro_batches, token_logprobs
 from trainer.offline import loop as offline_loop
-from trainer.rl import loop as rl_loop
+from trainer.rl import update as rl_update
 
 ROOT = Path(__file__).resolve().parents[2]
 LAYOUTS = ("packed", "tree")
@@ -253,7 +253,7 @@ def test_the_rl_update_in_each_layout_is_the_padded_one(tiny_model_dir, dist, te
         optimizer = torch.optim.SGD(model.parameters(), lr=0.5)  # the step is the gradient: compare it as one
         old, ref = _old_and_ref(model)
         before = {n: p.detach().clone() for n, p in model.named_parameters()}
-        stats = rl_loop._update(model, optimizer, STEP, TASKS, ADVANTAGES, old, ref, 0, cfg, dist)
+        stats = rl_update.update(model, optimizer, STEP, TASKS, ADVANTAGES, old, ref, 0, cfg, dist)
         results[layout] = stats, {n: (before[n] - p.detach()) / 0.5 for n, p in model.named_parameters()}
     want_stats, want_step = results["padded"]
     assert want_stats["actor/pg_loss"] != 0
@@ -273,7 +273,7 @@ def test_scoring_the_rows_in_each_layout_is_the_padded_one(tiny_model_dir):
     model, reference = _model(tiny_model_dir), _model(tiny_model_dir)
     with torch.no_grad():
         reference.model.embed_tokens.weight.mul_(1.5)
-    scored = {layout: rl_loop._score_rows(model, reference, STEP, 0,
+    scored = {layout: rl_update.score_rows(model, reference, STEP, 0,
                                           _cfg("trainer.micro_batch_tokens=50", f"trainer.layout={layout}"))
               for layout in ("padded", *LAYOUTS)}
     old, ref, metrics = scored["padded"]
@@ -314,7 +314,7 @@ WORKER = textwrap.dedent(
     from trainer.model.build import build_policy
     from trainer.model.fsdp import full_state_dict, init_distributed, shutdown
     from trainer.model.policy import collate, token_logprobs
-    from trainer.rl import loop as rl_loop
+    from trainer.rl import update as rl_update
 
     model_dir, out, layout = sys.argv[1], sys.argv[2], sys.argv[3]
     cfg = _cfg(f"model.path={model_dir}", "trainer.micro_batch_tokens=60", f"trainer.layout={layout}",
@@ -324,7 +324,7 @@ WORKER = textwrap.dedent(
     with torch.no_grad():
         lp, _ = token_logprobs(built.model, collate(STEP, 0), 0.7, loss_only=True)
     old = [lp[i, :len(s.token_ids)] - 0.05 for i, s in enumerate(STEP)]
-    stats = rl_loop._update(built.model, built.optimizer, STEP, TASKS, ADVANTAGES, old, old, 0, cfg, dist)
+    stats = rl_update.update(built.model, built.optimizer, STEP, TASKS, ADVANTAGES, old, old, 0, cfg, dist)
     state = full_state_dict(built.model, dist)
     if dist.is_main:
         torch.save({"stats": stats, "state": state}, out)

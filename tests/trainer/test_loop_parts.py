@@ -19,7 +19,7 @@ from trainer.maths.schedule import lr_factor, next_tasks
 from trainer.model.fsdp import init_distributed
 from trainer.model.policy import collate, load_policy, token_logprobs
 from trainer.rl.experience import Experience, advantages_of, gae_of
-from trainer.rl.loop import _mini_batch
+from trainer.rl.update import mini_batch
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -106,7 +106,7 @@ def test_micro_batches_accumulate_to_the_gradient_of_one_pass(tmp_path, mode):
             old_all, _ = token_logprobs(model, batch, 1.0, loss_only=True)
         old = [(old_all[i, :len(r.token_ids)] - 0.05) for i, r in enumerate(rows)]  # ratios away from 1
         weights = token_weights(rows, mode)
-        _mini_batch(model, rows, advantages, old, [None] * len(rows), weights, rows[0], 0, cfg, dist)
+        mini_batch(model, rows, advantages, old, [None] * len(rows), weights, rows[0], 0, cfg, dist)
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
     worst = float((grads[0] - grads[1]).abs().max() / grads[0].abs().max())
     assert worst < 1e-5, worst  # episode-mean too, though episodes' rows are split across micro-batches here

@@ -18,7 +18,7 @@ from trainer.model.build import build_policy
 from trainer.model.fsdp import full_state_dict, init_distributed
 from trainer.model.lora import activate, save_adapter
 from trainer.model.policy import collate, token_logprobs
-from trainer.rl import loop as rl_loop
+from trainer.rl import update as rl_update
 from trainer.rl.experience import Experience
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -126,7 +126,7 @@ def test_a_policys_step_moves_its_adapter_alone(tiny_model_dir, dist):
     idle = [{k: v.clone() for k, v in optimizer.state[p].items()} for p in optimizer.param_groups[1]["params"]]
     policies = ["plans"] * len(STEP)  # a step where only the planner has samples
     old = _old(model, "plans")
-    metrics = rl_loop._update_policies(model, optimizer, built.adapters, policies, STEP, TASKS, ADVANTAGES, old, old,
+    metrics = rl_update.update_policies(model, optimizer, built.adapters, policies, STEP, TASKS, ADVANTAGES, old, old,
                                        0, cfg, dist)
     assert "policy/plans/actor/grad_norm" in metrics and not any(k.startswith("policy/acts/") for k in metrics)
     after = _state(model)
@@ -141,7 +141,7 @@ def test_a_policys_step_moves_its_adapter_alone(tiny_model_dir, dist):
     policies = ["plans" if i % 2 else "acts" for i in range(len(STEP))]
     old = [a if p == "plans" else b for a, b, p in zip(_old(model, "plans"), _old(model, "acts"), policies,
                                                          strict=True)]
-    metrics = rl_loop._update_policies(model, optimizer, built.adapters, policies, STEP, TASKS, ADVANTAGES, old, old,
+    metrics = rl_update.update_policies(model, optimizer, built.adapters, policies, STEP, TASKS, ADVANTAGES, old, old,
                                        0, cfg, dist)
     assert {"policy/plans/actor/grad_norm", "policy/acts/actor/grad_norm", "update/tokens"} <= set(metrics)
     final = _state(model)
@@ -157,7 +157,7 @@ def test_bypass_mode_measures_each_policy_and_their_token_mean(tiny_model_dir, d
     cfg, built = _built(tiny_model_dir, dist, "trainer.correction.mode=bypass", "trainer.correction.level=token")
     policies = ["plans" if i % 2 else "acts" for i in range(len(STEP))]
     engine = [torch.tensor(s.logprobs) for s in STEP]  # bypass: old is the engine's
-    metrics = rl_loop._update_policies(built.model, built.optimizer, built.adapters, policies, STEP, TASKS,
+    metrics = rl_update.update_policies(built.model, built.optimizer, built.adapters, policies, STEP, TASKS,
                                        ADVANTAGES, engine, [None] * len(STEP), 0, cfg, dist)
     for key in ("rollout_corr/kl", "rollout_corr/k3_kl", "rollout_corr/rollout_is_mean"):
         mine = {name: (metrics[f"policy/{name}/{key}"], metrics[f"policy/{name}/update/tokens"])
@@ -173,7 +173,7 @@ def test_each_policy_scores_its_own_samples_through_its_adapter(tiny_model_dir, 
     _apart(model)
     policies = ["plans" if i % 3 else "acts" for i in range(len(STEP))]
     experience = Experience(STEP, {}, {}, {}, policies=policies)
-    old, _, metrics = rl_loop._score(model, None, experience, built.adapters, 0, cfg)
+    old, _, metrics = rl_update.score(model, None, experience, built.adapters, 0, cfg)
     want = {name: _old(model, name) for name in built.adapters}
     assert not torch.allclose(want["plans"][0], want["acts"][0])
     for i, name in enumerate(policies):
@@ -211,7 +211,7 @@ def test_a_checkpoint_holds_every_adapter_and_its_moments_and_resumes_exactly(ti
     def step(cfg, built, policies) -> None:
         old = [a if p == "plans" else b for a, b, p in zip(_old(built.model, "plans"), _old(built.model, "acts"),
                                                              policies, strict=True)]
-        rl_loop._update_policies(built.model, built.optimizer, built.adapters, policies, STEP, TASKS, ADVANTAGES, old,
+        rl_update.update_policies(built.model, built.optimizer, built.adapters, policies, STEP, TASKS, ADVANTAGES, old,
                                  old, 0, cfg, dist)
         built.scheduler.step()
 
@@ -261,7 +261,7 @@ WORKER = textwrap.dedent(
     from tests.trainer.test_layouts import ADVANTAGES, STEP, TASKS
     from tests.trainer.test_policies import _built, _old
     from trainer.model.fsdp import full_state_dict, init_distributed, launch, shutdown
-    from trainer.rl import loop as rl_loop
+    from trainer.rl import update as rl_update
 
     model_dir, out = sys.argv[1], sys.argv[2]
     dist = init_distributed(device="cpu")
@@ -270,7 +270,7 @@ WORKER = textwrap.dedent(
     for policies in (["plans"] * len(STEP), ["plans" if i % 2 else "acts" for i in range(len(STEP))]):
         old = [a if p == "plans" else b for a, b, p in zip(_old(built.model, "plans"), _old(built.model, "acts"),
                                                              policies, strict=True)]
-        stats = rl_loop._update_policies(built.model, built.optimizer, built.adapters, policies, STEP, TASKS,
+        stats = rl_update.update_policies(built.model, built.optimizer, built.adapters, policies, STEP, TASKS,
                                          ADVANTAGES, old, old, 0, cfg, dist)
     state = full_state_dict(built.model, dist)
     if dist.is_main:

@@ -221,7 +221,7 @@ def test_bypass_mode_weights_and_masks_against_the_weights_being_trained(tiny_mo
     from trainer.maths import algorithms as algo
     from trainer.model.fsdp import init_distributed
     from trainer.model.policy import collate, load_policy, micro_batches, padded, token_logprobs
-    from trainer.rl.loop import _mini_batch
+    from trainer.rl.update import mini_batch
 
     root = Path(__file__).resolve().parents[2]
     cfg = load_config(root / "examples/train/terse.yaml", [
@@ -248,7 +248,7 @@ def test_bypass_mode_weights_and_masks_against_the_weights_being_trained(tiny_mo
     assert len(micro_batches(rows, 40)) >= 2
     old = [torch.tensor(r.logprobs) for r in rows]
 
-    stats, _ = _mini_batch(model, rows, advantages, old, [None] * len(rows), weights, rows[0], 0, cfg, dist)
+    stats, _ = mini_batch(model, rows, advantages, old, [None] * len(rows), weights, rows[0], 0, cfg, dist)
     ours = [p.grad.clone() for p in model.parameters()]
     model.zero_grad(set_to_none=True)
 

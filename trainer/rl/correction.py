@@ -1,6 +1,6 @@
 """The step's off-policy correction (trainer.correction; the maths in trainer/maths/rollout_correction.py, verl's):
 decoupled, once per step on the whole batch before the advantages, as verl runs it; bypass, the measures each
-micro-batch of the update takes against the weights being trained (trainer/rl/loop.py's `_mini_batch`)."""
+micro-batch of the update takes against the weights being trained (trainer/rl/update.py's `mini_batch`)."""
 
 from __future__ import annotations
 
