@@ -23,6 +23,7 @@ import torch
 import yaml
 
 from tests import verl_cpu
+from tests.support import long_run
 
 ROOT = Path(__file__).resolve().parents[2]
 TERSE = ROOT / "examples" / "terse_agent"
@@ -207,6 +208,7 @@ def agent_loop_workers(env: dict) -> list[tuple[int, bool]]:
             if a["class_name"].startswith("AgentLoopWorker") and a.get("pid")]
 
 
+@long_run  # ~5 min here (make test-long): CI runs verl's trainer end to end in the test above
 def test_two_nodes_place_a_worker_on_each_and_a_worker_killed_mid_run_stops_the_run_losing_nothing(
         tmp_path, tiny_model_dir, two_nodes):
     """One run on the two-node cluster: verl places an agent-loop worker on each node, each recording into its own

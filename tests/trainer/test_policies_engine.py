@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import db_rows
+from tests.support import db_rows, long_run
 
 torch = pytest.importorskip("torch")
 ROOT = Path(__file__).resolve().parents[2]
@@ -32,6 +32,7 @@ def _train(tiny_model_dir: Path, run_dir: Path, steps: int) -> None:
     assert out.returncode == 0, out.stderr[-4000:]
 
 
+@long_run  # ~3.5 min here; CI runs the asynchronous run below, whose two policies are adapters too
 def test_one_adapter_per_role_served_side_by_side_and_trained_apart(tiny_model_dir, tmp_path):
     from safetensors.torch import load_file
 

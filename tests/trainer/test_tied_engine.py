@@ -5,9 +5,10 @@ model directory, tied as the base was, that transformers and vLLM load alike.
 
 Full weights run on two processes only: one process is the same code on a one-rank group (trainer/model/fsdp.py), which
 the tiny model's runs (test_train_engine.py) and the tied model's checkpoints (test_checkpoint.py) cover; the second
-rank adds what one cannot show, the tied weight sharded and gathered for each push. That run is also the CI-sized
-version of the real-model example, examples/train/arithmetic.yaml as written: two steps in CI; under `make test-long`
-five, and its held-out reward rises (bench/real_model_learns.py runs the full config on 3 seeds)."""
+rank adds what one cannot show, the tied weight sharded and gathered for each push. That run is also the real-model
+example, examples/train/arithmetic.yaml as written, for five steps, and its held-out reward rises: `make test-long`
+runs it (~4 min here; bench/real_model_learns.py runs the full config on 3 seeds). CI runs the LoRA run: the real
+tied model trained, pushed and served at every step."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from harness.running.vllm_server import start_vllm
-from tests.support import LONG_TESTS, db_rows
+from tests.support import LONG_TESTS, db_rows, long_run
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 2
@@ -62,6 +63,7 @@ def _tied_as_shipped(model_dir: Path, base: Path) -> None:
     assert load_file(model_dir / "model.safetensors").keys() == load_file(base / "model.safetensors").keys()
 
 
+@long_run  # ~4 min here: CI pushes the tied real model's weights in the LoRA run below
 def test_a_tied_real_model_trains_on_two_processes_and_the_engine_agrees_with_the_trainer_after_each_push(
         smollm2_dir, tmp_path):
     shipped = (smollm2_dir / "config.json").read_bytes()

@@ -32,6 +32,7 @@ LONG = LONG_TESTS
 # rollouts a version behind learn a step later, and noisier: 8 steps show it (make test-long); CI runs 4, for
 # the staleness bound and the correction, not the learning
 ASYNC_STEPS, ASYNC_WINDOW = (8, 3) if LONG else (4, 2)
+BYPASS_STEPS = 4 if LONG else 2
 FAST = "trainer.ppo_epochs=8"  # 16 updates a step: the rollout is most of a step, and the reward rises sooner
 
 
@@ -359,18 +360,21 @@ def test_bypass_mode_trains_against_the_engine_s_logprobs_without_a_scoring_pass
     """trainer.correction.mode bypass with REINFORCE and sequence-level importance weights: the engine's logprobs
     are old, so the trainer scores nothing before the update (no `logprob/engine_*`); the weights and the mismatch
     are measured inside the update, against the weights being trained, which move away from the engine's as the
-    step's updates go on; the policy learns."""
+    step's updates go on; the policy learns (over 4 steps: make test-long; CI runs 2, for the bypass, not the
+    learning)."""
     db = _train_terse(engine, tiny_model_dir, tmp_path, "trainer.correction.mode=bypass",
                       "trainer.correction.loss=reinforce", "trainer.correction.level=sequence",
-                      "trainer.correction.threshold=5.0", "trainer.total_steps=4")
+                      "trainer.correction.threshold=5.0", f"trainer.total_steps={BYPASS_STEPS}")
     metrics = dict(((s, n), v) for s, n, v in db_rows(db, "SELECT step, name, value FROM metrics"))
-    steps = range(1, 5)
+    steps = range(1, BYPASS_STEPS + 1)
     assert not any(name.startswith("logprob/engine") for _, name in metrics)
     assert all(metrics[(s, "time/logprobs_s")] < 0.05 for s in steps)
     for s in steps:
         assert 0 < metrics[(s, "rollout_corr/rollout_is_mean")] <= 5.0
         assert metrics[(s, "rollout_corr/k3_kl")] > 0  # ppo_epochs 8: the later passes train moved weights
         assert metrics[(s, "actor/grad_norm")] > 0
+    if not LONG:
+        return
     rewards = _rewards_by_step(db)
     t = _welch_t(rewards[1], rewards[3] + rewards[4])
     assert t > 3.0, f"{statistics.mean(rewards[1]):.3f} -> {statistics.mean(rewards[4]):.3f}, Welch t = {t:.2f}"
@@ -415,6 +419,8 @@ def test_remax_learns_the_demo_task_against_greedy_episodes(engine, tiny_model_d
     for step in range(1, 5):
         baseline = statistics.mean(r for s, _, r in greedy if int(s) == step)
         assert metrics[(step, "remax/baseline_mean")] == pytest.approx(baseline)
+    if not LONG:
+        return
     rewards = _rewards_by_step(db)
     t = _welch_t(rewards[1], rewards[3] + rewards[4])
     assert t > 3.0, f"{statistics.mean(rewards[1]):.3f} -> {statistics.mean(rewards[4]):.3f}, Welch t = {t:.2f}"
