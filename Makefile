@@ -90,12 +90,14 @@ demo: install
 	$(BIN)/python examples/demo.py --run-dir $(RUN_DIR)
 
 # Both tiers at once: vLLM on CPU computes on one core (its worker pins itself there), so the fast tier runs beside
-# the engine tier on the other; its output goes to $(FAST_LOG) and is printed after the engine tier's.
+# the engine tier on the other; its output goes to $(FAST_LOG) and is printed after the engine tier's. The fast tier
+# starts with its trainer tests (--first, tests/tiers.py), which compute on both cores, so that they do not meet the
+# engine tier's own (tests/trainer/, at its end).
 FAST_LOG := runs/test-fast.log
 test: install $(CHROMIUM) lint
 	@mkdir -p $(dir $(FAST_LOG))
 	@echo "the fast tier runs beside the engine tier; its output: $(FAST_LOG), printed when both are done"
-	@$(BIN)/pytest -q -m "not engine" --durations=15 > $(FAST_LOG) 2>&1 & fast=$$!; \
+	@$(BIN)/pytest -q -m "not engine" --first tests/trainer/ --durations=15 > $(FAST_LOG) 2>&1 & fast=$$!; \
 	$(BIN)/pytest -q -m engine --durations=15; engine=$$?; \
 	wait $$fast; fast=$$?; \
 	echo "===== the fast tier (pytest -m 'not engine'), beside the engine tier ====="; cat $(FAST_LOG); \

@@ -41,3 +41,12 @@ def test_an_engine_test_elsewhere_is_refused_by_name(pytester: pytest.Pytester, 
     result = _run(pytester, "-m", "not engine")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(["*files named *_engine.py*test_misplaced.py::test_b*"])
+
+
+def test_first_runs_the_tests_under_a_prefix_first_each_group_in_its_order(pytester: pytest.Pytester):
+    pytester.makepyfile(test_a="def test_1():\n    pass\n\ndef test_2():\n    pass\n",
+                        test_b="def test_3():\n    pass\n", test_c="def test_4():\n    pass\n")
+    result = _run(pytester, "-vv", "--first", "test_c.py", "--first", "test_b.py")
+    result.assert_outcomes(passed=4)
+    ran = [line.split()[0] for line in result.outlines if " PASSED" in line]
+    assert ran == ["test_c.py::test_4", "test_b.py::test_3", "test_a.py::test_1", "test_a.py::test_2"], ran

@@ -1,13 +1,22 @@
 """The rule that makes the engine tier, as a pytest plugin (tests/conftest.py loads it): the tests in files named
 `*_engine.py` need a real vLLM (the `engine` fixture, or engines they start themselves) and get the `engine` mark;
 a test anywhere else that marks itself `engine` or asks for the engine is refused, naming it. `make test-fast` runs
-`-m "not engine"`, `make test-engine` runs `-m engine`."""
+`-m "not engine"`, `make test-engine` runs `-m engine`.
+
+`--first PREFIX` (any number) runs the tests whose ids start with a PREFIX first, in their order: `make test` starts
+the fast tier with its trainer tests (processes that compute on both cores) while the engine tier's first files
+mostly wait on the engine, so the two tiers' trainer runs do not meet at the end (CI time)."""
 
 from __future__ import annotations
 
 import pytest
 
 ENGINE_TIER = "_engine.py"  # the file names of the engine tier
+
+
+def pytest_addoption(parser):
+    parser.addoption("--first", action="append", default=[], metavar="PREFIX",
+                     help="run the tests whose ids start with PREFIX first (e.g. tests/trainer/); may be repeated")
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` selects by marks
@@ -18,6 +27,10 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.engine)
         elif item.get_closest_marker("engine") or "engine" in getattr(item, "fixturenames", ()):
             misplaced.append(item.nodeid)
+    first = config.getoption("first")
+    if first:
+        items.sort(key=lambda item: next((k for k, prefix in enumerate(first) if item.nodeid.startswith(prefix)),
+                                         len(first)))  # stable: each group keeps its order
     if misplaced:
         raise pytest.UsageError("tests that need the engine live in files named *_engine.py (the engine tier); move "
                                 "these there: " + ", ".join(misplaced))
