@@ -117,7 +117,8 @@ test-engine: install $(CHROMIUM)
 # of a coding CLI (CI runs two), and the killed-run resumes of full weights (CI resumes LoRA on two ranks).
 LONG_K := gae_with_a_critic or remax_learns or rejection_sampling or family_tool_conversation or \
 	tied_real_model_trains_on_two_processes or asynchronous_rollouts_learn or bypass_mode or two_nodes or \
-	one_adapter_per_role or killed_run_resumes or harness_run_judges_a_coding_cli
+	one_adapter_per_role or killed_run_resumes or harness_run_judges_a_coding_cli or \
+	engine_serves_the_adapter_as_transformers_merges_it
 test-long: install
 	HARNESS_LONG_TESTS=1 $(BIN)/pytest -q -k "$(LONG_K)" --durations=5
 
