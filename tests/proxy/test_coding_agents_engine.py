@@ -200,9 +200,9 @@ def test_harness_run_judges_a_coding_cli_on_the_real_engine_and_trains_on_the_ru
     engine, model, replies = forced_engine
     call = (lambda c: _call("exec_command", {"cmd": c})) if agent == "codex" else (
         lambda c: _call("Bash", {"command": c, "description": "Run it"}))
-    tasks = [t for t in TASKS.read_text().splitlines() if LONG_TESTS or json.loads(t)["id"] in IN_CI]
-    (tmp_path / "tasks.jsonl").write_text("\n".join(tasks) + "\n")
-    solutions = {name: SOLUTIONS[name] for name in map(lambda t: json.loads(t)["id"], tasks)}
+    tasks = [t for t in map(json.loads, TASKS.read_text().splitlines()) if LONG_TESTS or t["id"] in IN_CI]
+    (tmp_path / "tasks.jsonl").write_text("".join(json.dumps(t) + "\n" for t in tasks))
+    solutions = {t["id"]: SOLUTIONS[t["id"]] for t in tasks}
     replies.write_text(json.dumps([r for commands in solutions.values() for r in (*map(call, commands), "done")]))
     run_dir = tmp_path / "run"
     done = subprocess.run([sys.executable, "-m", "harness.cli", "run", "--cmd",
@@ -220,13 +220,13 @@ def test_harness_run_judges_a_coding_cli_on_the_real_engine_and_trains_on_the_ru
     assert rewards == {name: want[name] for name in solutions}
     assert db_rows(db, "SELECT count(*), bool_and(prompt_ids IS NOT NULL) FROM calls WHERE status = 'ok'") == [
         (3 * len(solutions), True)]
-    passed = sum(want[name] for name in solutions)
+    passed = sum(want[name] == 1.0 for name in solutions)
     (run_id,), = db_rows(db, "SELECT DISTINCT run_id FROM episode_outcomes")
     trained = subprocess.run([sys.executable, "-m", "harness.cli", "train", str(TERSE_YAML),
                               f"--set=model.path={model}", f"--set=logging.run_dir={tmp_path / 'train'}",
                               "--set=experiment_name=coding", "--set=logging.console=false",
                               "--set=logging.curve_png=false", f"--from-run={run_id}", f"--db={db}",
-                              "--where=reward >= 1", f"--set=offline.batch_size={passed:.0f}"],
+                              "--where=reward >= 1", f"--set=offline.batch_size={passed}"],
                              capture_output=True, text=True, timeout=600)
     assert trained.returncode == 0, trained.stderr[-3000:]
     metrics = dict(db_rows(tmp_path / "train" / "coding" / "harness.duckdb",

@@ -23,12 +23,11 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from harness.running.vllm_server import start_vllm
-from tests.support import LONG_TESTS, db_rows, long_run
+from tests.support import db_rows, long_run
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 2
-LONG = LONG_TESTS  # make test-long: the arithmetic example learns, on two processes
-LEARN_STEPS = 5 if LONG else STEPS
+LEARN_STEPS = 5  # make test-long: the arithmetic example learns, on two processes
 
 
 def _train(smollm2_dir: Path, run_dir: Path, *overrides: str, config: str = "terse") -> Path:
@@ -68,20 +67,19 @@ def test_a_tied_real_model_trains_on_two_processes_and_the_engine_agrees_with_th
         smollm2_dir, tmp_path):
     shipped = (smollm2_dir / "config.json").read_bytes()
     run = _train(smollm2_dir, tmp_path, "trainer.fsdp.nprocs=2", f"trainer.total_steps={LEARN_STEPS}",
-                 f"trainer.test_freq={LEARN_STEPS if LONG else 0}", "data.validation_limit=16",
+                 f"trainer.test_freq={LEARN_STEPS}", "data.validation_limit=16",
                  "rollout.validation.n=2", "rollout.batch_size=2", "trainer.mini_batch_size=1",  # 2 updates a step
                  config="arithmetic")
     # The engine served the untied view; the model itself was not touched.
     assert json.loads((run / "engine-model" / "config.json").read_text())["tie_word_embeddings"] is False
     assert (smollm2_dir / "config.json").read_bytes() == shipped
-    _engine_agreed_at_every_step(run, LEARN_STEPS, validated_last=LONG)  # a stale output layer: far apart
-    if LONG:
-        # The example as written learns: SmolLM2 answers ~1 held-out sum in 5 right before training, most after 10
-        # steps (docs/BENCHMARKS.md); after LEARN_STEPS the held-out mean reward is up by a clear margin.
-        val = dict(db_rows(run / "harness.duckdb",
-                           "SELECT step, value FROM metrics WHERE name = 'val/reward_mean' ORDER BY step"))
-        assert sorted(val) == [0, LEARN_STEPS]
-        assert val[LEARN_STEPS] > val[0] + 0.1, val
+    _engine_agreed_at_every_step(run, LEARN_STEPS, validated_last=True)  # a stale output layer: far apart
+    # The example as written learns: SmolLM2 answers ~1 held-out sum in 5 right before training, most after 10
+    # steps (docs/BENCHMARKS.md); after LEARN_STEPS the held-out mean reward is up by a clear margin.
+    val = dict(db_rows(run / "harness.duckdb",
+                       "SELECT step, value FROM metrics WHERE name = 'val/reward_mean' ORDER BY step"))
+    assert sorted(val) == [0, LEARN_STEPS]
+    assert val[LEARN_STEPS] > val[0] + 0.1, val
 
     # The trained model out: tied like the base, the trainer's last weights, and vLLM serves it as transformers runs it.
     trained = run / "hf"

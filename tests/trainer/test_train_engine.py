@@ -419,8 +419,6 @@ def test_remax_learns_the_demo_task_against_greedy_episodes(engine, tiny_model_d
     for step in range(1, 5):
         baseline = statistics.mean(r for s, _, r in greedy if int(s) == step)
         assert metrics[(step, "remax/baseline_mean")] == pytest.approx(baseline)
-    if not LONG:
-        return
     rewards = _rewards_by_step(db)
     t = _welch_t(rewards[1], rewards[3] + rewards[4])
     assert t > 3.0, f"{statistics.mean(rewards[1]):.3f} -> {statistics.mean(rewards[4]):.3f}, Welch t = {t:.2f}"
