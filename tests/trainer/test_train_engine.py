@@ -49,21 +49,13 @@ def test_the_tiny_model_learns_the_terse_task_through_the_real_pipeline(engine, 
                  "data.validation_limit=2", "rollout.validation.n=2", "rollout.validation.temperature=1.0",
                  "trainer.test_freq=3", "task_judge.success_threshold=0.3"]
 
-    def train(steps: int) -> subprocess.CompletedProcess:
-        try:
-            return subprocess.run([sys.executable, "-m", "harness.cli", "train",
-                                   str(ROOT / "examples/train/terse.yaml"), f"--set=trainer.total_steps={steps}",
-                                   *(f"--set={o}" for o in overrides)], capture_output=True, text=True, timeout=900)
-        finally:
-            WeightSync(engine.base_url, tmp_path / "restore").load(tiny_model_dir, 0)  # the session engine as it was
-
-    out = train(STEPS)
+    try:
+        out = subprocess.run([sys.executable, "-m", "harness.cli", "train", str(ROOT / "examples/train/terse.yaml"),
+                              f"--set=trainer.total_steps={STEPS}", *(f"--set={o}" for o in overrides)],
+                             capture_output=True, text=True, timeout=900)
+    finally:
+        WeightSync(engine.base_url, tmp_path / "restore").load(tiny_model_dir, 0)  # the session engine as it was
     assert out.returncode == 0, out.stderr[-4000:]
-    # Asked for one more step, the run resumes from its last checkpoint: the engine gets the checkpoint's weights
-    # back (version 6), and only step 7 runs.
-    again = train(STEPS + 1)
-    assert again.returncode == 0, again.stderr[-4000:]
-    assert f"continuing with step {STEPS + 1}" in again.stderr
     run = tmp_path / "terse"
     db = run / "harness.duckdb"
 
@@ -78,25 +70,25 @@ def test_the_tiny_model_learns_the_terse_task_through_the_real_pipeline(engine, 
 
     # Every step logged its metrics, and the trainer agreed with the engine on the sampled tokens' logprobs.
     diffs = db_rows(db, "SELECT step, value FROM metrics WHERE name = 'logprob/engine_max_abs_diff' ORDER BY step")
-    assert [s for s, _ in diffs] == list(range(1, STEPS + 2))
+    assert [s for s, _ in diffs] == list(range(1, STEPS + 1))
     assert all(v <= 1e-3 for _, v in diffs), diffs
     curve = db_rows(db, "SELECT step, reward_mean, entropy FROM training_curve ORDER BY step")
-    assert len(curve) == STEPS + 1 and all(r is not None for _, r, _ in curve)
+    assert len(curve) == STEPS and all(r is not None for _, r, _ in curve)
 
     # Each step's calls were served by the weights of the step before: the version the proxy recorded.
     versions = db_rows(db, "SELECT DISTINCT CAST(split_part(o.run_id, '-train', 2) AS INTEGER), c.weight_version "
                        "FROM calls c JOIN episode_outcomes o USING (episode_id) WHERE o.run_id LIKE '%-train%' "
                        "ORDER BY 1")
-    assert versions == [(step, step - 1) for step in range(1, STEPS + 2)]
+    assert versions == [(step, step - 1) for step in range(1, STEPS + 1)]
     # Validation ran every 3 steps and after the last, at its own sampling: pass@2 of 2 tasks.
     val = db_rows(db, "SELECT step, value FROM metrics WHERE name = 'val/pass@n' ORDER BY step")
-    assert [step for step, _ in val] == [3, 6, 7] and all(0.0 <= v <= 1.0 for _, v in val)
+    assert [step for step, _ in val] == [3, 6] and all(0.0 <= v <= 1.0 for _, v in val)
     assert len(db_rows(db, "SELECT * FROM episode_outcomes WHERE run_id LIKE '%-val00003'")) == 4
     # Samples are stored with their rewards; the run directory has what the docs promise.
     assert db_rows(db, "SELECT count(*) FROM samples WHERE reward IS NULL")[0][0] == 0
     assert (run / "curve.png").stat().st_size > 1000
     assert (run / "config.resolved.yaml").is_file()
-    assert sorted(p.name for p in (run / "checkpoints").glob("step_*")) == ["step_3", "step_6", "step_7"]
+    assert sorted(p.name for p in (run / "checkpoints").glob("step_*")) == ["step_3", "step_6"]
 
     # Record once, train many: one step's episodes export by the step's run id, every step's by the training run's,
     # each with its advantage against its task's episodes of the same step (the steps sampled different weights).
@@ -112,7 +104,7 @@ def test_the_tiny_model_learns_the_terse_task_through_the_real_pipeline(engine, 
     steps = dict(db_rows(db, "SELECT episode_id, run_id FROM episode_outcomes"))
     assert len(step) == 16 and {steps[e] for e in step} == {step_run}
     assert {steps[e].rsplit("-", 1)[1] for e in whole} == {f"train{k:05d}" for k in range(1, STEPS + 1)}
-    # (step 7 ran in the resumed run, another run id; validation episodes sampled otherwise: not training data)
+    # (validation episodes sampled otherwise: not training data)
     assert all(whole[e]["advantage"] == record["advantage"] for e, record in step.items())
     sums: dict[tuple, float] = {}
     for e, record in whole.items():
@@ -123,45 +115,47 @@ def test_the_tiny_model_learns_the_terse_task_through_the_real_pipeline(engine, 
 
 def test_a_run_sigkilled_mid_step_resumes_and_makes_the_same_next_step_as_an_uninterrupted_one(
         engine, tiny_model_dir, tmp_path):
-    """`harness train` is SIGKILLed while step 3's episodes run (step 2's checkpoint written). Restarted, it resumes
-    from step 2 and makes exactly the step 3 of the run that never stopped (seeded sampling, one episode at a time,
+    """`harness train` is SIGKILLed while step 2's episodes run (step 1's checkpoint written). Restarted, it resumes
+    from step 1, with the checkpoint's weights pushed into the engine, and makes exactly the step 2 of the run that
+    never stopped (seeded sampling, one episode at a time,
     so the engine's batches and numerics repeat); every call recorded before the kill is still in the database,
     and no step is logged twice."""
     common = [f"model.path={tiny_model_dir}", f"rollout.engine.url={engine.base_url}", "rollout.concurrency=1",
-              "rollout.seed=7", "rollout.batch_size=2", "trainer.mini_batch_size=1", "trainer.save_freq=1",
-              "logging.curve_png=false", "logging.console=false"]
+              "rollout.seed=7", "rollout.batch_size=2", "rollout.num_repeat=2", "trainer.mini_batch_size=1",
+              "trainer.save_freq=1", "logging.curve_png=false", "logging.console=false"]
 
     def command(run_dir: Path, steps: int) -> list[str]:
         return [sys.executable, "-m", "harness.cli", "train", str(ROOT / "examples/train/terse.yaml"),
                 f"--set=logging.run_dir={run_dir}", f"--set=trainer.total_steps={steps}",
                 *(f"--set={o}" for o in common)]
 
-    def train(run_dir: Path, steps: int) -> None:
+    def train(run_dir: Path, steps: int) -> str:
         try:
             out = subprocess.run(command(run_dir, steps), capture_output=True, text=True, timeout=900)
         finally:
             WeightSync(engine.base_url, tmp_path / "restore").load(tiny_model_dir, 0)
         assert out.returncode == 0, out.stderr[-4000:]
+        return out.stderr
 
-    def kill_during_step_3(run_dir: Path) -> set[str]:
-        """Start a 3-step run, SIGKILL it once step 3 has recorded a call; the call ids recorded by then."""
+    def kill_during_step_2(run_dir: Path) -> set[str]:
+        """Start a 2-step run, SIGKILL it once step 2 has recorded a call; the call ids recorded by then."""
         db, latest = run_dir / "terse" / "harness.duckdb", run_dir / "terse" / "checkpoints" / "latest"
         log = (tmp_path / "killed.log").open("w")
-        proc = subprocess.Popen(command(run_dir, 3), stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(command(run_dir, 2), stdout=log, stderr=subprocess.STDOUT)
         try:
             deadline, before, seen = time.monotonic() + 900, None, set()
             while time.monotonic() < deadline and proc.poll() is None:
                 time.sleep(0.2)
                 if before is None:
-                    if latest.exists() and latest.read_text().strip() == "step_2":
+                    if latest.exists() and latest.read_text().strip() == "step_1":
                         before = {r[0] for r in run_sql(db, "SELECT call_id FROM calls").rows}
                     continue
                 seen = {r[0] for r in run_sql(db, "SELECT call_id FROM calls").rows}  # through the live proxy
-                if seen - before:  # step 3 is under way
+                if seen - before:  # step 2 is under way
                     proc.send_signal(signal.SIGKILL)
                     proc.wait()
                     return seen
-            raise AssertionError(f"step 3 never started (exit {proc.poll()}): "
+            raise AssertionError(f"step 2 never started (exit {proc.poll()}): "
                                  f"{(tmp_path / 'killed.log').read_text()[-3000:]}")
         finally:
             if proc.poll() is None:
@@ -169,15 +163,15 @@ def test_a_run_sigkilled_mid_step_resumes_and_makes_the_same_next_step_as_an_uni
             proc.wait()
             WeightSync(engine.base_url, tmp_path / "restore").load(tiny_model_dir, 0)
 
-    train(tmp_path / "straight", 3)
-    recorded_before_kill = kill_during_step_3(tmp_path / "killed")
-    train(tmp_path / "killed", 3)
+    train(tmp_path / "straight", 2)
+    recorded_before_kill = kill_during_step_2(tmp_path / "killed")
+    assert "continuing with step 2" in train(tmp_path / "killed", 2)
 
-    def step3(run_dir: Path) -> dict:
-        return dict(db_rows(run_dir / "terse" / "harness.duckdb", "SELECT name, value FROM metrics WHERE step = 3 "
+    def step2(run_dir: Path) -> dict:
+        return dict(db_rows(run_dir / "terse" / "harness.duckdb", "SELECT name, value FROM metrics WHERE step = 2 "
                             "AND name NOT LIKE 'time/%'"))
 
-    straight, resumed = step3(tmp_path / "straight"), step3(tmp_path / "killed")
+    straight, resumed = step2(tmp_path / "straight"), step2(tmp_path / "killed")
     assert straight.keys() == resumed.keys()
     for name in ("reward/mean", "actor/pg_loss", "actor/grad_norm", "actor/entropy", "samples/tokens"):
         assert resumed[name] == pytest.approx(straight[name], rel=1e-6, abs=1e-9), name
@@ -186,7 +180,7 @@ def test_a_run_sigkilled_mid_step_resumes_and_makes_the_same_next_step_as_an_uni
     assert recorded_before_kill <= after, f"{len(recorded_before_kill - after)} recorded calls lost in the kill"
     steps = db_rows(db, "SELECT step, count(DISTINCT run_id), count(*) FROM metrics WHERE name = 'reward/mean' "
                     "GROUP BY step ORDER BY step")
-    assert steps == [(1, 1, 1), (2, 1, 1), (3, 1, 1)], steps  # steps 1-2 by the killed run, 3 by the resumed one
+    assert steps == [(1, 1, 1), (2, 1, 1)], steps  # step 1 by the killed run, 2 by the resumed one
     runs = db_rows(db, "SELECT count(*), count(ended_at) FROM runs")
     assert runs == [(2, 1)]  # the killed run never ended; the resumed one did
 
