@@ -89,6 +89,24 @@ def test_run_under_a_pipe_prints_plain_progress_lines(tmp_path):
     assert "━" not in done.stderr  # rich's bar is for terminals only
 
 
+def test_run_under_a_pipe_says_so_every_10_s_while_no_episode_ends(tmp_path):
+    """An agent that works 11 s before it answers: before its episode ends, the heartbeat's plain line says that
+    none is done and one is running."""
+    agent = tmp_path / "slow_agent.py"
+    agent.write_text('import json, time\ntime.sleep(11)\nprint(json.dumps({"answer": "done"}))\n')
+    upstream = ScriptedUpstream()
+    try:
+        done = _harness("run", str(agent), "--data", str(TERSE / "tasks.jsonl"), "--limit", "1",
+                        "--judge", f"{TERSE / 'judge.py'}:terse", "--upstream", upstream.url,
+                        "--run-dir", str(tmp_path / "run"))
+    finally:
+        upstream.close()
+    assert done.returncode == 0, done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.startswith("episodes ")]
+    assert lines[0].startswith("episodes 0/1 done, 1 running, reward mean -, 0 failed, "), lines
+    assert lines[-1].startswith("episodes 1/1 done, 0 running, "), lines
+
+
 def test_the_engine_log_line_shown_is_vllms_latest_word():
     log = ("INFO 12-02 00:12:30 [__init__.py:216] Automatically detected platform cpu.\n"
            "(APIServer pid=4242) INFO 12-02 00:12:34 [gpu_model_runner.py:2602] Loading weights took 0.52 seconds\n"
