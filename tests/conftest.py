@@ -7,6 +7,7 @@ tests/adapters, tests/cli, tests/viewer); tests/test_layers.py holds the layers 
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -19,6 +20,9 @@ from tests.support import BackgroundApp, ScriptedUpstream
 
 ROOT = Path(__file__).resolve().parents[1]
 pytest_plugins = ["tests.tiers", "pytester"]
+# vLLM's cache for every engine the tests start, both tiers, under runs/ (not ~/.cache/vllm): what a start learns of
+# the model classes is kept for the next (harness/running/vllm_server.py leaves the cache shared).
+os.environ.setdefault("VLLM_CACHE_ROOT", str(ROOT / "runs" / "vllm-cache"))
 
 
 def pytest_collection_finish(session):

@@ -129,7 +129,7 @@ def start_vllm(
     run_dir.mkdir(parents=True, exist_ok=True)
     port = port or _free_port()
     served = served_model_name or model_name(model_dir)
-    args, full_env = engine_command(model_dir, run_dir, port=port, served_model_name=served,
+    args, full_env = engine_command(model_dir, port=port, served_model_name=served,
                                     max_model_len=max_model_len, tool_parser=tool_parser,
                                     reasoning_parser=reasoning_parser, gpus=cuda_gpus(), gpu=gpu,
                                     gpu_memory_utilization=gpu_memory_utilization, sleep_mode=sleep_mode,
@@ -158,7 +158,7 @@ def start_vllm(
     return engine
 
 
-def engine_command(model_dir: Path, run_dir: Path, *, port: int, served_model_name: str, max_model_len: int,
+def engine_command(model_dir: Path, *, port: int, served_model_name: str, max_model_len: int,
                    tool_parser: str = "hermes", reasoning_parser: str | None = None, gpus: int = 0,
                    gpu: str | None = None, gpu_memory_utilization: float | None = None, sleep_mode: bool = False,
                    share: tuple[int, int] | None = None, cores: Sequence[int] = (), extra_args: Sequence[str] = (),
@@ -182,7 +182,9 @@ def engine_command(model_dir: Path, run_dir: Path, *, port: int, served_model_na
         if sleep_mode:
             raise EngineError("vLLM's sleep mode needs a CUDA GPU; on CPU leave rollout.engine.sleep off")
         args += ["--dtype", "float32", "--enforce-eager", "--distributed-executor-backend", "uni"]
-        full_env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_CACHE_ROOT=str(run_dir / "vllm-cache"))
+        # vLLM's cache (VLLM_CACHE_ROOT, default ~/.cache/vllm) is left shared: it keeps what vLLM learns of a
+        # model class, which a start otherwise works out in a subprocess that imports every model (~15-30 s of CPU)
+        full_env["VLLM_CPU_KVCACHE_SPACE"] = "1"
     else:
         if gpu_memory_utilization is not None:
             args += ["--gpu-memory-utilization", f"{gpu_memory_utilization:g}"]

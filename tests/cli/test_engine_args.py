@@ -86,7 +86,7 @@ def test_engine_args_are_split_like_a_shell_repeatable_and_in_order(model_dir):
 def test_the_engine_command_line_carries_the_engine_args_after_harness_s_own_flags():
     extra = ["--max-num-seqs", "4", "--chat-template", "t.jinja"]
     for gpus in (0, 1):
-        args, _ = engine_command(Path("/models/m"), Path("/runs/r"), port=8000, served_model_name="m",
+        args, _ = engine_command(Path("/models/m"), port=8000, served_model_name="m",
                                  max_model_len=4096, gpus=gpus, gpu_memory_utilization=0.5, extra_args=extra)
         assert args[-len(extra):] == extra and args.index("--model") < args.index("--max-num-seqs")
 
@@ -109,7 +109,7 @@ def test_harness_sets_every_flag_of_its_command_line_but_the_recipe_s():
     overridable = {"--dtype", "--enforce-eager", "--distributed-executor-backend", "--gpu-memory-utilization",
                    "--enable-sleep-mode"}
     for gpus in (0, 1):
-        args, _ = engine_command(Path("/m"), Path("/r"), port=1, served_model_name="m", max_model_len=16, gpus=gpus,
+        args, _ = engine_command(Path("/m"), port=1, served_model_name="m", max_model_len=16, gpus=gpus,
                                  reasoning_parser="qwen3", gpu_memory_utilization=0.5, sleep_mode=bool(gpus))
         flags = {arg for arg in args if arg.startswith("--")}
         assert flags - overridable <= set(OWNED_FLAGS), flags - overridable - set(OWNED_FLAGS)

@@ -222,7 +222,7 @@ def test_parameters_are_counted_from_the_safetensors_headers(tiny_model_dir):
 
 
 def _command(**kwargs):
-    return engine_command(Path("/models/m"), Path("/runs/r"), port=8000, served_model_name="m", max_model_len=4096,
+    return engine_command(Path("/models/m"), port=8000, served_model_name="m", max_model_len=4096,
                           **kwargs)
 
 
@@ -241,6 +241,8 @@ def test_the_engine_command_on_cpu_has_no_gpu_flags_and_refuses_sleep_mode():
     args, env = _command(gpus=0, gpu_memory_utilization=0.5, share=(1, 2), cores=[0, 1, 2], base_env={})
     assert args[args.index("--dtype") + 1] == "float32" and "--gpu-memory-utilization" not in args
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == "1" and "CUDA_VISIBLE_DEVICES" not in env
+    assert "VLLM_CACHE_ROOT" not in env  # vLLM's own, shared by every start (tests/running/test_vllm_server_engine.py)
+    assert _command(gpus=0, base_env={"VLLM_CACHE_ROOT": "/c"})[1]["VLLM_CACHE_ROOT"] == "/c"  # the user's
     with pytest.raises(EngineError, match="sleep mode needs a CUDA GPU"):
         _command(gpus=0, sleep_mode=True, base_env={})
 

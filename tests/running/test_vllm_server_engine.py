@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import time
+from pathlib import Path
 
 import pytest
 
@@ -14,6 +16,14 @@ def test_engine_lists_its_model(engine):
     openai = pytest.importorskip("openai")
     client = openai.OpenAI(base_url=f"{engine.base_url}/v1", api_key="unused")
     assert [m.id for m in client.models.list().data] == [engine.served_model]
+
+
+def test_engines_share_vllm_s_cache_so_a_start_finds_the_model_class_inspected(engine):
+    """vLLM inspects a model class in a subprocess that imports every model (~15-30 s of CPU here) unless its cache
+    (VLLM_CACHE_ROOT) holds the answer: the engines keep it in one place, not one per run directory."""
+    cached = Path(os.environ["VLLM_CACHE_ROOT"]) / "modelinfos"
+    assert [p.name for p in cached.glob("*Qwen2ForCausalLM.json")], sorted(p.name for p in cached.glob("*"))
+    assert not (engine.log_path.parent / "vllm-cache").exists()
 
 
 def test_chat_returns_prompt_and_completion_token_ids_with_logprobs(engine):
