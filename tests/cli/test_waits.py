@@ -68,19 +68,25 @@ def test_serve_against_an_html_page_names_the_url_and_records_nothing(tmp_path):
     assert not (tmp_path / "run" / "harness.duckdb").exists()
 
 
-def test_run_under_a_pipe_prints_plain_progress_lines(tmp_path):
-    """No terminal (capture_output is a pipe): one plain line per finished episode of a short run (and, on a machine
-    slow enough that no episode ends within 10 s, the heartbeat's line saying so), no bar, no terminal control
-    codes; the report follows on stdout."""
+def _run_under_a_pipe(agent: Path, limit: int, tmp_path: Path) -> tuple[subprocess.CompletedProcess, list[str]]:
+    """`harness run AGENT` on the first `limit` terse tasks against the scripted engine, its stderr a pipe; the
+    finished run and its progress lines."""
     upstream = ScriptedUpstream()
     try:
-        done = _harness("run", str(TERSE / "agent.py"), "--data", str(TERSE / "tasks.jsonl"), "--limit", "3",
+        done = _harness("run", str(agent), "--data", str(TERSE / "tasks.jsonl"), "--limit", str(limit),
                         "--judge", f"{TERSE / 'judge.py'}:terse", "--upstream", upstream.url,
                         "--run-dir", str(tmp_path / "run"))
     finally:
         upstream.close()
     assert done.returncode == 0, done.stderr
-    lines = [line for line in done.stderr.splitlines() if line.startswith("episodes ")]
+    return done, [line for line in done.stderr.splitlines() if line.startswith("episodes ")]
+
+
+def test_run_under_a_pipe_prints_plain_progress_lines(tmp_path):
+    """No terminal (capture_output is a pipe): one plain line per finished episode of a short run (and, on a machine
+    slow enough that no episode ends within 10 s, the heartbeat's line saying so), no bar, no terminal control
+    codes; the report follows on stdout."""
+    done, lines = _run_under_a_pipe(TERSE / "agent.py", 3, tmp_path)
     done_counts = [int(line.split("/", 1)[0].removeprefix("episodes ")) for line in lines]
     assert [line.split(",")[0] for line in lines] == [f"episodes {n}/3 done" for n in done_counts], lines
     assert sorted(set(done_counts) - {0}) == [1, 2, 3] and done_counts == sorted(done_counts), lines
@@ -94,15 +100,7 @@ def test_run_under_a_pipe_says_so_every_10_s_while_no_episode_ends(tmp_path):
     none is done and one is running."""
     agent = tmp_path / "slow_agent.py"
     agent.write_text('import json, time\ntime.sleep(11)\nprint(json.dumps({"answer": "done"}))\n')
-    upstream = ScriptedUpstream()
-    try:
-        done = _harness("run", str(agent), "--data", str(TERSE / "tasks.jsonl"), "--limit", "1",
-                        "--judge", f"{TERSE / 'judge.py'}:terse", "--upstream", upstream.url,
-                        "--run-dir", str(tmp_path / "run"))
-    finally:
-        upstream.close()
-    assert done.returncode == 0, done.stderr
-    lines = [line for line in done.stderr.splitlines() if line.startswith("episodes ")]
+    _, lines = _run_under_a_pipe(agent, 1, tmp_path)
     assert lines[0].startswith("episodes 0/1 done, 1 running, reward mean -, 0 failed, "), lines
     assert lines[-1].startswith("episodes 1/1 done, 0 running, "), lines
 
