@@ -5,7 +5,8 @@ stream every chunk up to [DONE]), the calls recorded in DuckDB (`calls`, status 
 and the chat/completions requests the scripted engine served (counted per episode on the engine's side, from the
 `X-Harness-Episode` header the proxy sends with every engine call). Per episode, the recorded call indexes are
 0..n-1 with no gap or duplicate. Meanwhile the proxy process's RSS is sampled every second: after the warm-up
-(the first quarter of the run) it must stay flat.
+(the first quarter of the run, or longer until the agents have been answered twice each on average, as on a loaded
+machine; half of the run at most) it must stay flat.
 
 The proxy runs as its own process (`python -m harness.cli serve --upstream <engine> --port 0`, stopped with
 SIGINT as a user would); the scripted engine and the agents share one event loop in this process. Each agent
@@ -50,6 +51,8 @@ from bench.soak_parts import DB_MEMORY_MB, EPISODE_PREFIX, ProxyProcess, SoakEng
 from proxy.scripted_engine import Script  # noqa: E402
 
 WARMUP_SHARE = 0.25  # the first quarter of the run fills the proxy's bounded state; RSS must be flat after it
+WARMUP_CALLS_PER_AGENT = 2  # ...and every agent has been answered twice on average, however slow the machine
+WARMUP_MAX_SHARE = 0.5  # the warm-up ends by half-way, even on a machine too loaded to get there
 # Allowed growth of the proxy's RSS from the end of the warm-up to the end (measurements: tests/proxy/test_soak.py):
 RSS_BOUND_MB = 100.0  # in all: DuckDB's rows not yet checkpointed (<= its 64 MB threshold), timelines filling, slack
 OUTSIDE_DUCKDB_BOUND_MB = 60.0  # less the growth of DuckDB's buffer memory (by its own count): the proxy's own state
@@ -166,10 +169,28 @@ async def agent(number: int, session: aiohttp.ClientSession, base: str, deadline
 # ---------------------------------------------------------------------------------------------------------------
 
 
-async def _probe_duckdb(proxy: ProxyProcess, session: aiohttp.ClientSession, at: float, out: dict) -> None:
-    await asyncio.sleep(at - time.monotonic())
+async def _end_warmup(proxy: ProxyProcess, session: aiohttp.ClientSession, t0: float, seconds: float,
+                      calls: int, stats: AgentStats, out: dict) -> None:
+    """The warm-up ends at the first quarter of the run, or later, once `calls` calls have been answered (a loaded
+    machine ramps 256 agents up slower: their connections and the proxy's per-episode state are still growing),
+    and by half-way at the latest. Then DuckDB's buffer memory is read, to be taken off the RSS growth."""
+    await asyncio.sleep(t0 + seconds * WARMUP_SHARE - time.monotonic())
+    while sum(stats.answered.values()) < calls and time.monotonic() < t0 + seconds * WARMUP_MAX_SHARE:
+        await asyncio.sleep(0.05)
+    out["warmup_end_at_s"] = round(time.monotonic() - t0, 2)
     with contextlib.suppress(aiohttp.ClientError, TimeoutError, ValueError, KeyError):
         out["warmup_end"] = await proxy.duckdb_memory_mb(session)
+
+
+async def _written(proxy: ProxyProcess, session: aiohttp.ClientSession, timeout_s: float = 60.0) -> int | None:
+    """Wait until the recorder has written everything it took; the records pending when the agents were done."""
+    deadline, first = time.monotonic() + timeout_s, None
+    with contextlib.suppress(aiohttp.ClientError, TimeoutError, ValueError, KeyError):
+        while (n := await proxy.pending_records(session)) and time.monotonic() < deadline:
+            first = n if first is None else first
+            await asyncio.sleep(0.1)
+        return first or 0
+    return None
 
 
 async def _sample_rss(pid: int, t0: float, samples: list, period_s: float = 1.0) -> None:
@@ -225,10 +246,11 @@ async def soak(agents: int, seconds: float, workdir: Path, *, seed: int = 0, thi
     t0 = time.monotonic()
     deadline = t0 + seconds
     sampler = asyncio.create_task(_sample_rss(proxy.pid, t0, rss))
-    duck: dict[str, dict] = {}
-    duck_probe = asyncio.create_task(_probe_duckdb(proxy, session, t0 + seconds * WARMUP_SHARE, duck))
+    duck: dict = {}
+    duck_probe = asyncio.create_task(_end_warmup(proxy, session, t0, seconds, WARMUP_CALLS_PER_AGENT * agents,
+                                                 stats, duck))
     cpu0 = cpu_s(proxy.pid)
-    hung = 0
+    hung, backlog = 0, None
     try:
         tasks = [asyncio.create_task(agent(i, session, proxy.url, deadline, stats, random.Random(rng.random()),
                                            think_s)) for i in range(agents)]
@@ -244,7 +266,9 @@ async def soak(agents: int, seconds: float, workdir: Path, *, seed: int = 0, thi
         if ticker is not None:
             ticker.cancel()
         t_drained = time.monotonic()
-        await asyncio.sleep(max(0.0, 1.0 - (t_drained - t0) % 1.0) + 0.05)  # one more RSS sample, idle
+        backlog = await _written(proxy, session)  # a loaded machine's recorder may still be writing: not a leak
+        t_end = time.monotonic()
+        await asyncio.sleep(max(0.0, 1.0 - (t_end - t0) % 1.0) + 0.05)  # one more RSS sample, idle
         with contextlib.suppress(aiohttp.ClientError, TimeoutError, ValueError, KeyError):
             duck["end"] = await proxy.duckdb_memory_mb(session)
     finally:
@@ -259,8 +283,8 @@ async def soak(agents: int, seconds: float, workdir: Path, *, seed: int = 0, thi
     answered = sum(stats.answered.values())
     elapsed = max(stats.last_answer, t0 + 1e-9) - t0
     quarters = Counter(min(3, int(4 * (t - t0) / seconds)) for t in stats.answer_times)
-    after_warmup = sum(n for q, n in quarters.items() if q >= 1)
-    warm_at = seconds * WARMUP_SHARE
+    warm_at = duck.pop("warmup_end_at_s", seconds * WARMUP_SHARE)
+    after_warmup = sum(1 for t in stats.answer_times if t - t0 >= warm_at)
     warm = min(rss, key=lambda s: abs(s[0] - warm_at)) if rss else (0, 0)
     end = rss[-1] if rss else (0, 0)  # after the drain, the proxy still up
     duck_mb = round(sum(duck.get("end", {}).values()) - sum(duck.get("warmup_end", {}).values()), 1)
@@ -277,6 +301,7 @@ async def soak(agents: int, seconds: float, workdir: Path, *, seed: int = 0, thi
         "latency_ms": {"p50": round(pct(stats.latencies, 0.5) * 1e3, 1),
                        "p99": round(pct(stats.latencies, 0.99) * 1e3, 1),
                        "max": round(max(stats.latencies, default=float("nan")) * 1e3, 1)},
+        "pending_records_at_drain": backlog,
         "agent_errors": len(stats.errors), "agent_error_examples": stats.errors[:10], "hung_agents": hung,
         "recorded_errors": recorded["errors"],
         "continuity": recorded["continuity"],
@@ -395,7 +420,8 @@ def summary(r: dict) -> str:
         f"  proxy RSS: {r['rss_warmup_end_mb']} MB at warm-up end ({r['rss_warmup_end_at_s']} s), "
         f"{r['rss_end_mb']} MB at the end ({r['rss_end_at_s']} s): growth {r['rss_growth_mb']} MB "
         f"({r['rss_growth_kb_per_call']} KB per call after the warm-up), "
-        f"peak {r['rss_peak_mb']} MB",
+        f"peak {r['rss_peak_mb']} MB; recorder backlog when the agents were done: "
+        f"{r['pending_records_at_drain']} records",
         f"  of which DuckDB's buffer memory (by its own count): {r['duckdb_growth_mb']} MB, outside it "
         f"{r['rss_growth_outside_duckdb_mb']} MB; "
         f"warm-up end {r['duckdb_mb'].get('warmup_end')}, end {r['duckdb_mb'].get('end')}",

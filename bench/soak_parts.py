@@ -153,6 +153,12 @@ class ProxyProcess:
             rows = (await resp.json())["rows"] if resp.status == 200 else []
         return {tag: round(b / 2**20, 1) for tag, b in rows}
 
+    async def pending_records(self, session: aiohttp.ClientSession) -> int:
+        """Records the proxy's recorder has taken and not yet written (its `/harness/status`)."""
+        async with session.get(self.url + "/harness/status",
+                               headers={"Authorization": f"Bearer {self.admin_token}"}) as resp:
+            return int((await resp.json())["pending_records"])
+
     async def stop(self, timeout_s: float = 60.0) -> tuple[int, float]:
         """SIGINT, as a user's Ctrl-C: the proxy flushes its recorder and exits. Returns (exit code, seconds)."""
         t0 = time.monotonic()
