@@ -170,7 +170,7 @@ async def run_harness(tasks, concurrency: int, agent: list[str], engine_url: str
     BACKGROUND.clear()
     JUDGE_CPU.clear()
     config = RunConfig(command=agent, judge="exact_match", concurrency=concurrency, timeout_s=300, retries=0,
-                       cwd=cwd)
+                       cwd=cwd, warm_start=False)  # both arms start the agent cold: bench/warm_start.py is warm
     with CpuWindow() as cpu:
         t0 = time.perf_counter()
         _, report = await run_dataset(tasks, config, attach(engine_url), run_dir, progress=False)

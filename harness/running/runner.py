@@ -57,6 +57,7 @@ from harness.core.records import (
 from harness.running.judge_pool import InProcessJudge, JudgePool
 from harness.running.limits import AGENT_MAX_PROCS, AGENT_MEMORY_MB, limited, release
 from harness.running.tasks import TaskError, instance_for
+from harness.running.warm import WarmProcess, WarmStarter, script_of
 from proxy.server import ProxyServer
 
 _UPSTREAM_TROUBLE = (502, 503, 504)
@@ -83,6 +84,7 @@ class RunConfig:
     debug: bool = False  # one episode at a time, agent on the terminal, judge in this process, no timeouts
     memory_mb: int | None = AGENT_MEMORY_MB  # address-space cap of each agent (harness/running/limits.py); None: none
     max_procs: int | None = AGENT_MAX_PROCS  # processes and threads of each agent with its children; None: none
+    warm_start: bool = True  # `python agent.py` forks from an interpreter with the SDK imported (running/warm.py)
 
     def __post_init__(self):
         for name in ("repeat", "concurrency"):
@@ -152,7 +154,7 @@ class Runner:
     def __init__(self, config: RunConfig, *, run_id: str, proxy: ProxyServer, run_dir: Path,
                  on_episode: Callable[[EpisodeOutcome, Judgement | None], None] | None = None,
                  episode_env: Callable[[str, str], dict[str, str]] | None = None,
-                 judge_pool: JudgePool | InProcessJudge | None = None):
+                 judge_pool: JudgePool | InProcessJudge | None = None, warm: WarmStarter | None = None):
         self.config = config
         self.run_id = run_id
         self.proxy = proxy  # a started proxy, whose loop this runner runs on: episodes, store, recorder
@@ -161,11 +163,13 @@ class Runner:
         self.on_episode = on_episode
         self.episode_env = episode_env  # (episode_id, api_key) -> more environment (transparent mode's hop)
         self.shared_judges = judge_pool  # the caller's pool, used and left open; None: one of our own per run()
+        self.shared_warm = warm  # the caller's warm starter, used and left open; None: one of our own per run()
+        self._warm: WarmStarter | None = None
         self.outcomes: list[EpisodeOutcome] = []
         self.judgements: list[Judgement] = []
         self.judge_s = 0.0  # seconds spent waiting for judges, summed over episodes (they overlap agents' runs)
         self._stopping = asyncio.Event()
-        self._running: set[asyncio.subprocess.Process] = set()
+        self._running: set[asyncio.subprocess.Process | WarmProcess] = set()
 
     def plan(self, tasks: list[Task]) -> list[EpisodeSlot]:
         return plan_episodes(self.run_id, tasks, self.config.repeat)
@@ -186,6 +190,8 @@ class Runner:
         slots = self.plan(tasks)
         gate = asyncio.Semaphore(1 if self.config.debug else self.config.concurrency)
         pool = self.shared_judges or self._judge_pool()
+        self._warm = self.shared_warm or (await start_warm(self.config, self.log_dir.parent) if len(slots) > 1
+                                          else None)  # a starter costs an interpreter with the SDK imported
         try:
             async def one(slot: EpisodeSlot) -> None:
                 async with gate:
@@ -196,6 +202,9 @@ class Runner:
         finally:
             if pool is not None and pool is not self.shared_judges:
                 pool.close()
+            if self._warm is not None and self._warm is not self.shared_warm:
+                await self._warm.close()
+            self._warm = None
 
     def _judge_pool(self) -> JudgePool | InProcessJudge | None:
         if self.config.judge is None:
@@ -258,9 +267,15 @@ class Runner:
         with open(log_path, "wb") as log:
             terminal = _Terminal(log) if debug else None
             try:
+                proc = None
                 if terminal is not None:
                     proc = await terminal.start(self.config.command, env=env, cwd=self.config.cwd)
-                else:  # a session (and process group) of its own, killed whole when the episode ends
+                elif self._warm is not None and self._warm.takes(self.config.command, env, self.config.cwd):
+                    with contextlib.suppress(OSError):  # the starter is gone: this episode starts cold
+                        proc = await self._warm.spawn(self.config.command, env=env, cwd=self.config.cwd,
+                                                      stderr=log.fileno(), memory_mb=self.config.memory_mb,
+                                                      max_procs=self.config.max_procs)
+                if proc is None:  # a session (and process group) of its own, killed whole when the episode ends
                     proc = await asyncio.create_subprocess_exec(
                         *limited(self.config.command, self.config.memory_mb, self.config.max_procs),
                         stdin=asyncio.subprocess.PIPE,
@@ -298,7 +313,7 @@ class Runner:
         return EpisodeOutcome(episode_id, self.run_id, slot.task.task_id, slot.repeat_index, attempt, status,
                               exit_code, answer, error, started, duration_ms, str(log_path))
 
-    def _kill(self, proc: asyncio.subprocess.Process) -> None:
+    def _kill(self, proc: asyncio.subprocess.Process | WarmProcess) -> None:
         """Kill an agent and everything it started (its process group); in debug mode the agent shares the
         runner's process group, so only the agent itself is killed."""
         if self.config.debug:
@@ -389,7 +404,22 @@ def _echo(data: bytes) -> None:
         sys.stderr.flush()
 
 
-def _kill_group(proc: asyncio.subprocess.Process) -> None:
+async def start_warm(config: RunConfig, run_dir: Path) -> WarmStarter | None:
+    """A warm starter for the agents of `config` (running/warm.py), when they are `python agent.py` run by this
+    interpreter and warm starts are on; None otherwise, or when it fails to start (the agents then start cold)."""
+    if not config.warm_start or config.debug or script_of(config.command, config.cwd) is None:
+        return None
+    env = {**os.environ, **config.env}
+    for name in config.hidden_env:
+        env.pop(name, None)
+    try:
+        return await WarmStarter.start(env, run_dir / "warm-starter.log")
+    except (OSError, RuntimeError, ValueError) as exc:
+        print(f"harness: agents start cold: the warm starter did not start ({exc})", file=sys.stderr)
+        return None
+
+
+def _kill_group(proc: asyncio.subprocess.Process | WarmProcess) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, signal.SIGKILL)
 

@@ -8,8 +8,9 @@ episode's call indexes are 0..n-1. `harness serve` stops cleanly on SIGINT, the 
 
 Memory flat: the proxy's RSS is sampled every second; from the end of the warm-up (the first quarter, or later until
 the agents have been answered twice each on average: on a loaded machine 256 agents ramp up for ~8 s, their RSS
-rising 131 -> 218 MB, measured) to the end, once the recorder has written its backlog, it may grow less than RSS_BOUND_MB (100 MB) in all, and less than OUTSIDE_DUCKDB_BOUND_MB (60 MB) once the growth of
-DuckDB's own buffer memory (`duckdb_memory()`, asked through the proxy's SQL route) is taken off. Measured over
+rising 131 -> 218 MB, measured) to the end, once the recorder has written its backlog, it may grow less than
+RSS_BOUND_MB (100 MB) in all, and less than OUTSIDE_DUCKDB_BOUND_MB (60 MB) once the growth of DuckDB's own buffer
+memory (`duckdb_memory()`, asked through the proxy's SQL route) is taken off. Measured over
 20 s on 2 cores shared with other jobs (185-570 calls/s, 8 runs): the RSS is ~210-240 MB after the warm-up and
 grows 17-50 MB over the next 15 s, of which DuckDB's buffer memory 7-26 MB (rows not yet checkpointed, which it
 keeps until its 64 MB threshold: a sawtooth of up to ~60 MB; plus its block cache and primary-key indexes, which

@@ -196,6 +196,8 @@ class RolloutConfig:
     memory_mb: int = _key(8192, "address-space cap of each agent process, MB (running/limits.py); 0: none", ge=0)
     max_procs: int = _key(512, "processes and threads of each agent with all it starts (a pids cgroup where the "
                           "machine offers one, harness/running/limits.py); 0: none", ge=0)
+    warm_start: bool = _key(True, "a `rollout.agent` forks from an interpreter that has imported the openai SDK "
+                            "instead of starting cold in every episode (harness/running/warm.py)")
     temperature: float = _key(1.0, "training sampling temperature, replacing the agent's own", gt=0, le=10)
     top_p: float = _key(1.0, "training nucleus sampling threshold, replacing the agent's own", gt=0, le=1)
     max_tokens: int | None = _key(None, "cap on the agent's max_tokens per call; null: the agent's own", ge=1)

@@ -24,8 +24,9 @@ from harness.core.merge import Merged, merge_episode, summarise_merges
 from harness.core.records import FINISHED, INFRA_ERROR, INTERRUPTED, Call, EpisodeOutcome, Judgement, Sample, Task
 from harness.running.hub import model_name
 from harness.running.proxied import agent_env, agents_config, proxy_config
-from harness.running.runner import RunConfig, Runner
+from harness.running.runner import RunConfig, Runner, start_warm
 from harness.running.vllm_server import Engine, attach, start_vllm
+from harness.running.warm import WarmStarter
 from harness.store.database import Store
 from proxy.config import SamplingOverrides
 from proxy.guard import DEGENERATE, GuardConfig
@@ -95,6 +96,8 @@ class Rollouts:
             raise ValueError(f"the engine at {engine.base_url} returns no token ids: training needs vLLM's ids")
         self.server = ProxyServer(config)
         self._runner: Runner | None = None  # the collect under way
+        self._warm: WarmStarter | None = None  # one warm starter for every collect (running/warm.py), once started
+        self._warm_tried = False
         self._stopped = False  # stop() was called: every collect from then on ends at once
         self.url = self.server.start_in_thread(spawns=True)  # the runner starts the agents on its loop
         self.admin_token = config.admin_token
@@ -120,9 +123,12 @@ class Rollouts:
         judge_pool: a JudgePool the caller keeps open across collects (else the Runner makes one per collect).
         The guard's penalty is a training reward: validation episodes (tag "val") keep their judge's."""
         self.server.use_sampling(sampling or self.sampling)
+        if not self._warm_tried:
+            self._warm_tried = True
+            self._warm = self.server.call(start_warm(self.run, self.run_dir))
         runner = Runner(replace(self.run, repeat=repeat or self.run.repeat), run_id=f"{self.run_id}-{tag}{step:05d}",
                         proxy=self.server, run_dir=self.run_dir, episode_env=agent_env(self.interceptor),
-                        judge_pool=judge_pool)
+                        judge_pool=judge_pool, warm=self._warm)
         started = time.perf_counter()
         self._runner = runner
         if self._stopped:  # stopped while this collect was starting: it starts no episode
@@ -203,6 +209,8 @@ class Rollouts:
     def close(self) -> None:
         if self.interceptor is not None:
             self.interceptor.close()
+        if self._warm is not None:
+            self.server.call(self._warm.close())
         self.server.stop_thread()
 
 
@@ -264,7 +272,7 @@ def run_config(cfg: TrainConfig) -> RunConfig:
     return RunConfig(command=command, judge=cfg.task_judge.judge, repeat=r.num_repeat, concurrency=r.concurrency,
                      timeout_s=r.timeout_s, retries=r.retries, judge_timeout_s=cfg.task_judge.timeout_s,
                      judge_workers=cfg.task_judge.workers, cwd=r.cwd, env=dict(r.env), debug=cfg.debug.enabled,
-                     memory_mb=r.memory_mb or None, max_procs=r.max_procs or None)
+                     memory_mb=r.memory_mb or None, max_procs=r.max_procs or None, warm_start=r.warm_start)
 
 
 def start_engines(cfg: TrainConfig, out: Path) -> list[Engine]:
