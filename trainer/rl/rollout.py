@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -98,6 +99,7 @@ class Rollouts:
         self._runner: Runner | None = None  # the collect under way
         self._warm: WarmStarter | None = None  # one warm starter for every collect (running/warm.py), once started
         self._warm_tried = False
+        self._warm_lock = threading.Lock()  # collects may start from several threads (adapters/verl_loop.py)
         self._stopped = False  # stop() was called: every collect from then on ends at once
         self.url = self.server.start_in_thread(spawns=True)  # the runner starts the agents on its loop
         self.admin_token = config.admin_token
@@ -123,9 +125,10 @@ class Rollouts:
         judge_pool: a JudgePool the caller keeps open across collects (else the Runner makes one per collect).
         The guard's penalty is a training reward: validation episodes (tag "val") keep their judge's."""
         self.server.use_sampling(sampling or self.sampling)
-        if not self._warm_tried:
-            self._warm_tried = True
-            self._warm = self.server.call(start_warm(self.run, self.run_dir))
+        with self._warm_lock:
+            if not self._warm_tried:
+                self._warm_tried = True
+                self._warm = self.server.call(start_warm(self.run, self.run_dir))
         runner = Runner(replace(self.run, repeat=repeat or self.run.repeat), run_id=f"{self.run_id}-{tag}{step:05d}",
                         proxy=self.server, run_dir=self.run_dir, episode_env=agent_env(self.interceptor),
                         judge_pool=judge_pool, warm=self._warm)
