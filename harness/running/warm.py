@@ -58,8 +58,10 @@ def script_of(command: list[str], cwd: Path | str | None = None, python: str = s
     in for it)."""
     if len(command) < 2 or command[1].startswith("-"):
         return None
+    # the same bin directory: another venv's python is a link to the same binary, with other site-packages
+    here, there = (os.path.dirname(os.path.abspath(p)) for p in (python, command[0]))
     try:
-        same = os.path.samefile(command[0], python)
+        same = here == there and os.path.samefile(command[0], python)
     except OSError:
         return None
     script = os.path.join(cwd or os.getcwd(), command[1])

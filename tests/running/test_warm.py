@@ -8,6 +8,7 @@ import asyncio
 import json
 import os
 import signal
+import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -131,6 +132,10 @@ async def test_commands_a_warm_start_cannot_stand_in_for_start_cold(starter, tmp
     assert not starter.takes([sys.executable, "-m", "agent"], env)
     assert not starter.takes([sys.executable, "-c", "print(1)"], env)
     assert not starter.takes(["/bin/sh", str(agent)], env)
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(tmp_path / "other")], check=True)
+    other = tmp_path / "other" / "bin" / "python"
+    assert os.path.samefile(other, sys.executable)  # a link to the same binary, with its own site-packages
+    assert not starter.takes([str(other), str(agent)], env)
     assert not starter.takes([sys.executable, str(tmp_path / "missing.py")], env)
     assert not starter.takes([sys.executable, str(agent)], {**env, "PYTHONPATH": str(tmp_path)})
     assert not starter.takes([sys.executable, str(agent)], {**env, "LC_ALL": "C"})
