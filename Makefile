@@ -97,12 +97,15 @@ demo: install
 # the engine tier on the other; its output goes to $(FAST_LOG) and is printed after the engine tier's. The fast tier
 # starts with its trainer tests (--first, tests/tiers.py), which compute on both cores, so that they do not meet the
 # engine tier's own (tests/trainer/, at its end).
+# The engine tier ends first (31 vs 38 min measured): it also runs the fast tier's last files (--to-engine-tier).
 FAST_LOG := runs/test-fast.log
+TO_ENGINE_TIER := --to-engine-tier tests/store/ --to-engine-tier tests/viewer/ --to-engine-tier tests/test_
 test: install $(CHROMIUM) lint
 	@mkdir -p $(dir $(FAST_LOG))
 	@echo "the fast tier runs beside the engine tier; its output: $(FAST_LOG), printed when both are done"
-	@$(BIN)/pytest -q -m "not engine" --first tests/trainer/ --durations=15 > $(FAST_LOG) 2>&1 & fast=$$!; \
-	$(BIN)/pytest -q -m engine --durations=15; engine=$$?; \
+	@$(BIN)/pytest -q -m "not engine" --first tests/trainer/ $(TO_ENGINE_TIER) --durations=15 > $(FAST_LOG) 2>&1 & \
+	fast=$$!; \
+	$(BIN)/pytest -q -m engine $(TO_ENGINE_TIER) --durations=15; engine=$$?; \
 	wait $$fast; fast=$$?; \
 	echo "===== the fast tier (pytest -m 'not engine'), beside the engine tier ====="; cat $(FAST_LOG); \
 	echo "engine tier: exit $$engine; fast tier: exit $$fast"; \

@@ -52,6 +52,28 @@ def test_first_runs_the_tests_under_a_prefix_first_each_group_in_its_order(pytes
     assert ran == ["test_c.py::test_4", "test_b.py::test_3", "test_a.py::test_1", "test_a.py::test_2"], ran
 
 
+def test_tests_moved_to_the_engine_tier_run_there_at_its_end_and_not_in_the_fast_tier(pytester: pytest.Pytester):
+    pytester.makepyfile(test_a="def test_1():\n    pass\n", test_b="def test_2():\n    pass\n",
+                        test_z_engine="def test_3(engine):\n    pass\n")
+    moved = ("--to-engine-tier", "test_a.py")
+    engine = _run(pytester, "-vv", "-m", "engine", *moved)
+    engine.assert_outcomes(passed=2, deselected=1)
+    ran = [line.split()[0] for line in engine.outlines if " PASSED" in line]
+    assert ran == ["test_z_engine.py::test_3", "test_a.py::test_1"], ran
+    _run(pytester, "-vv", "-m", "not engine", *moved).assert_outcomes(passed=1, deselected=2)
+
+
+def test_the_folders_make_test_moves_to_the_engine_tier_exist():
+    """The Makefile's TO_ENGINE_TIER names prefixes that exist (a renamed folder would move nothing, silently)."""
+    import re
+
+    line = re.search(r"^TO_ENGINE_TIER := (.*)$", (ROOT / "Makefile").read_text(), re.M).group(1)
+    prefixes = re.findall(r"--to-engine-tier (\S+)", line)
+    assert prefixes, line
+    for prefix in prefixes:
+        assert list(ROOT.glob(prefix + "*")), f"--to-engine-tier {prefix}: no test file starts so"
+
+
 def test_every_test_left_out_of_ci_is_one_make_test_long_runs():
     """A test marked `long_run` (tests/support.py) is skipped in CI; `make test-long` selects them by the Makefile's
     LONG_K (-k names): a long test that no name matches would run nowhere."""
