@@ -254,12 +254,12 @@ class Runner:
     async def _run_agent(self, slot: EpisodeSlot, episode_id: str, attempt: int, agent_task: dict,
                          api_key: str) -> EpisodeOutcome:
         task_json, debug = json.dumps(agent_task), self.config.debug
-        env = {**({"PYTHONUNBUFFERED": "1"} if debug else {}), **os.environ, **self.config.env,
+        env = {**({"PYTHONUNBUFFERED": "1"} if debug else {}), **base_env(self.config),
                **model_env(self.proxy.url, episode_id, api_key), "HARNESS_TASK": task_json,
                "HARNESS_EPISODE_ID": episode_id}
         if self.episode_env is not None:
             env.update(self.episode_env(episode_id, api_key))
-        for name in self.config.hidden_env:
+        for name in self.config.hidden_env:  # the hop's environment may name them too
             env.pop(name, None)
         log_path = self.log_dir / f"{episode_id}.log"
         started, t0 = time.time(), time.perf_counter()
@@ -404,16 +404,21 @@ def _echo(data: bytes) -> None:
         sys.stderr.flush()
 
 
+def base_env(config: RunConfig) -> dict[str, str]:
+    """What every agent of `config` gets before its episode's own variables: ours, the config's, less the hidden."""
+    env = {**os.environ, **config.env}
+    for name in config.hidden_env:
+        env.pop(name, None)
+    return env
+
+
 async def start_warm(config: RunConfig, run_dir: Path) -> WarmStarter | None:
     """A warm starter for the agents of `config` (running/warm.py), when they are `python agent.py` run by this
     interpreter and warm starts are on; None otherwise, or when it fails to start (the agents then start cold)."""
     if not config.warm_start or config.debug or script_of(config.command, config.cwd) is None:
         return None
-    env = {**os.environ, **config.env}
-    for name in config.hidden_env:
-        env.pop(name, None)
     try:
-        return await WarmStarter.start(env, run_dir / "warm-starter.log")
+        return await WarmStarter.start(base_env(config), run_dir / "warm-starter.log")
     except (OSError, RuntimeError, ValueError) as exc:
         print(f"harness: agents start cold: the warm starter did not start ({exc})", file=sys.stderr)
         return None

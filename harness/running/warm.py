@@ -225,7 +225,7 @@ class WarmStarter:
             while data := await loop.sock_recv(self._sock, 65536):
                 msg = json.loads(data)
                 if "exit" in msg:
-                    future = self._exits.get(msg["exit"])
+                    future = self._exits.pop(msg["exit"], None)  # a run that never stops forks without end
                     if future is None:
                         self._early[msg["exit"]] = msg["returncode"]
                     elif not future.done():
