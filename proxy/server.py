@@ -11,7 +11,9 @@ import asyncio
 import contextlib
 import gc
 import os
+import shutil
 import signal
+import tempfile
 import threading
 from pathlib import Path
 
@@ -38,6 +40,7 @@ class ProxyServer:
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopped: asyncio.Event | None = None
+        self._unix_path: str | None = None
 
     @property
     def run_id(self) -> str:
@@ -94,12 +97,24 @@ class ProxyServer:
         self._write_info()
         return self.url
 
+    async def unix_socket(self) -> str:
+        """The path of a unix socket the started proxy also serves on (made at the first call, removed at stop):
+        sandboxes, which have no network of their own, reach the proxy through it (harness/sandbox/bwrap.py)."""
+        if self._unix_path is None:
+            path = os.path.join(tempfile.mkdtemp(prefix="hx-proxy-"), "proxy.sock")  # short: at most 107 bytes
+            await web.UnixSite(self._runner, path).start()
+            self._unix_path = path
+        return self._unix_path
+
     async def stop(self) -> None:
         with contextlib.suppress(FileNotFoundError):
             self.info_path.unlink()
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
+        if self._unix_path is not None:
+            shutil.rmtree(os.path.dirname(self._unix_path), ignore_errors=True)
+            self._unix_path = None
 
     def _write_info(self) -> None:
         write_info(self.config.db_path, {"url": self.url, "pid": os.getpid(), "run_id": self.run_id,

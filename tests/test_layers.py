@@ -23,7 +23,7 @@ LAYERS = (  # (module prefix, layer): the longest matching prefix decides
     ("harness", 0), ("harness.core", 0),
     ("harness.store", 1),
     ("proxy", 2),
-    ("harness.running", 3),
+    ("harness.running", 3), ("harness.sandbox", 3),
     ("trainer", 4), ("trainer.maths", 4),  # the trainer's rooms, lowest first
     ("trainer.model", 5),
     ("trainer.config", 6),

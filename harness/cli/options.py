@@ -76,6 +76,13 @@ def add_limit_args(p) -> None:
                    "answers 400 naming the tool (default: %(default)s)")
 
 
+def engine_required(args) -> str | None:
+    """The error when none of --model, --trained, --upstream is given, as argparse says it; None when one is."""
+    if args.model is None and args.trained is None and not args.upstream:
+        return "one of the arguments --model --trained --upstream is required"
+    return None
+
+
 def proxy_settings(args) -> dict:
     """ProxyConfig's max_turns, guard and hosted_tools from add_limit_args' options (ValueError for bad values),
     and with --trained its policy_models: each trained policy's calls go to its adapter from the first call."""
@@ -148,8 +155,10 @@ def interceptor(args, run_dir: Path):
     return Interceptor(options, log_path=run_dir / "transparent.log")
 
 
-def add_engine_args(p) -> None:
-    src = p.add_mutually_exclusive_group(required=True)
+def add_engine_args(p, *, required: bool = True) -> None:
+    """The engine options; `required=False` where a command can run without one (`harness run --agent oracle`),
+    which then says itself that one is needed (`engine_required`)."""
+    src = p.add_mutually_exclusive_group(required=required)
     src.add_argument("--model", help="model to serve with vLLM (started as a subprocess): a model directory, or a "
                      "Hugging Face id such as Qwen/Qwen2.5-1.5B-Instruct, taken from the local cache or downloaded "
                      "into it")  # a str, not a Path: Path("./org/name") would drop the "./" that makes it a path

@@ -86,6 +86,7 @@ TIMED_OUT = "timeout"  # the agent ran past the episode timeout; its whole proce
 NO_OUTPUT = "no_output"  # the agent exited 0 but printed nothing
 INFRA_ERROR = "infra_error"  # the engine was unreachable: not the agent's fault (retried)
 INTERRUPTED = "interrupted"  # the run was stopped (Ctrl-C) while the agent was running
+NOT_PREPARED = "not_prepared"  # the task's environment could not be made (harness/running/harbor.py says why): not run
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,13 +107,14 @@ class EpisodeOutcome:
     task_id: str  # the task it worked on
     repeat_index: int  # 0..repeat-1: the sample index within the task's group (GRPO group member)
     attempt: int  # 1 + how many times it was retried for infrastructure failures
-    status: str  # FINISHED, CRASHED, TIMED_OUT, NO_OUTPUT, INFRA_ERROR or INTERRUPTED
+    status: str  # FINISHED, CRASHED, TIMED_OUT, NO_OUTPUT, INFRA_ERROR, INTERRUPTED or NOT_PREPARED
     exit_code: int | None  # the agent process's exit code (None if it was killed)
     answer: str | None  # the agent's answer: its final JSON line's "answer", else its last non-empty line
     error: str | None  # why it failed, in a sentence (with the tail of its stderr where useful)
     started_at: float  # unix seconds
     duration_ms: float  # wall time of the agent process
     log_path: str | None  # the agent's stderr, one file per episode
+    sandbox: dict | None = None  # a sandboxed episode: {"backend", "workdir", "flags": [...], "open_ms", "close_ms"}
 
 
 @dataclass(frozen=True, slots=True)

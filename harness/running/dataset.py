@@ -14,10 +14,12 @@ import logging
 import signal
 import sys
 import time
+from collections import Counter
 from datetime import UTC
 from pathlib import Path
 
 from harness.core.records import EpisodeOutcome, Judgement, Task
+from harness.running import harbor
 from harness.running.judge_pool import JudgePool
 from harness.running.judges import load_judge
 from harness.running.proxied import agent_env, agents_config, proxy_config
@@ -44,7 +46,8 @@ async def run_dataset(tasks: list[Task], config: RunConfig, engine: Engine, run_
     sent it, with the key in `upstream_key_env` (agents carry episode tokens; that variable is hidden from them).
     `proxy_settings`: ProxyConfig's max_turns, guard and hosted_tools (harness/cli/options.py's proxy_settings)."""
     # A typo in the judge fails here, before any agent runs; judgements carry the judge's normalised name.
-    judge_name = load_judge(config.judge).name if config.judge else "none"
+    judge_name = load_judge(config.judge).name if config.judge else (
+        harbor.JUDGE if any(harbor.is_harbor(t) for t in tasks) else "none")  # Harbor tasks: their tests/test.sh
     run_dir.mkdir(parents=True, exist_ok=True)
     proxy = proxy_config(engine, run_dir, sampling=sampling or SamplingOverrides(), token_exact=token_exact,
                          reasoning_history=reasoning_history, roles=roles, more_upstreams=more_upstreams,
@@ -71,6 +74,8 @@ async def run_dataset(tasks: list[Task], config: RunConfig, engine: Engine, run_
                          success_threshold)
         report["interrupted"] = runner.stopped
         report["merge"] = merge
+        if sandboxed := [o for o in runner.outcomes if o.sandbox is not None]:
+            report["sandbox_flags"] = dict(Counter(f["reason"] for o in sandboxed for f in o.sandbox["flags"]))
         await asyncio.to_thread(server.store.add_report, server.run_id, judge_name, report)
     finally:
         loop.remove_signal_handler(signal.SIGINT)
@@ -133,7 +138,8 @@ def _outcomes(store: Store, run_id: str) -> list[EpisodeOutcome]:
     rows = store.query("SELECT * FROM episode_outcomes WHERE run_id = ? QUALIFY row_number() OVER "
                        "(PARTITION BY task_id, repeat_index ORDER BY attempt DESC) = 1 "
                        "ORDER BY task_id, repeat_index", [run_id]).rows
-    return [EpisodeOutcome(*row[:9], row[9].replace(tzinfo=UTC).timestamp(), *row[10:]) for row in rows]
+    return [EpisodeOutcome(*row[:9], row[9].replace(tzinfo=UTC).timestamp(), *row[10:12],
+                           None if row[12] is None else json.loads(row[12])) for row in rows]
 
 
 def _merge_after_run(store: Store, run_id: str) -> dict:

@@ -1,8 +1,9 @@
 """Resource limits for code we run but do not own: agents and judges.
 
-An agent is started through this module (`python -m harness.running.limits MEMORY_MB [--procs N] -- cmd...`): it caps
-its own address space, moves itself into a process-count group of its own, then execs the agent, which inherits
-both (no pre-exec hook in a threaded parent). A judge worker caps its memory when it starts
+An agent is started through this module (`python -m harness.running.limits MEMORY_MB [--procs N] [--cpus X] --
+cmd...`): it caps its own address space, moves itself into a process-count group (and a CPU-quota group, for a
+sandboxed task's `cpus`) of its own, then execs the agent, which inherits them (no pre-exec hook in a threaded
+parent). A judge worker caps its memory when it starts
 (judge_pool.py). A process past its memory cap gets MemoryError / ENOMEM on allocation and usually exits:
 its episode ends as crashed with its stderr, its judgement as an error.
 
@@ -43,24 +44,30 @@ def cap_memory(memory_mb: int | None) -> None:
 
 def pids_root() -> Path | None:
     """The cgroup directory under which this process can make a pids-limited group, or None."""
+    return cgroup_root("pids")
+
+
+def cgroup_root(controller: str) -> Path | None:
+    """The cgroup directory under which this process can make a group that `controller` (pids, cpu) limits, or
+    None."""
     try:
         own = [line.rstrip("\n").split(":", 2) for line in open("/proc/self/cgroup")]
         mounts = [line.split() for line in open("/proc/self/mounts")]
     except OSError:
         return None
     for _, controllers, path in own:
-        if "pids" in controllers.split(","):  # cgroup v1: the pids hierarchy
+        if controller in controllers.split(","):  # cgroup v1: the controller's hierarchy
             for _, point, fstype, options, *_ in mounts:
-                if fstype == "cgroup" and "pids" in options.split(","):
+                if fstype == "cgroup" and controller in options.split(","):
                     root = Path(point) / path.lstrip("/")
                     return root if os.access(root, os.W_OK) else None
     for hierarchy, _, path in own:
-        if hierarchy == "0":  # cgroup v2: only where this group hands the pids controller down
+        if hierarchy == "0":  # cgroup v2: only where this group hands the controller down
             for _, point, fstype, *_ in mounts:
                 if fstype == "cgroup2":
                     root = Path(point) / path.lstrip("/")
                     with contextlib.suppress(OSError):
-                        if "pids" in (root / "cgroup.subtree_control").read_text().split() and \
+                        if controller in (root / "cgroup.subtree_control").read_text().split() and \
                                 os.access(root, os.W_OK):
                             return root
     return None
@@ -98,14 +105,39 @@ def _owner(pid: str) -> int | None:
         return None
 
 
-def release(pid: int, timeout_s: float = 5.0) -> None:
-    """After an agent started through the wrapper has ended: kill what is left in its process group's cgroup (if it
-    got one) and remove the cgroup."""
-    root = pids_root()
+def cap_cpus(cpus: float) -> str:
+    """Hold this process and all it starts to `cpus` CPUs of time (a CFS quota in the cpu cgroup `harness-<pid>`),
+    where the machine lets it; how (for the log)."""
+    root = cgroup_root("cpu")
     if root is None:
-        return
-    group = root / f"{_GROUP_PREFIX}{pid}"
+        return "no CPU cap (no writable cpu cgroup)"
+    group = root / f"{_GROUP_PREFIX}{os.getpid()}"
+    period = 100_000
+    quota = max(1000, int(cpus * period))
+    try:
+        group.mkdir(exist_ok=True)  # cgroup v2: the pids group, when it has one
+        if (group / "cpu.max").exists():
+            (group / "cpu.max").write_text(f"{quota} {period}")
+        else:
+            (group / "cpu.cfs_period_us").write_text(str(period))
+            (group / "cpu.cfs_quota_us").write_text(str(quota))
+        (group / "cgroup.procs").write_text(str(os.getpid()))
+        return f"cpu cgroup {group} ({cpus:g} CPUs)"
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            group.rmdir()
+        return f"no CPU cap (cannot use the cpu cgroup {group}: {exc})"
+
+
+def release(pid: int, timeout_s: float = 5.0) -> None:
+    """After an agent started through the wrapper has ended: kill what is left in its cgroups (if it got any: pids,
+    cpu) and remove them."""
     deadline = time.monotonic() + timeout_s
+    for root in dict.fromkeys(r for r in (pids_root(), cgroup_root("cpu")) if r is not None):
+        _release_group(root / f"{_GROUP_PREFIX}{pid}", deadline)
+
+
+def _release_group(group: Path, deadline: float) -> None:
     while group.exists():
         try:
             left = [int(p) for p in (group / "cgroup.procs").read_text().split()]
@@ -132,34 +164,45 @@ def _sweep(root: Path) -> None:
                 group.rmdir()  # fails (and is kept) while anything still runs in it
 
 
-def limited(command: list[str], memory_mb: int | None, max_procs: int | None = None) -> list[str]:
-    """`command`, started under a memory cap and a process cap (unchanged when both are None or 0)."""
-    if not memory_mb and not max_procs:
+def limited(command: list[str], memory_mb: int | None, max_procs: int | None = None,
+            cpus: float | None = None) -> list[str]:
+    """`command`, started under a memory cap, a process cap and a CPU cap (unchanged when all are None or 0)."""
+    if not memory_mb and not max_procs and not cpus:
         return list(command)
     procs = ["--procs", str(int(max_procs))] if max_procs else []
-    return [sys.executable, "-m", "harness.running.limits", str(int(memory_mb or 0)), *procs, "--", *command]
+    cpu = ["--cpus", f"{float(cpus):g}"] if cpus else []
+    return [sys.executable, "-m", "harness.running.limits", str(int(memory_mb or 0)), *procs, *cpu, "--", *command]
 
 
 def main(argv: list[str]) -> int:
-    usage = "usage: python -m harness.running.limits MEMORY_MB [--procs N] -- command [args...]"
-    max_procs = None
-    if len(argv) >= 3 and argv[1] == "--procs":
-        max_procs, argv = int(argv[2]), [argv[0], *argv[3:]]
-    if len(argv) < 3 or argv[1] != "--":
+    usage = "usage: python -m harness.running.limits MEMORY_MB [--procs N] [--cpus X] -- command [args...]"
+    max_procs = cpus = None
+    memory, rest = argv[:1], argv[1:]
+    while len(rest) >= 2 and rest[0] in ("--procs", "--cpus"):
+        if rest[0] == "--procs":
+            max_procs = int(rest[1])
+        else:
+            cpus = float(rest[1])
+        rest = rest[2:]
+    if not memory or len(rest) < 2 or rest[0] != "--":
         print(usage, file=sys.stderr)
         return 2
-    cap_memory(int(argv[0]))
-    if max_procs:
-        root = pids_root()
-        if root is not None:
+    cap_memory(int(memory[0]))
+    for controller, wanted in (("pids", max_procs), ("cpu", cpus)):
+        if wanted and (root := cgroup_root(controller)) is not None:
             _sweep(root)
+    if max_procs:
         how = cap_processes(max_procs)
         if how.startswith("no process cap"):
             print(f"harness.running.limits: {how}", file=sys.stderr)
+    if cpus:
+        how = cap_cpus(cpus)
+        if how.startswith("no CPU cap"):
+            print(f"harness.running.limits: {how}", file=sys.stderr)
     try:
-        os.execvp(argv[2], argv[2:])
+        os.execvp(rest[1], rest[1:])
     except OSError as exc:
-        print(f"could not start {argv[2]!r}: {exc}", file=sys.stderr)
+        print(f"could not start {rest[1]!r}: {exc}", file=sys.stderr)
         return 127
 
 

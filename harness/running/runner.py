@@ -34,6 +34,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import signal
 import sys
 import time
@@ -49,15 +50,18 @@ from harness.core.records import (
     INFRA_ERROR,
     INTERRUPTED,
     NO_OUTPUT,
+    NOT_PREPARED,
     TIMED_OUT,
     EpisodeOutcome,
     Judgement,
     Task,
 )
+from harness.running import harbor
 from harness.running.judge_pool import InProcessJudge, JudgePool
 from harness.running.limits import AGENT_MAX_PROCS, AGENT_MEMORY_MB, limited, release
 from harness.running.tasks import TaskError, instance_for
 from harness.running.warm import WarmProcess, WarmStarter, script_of
+from harness.sandbox import SandboxError, SandboxSpec, open_backend
 from proxy.server import ProxyServer
 
 _UPSTREAM_TROUBLE = (502, 503, 504)
@@ -85,6 +89,12 @@ class RunConfig:
     memory_mb: int | None = AGENT_MEMORY_MB  # address-space cap of each agent (harness/running/limits.py); None: none
     max_procs: int | None = AGENT_MAX_PROCS  # processes and threads of each agent with its children; None: none
     warm_start: bool = True  # `python agent.py` forks from an interpreter with the SDK imported (running/warm.py)
+    sandbox: str | None = None  # each episode in a sandbox of this backend (harness/sandbox/: "bwrap"); Harbor tasks
+    #                             always are (bwrap unless named); None: other tasks on the host
+    sandbox_binds: tuple[str, ...] = ()  # more host paths a sandboxed agent needs, bound read-only at the same path
+    blocked_commands: tuple[str, ...] = ()  # commands refused (and flagged) in a sandbox, e.g. ("git", "pip", "curl")
+    oracle: bool = False  # Harbor tasks: each task's solution/solve.sh is the agent (checks the task set)
+    keep_workspaces: bool = False  # keep each sandboxed episode's workspace under <run_dir>/workspaces/ after judging
 
     def __post_init__(self):
         for name in ("repeat", "concurrency"):
@@ -165,6 +175,8 @@ class Runner:
         self.shared_judges = judge_pool  # the caller's pool, used and left open; None: one of our own per run()
         self.shared_warm = warm  # the caller's warm starter, used and left open; None: one of our own per run()
         self._warm: WarmStarter | None = None
+        self._backend = None  # the sandbox backend, when episodes run sandboxed
+        self._workspaces: dict[str, Path] = {}  # a sandboxed episode's workspace, until it is judged
         self.outcomes: list[EpisodeOutcome] = []
         self.judgements: list[Judgement] = []
         self.judge_s = 0.0  # seconds spent waiting for judges, summed over episodes (they overlap agents' runs)
@@ -190,7 +202,11 @@ class Runner:
         slots = self.plan(tasks)
         gate = asyncio.Semaphore(1 if self.config.debug else self.config.concurrency)
         pool = self.shared_judges or self._judge_pool()
-        self._warm = self.shared_warm or (await start_warm(self.config, self.log_dir.parent) if len(slots) > 1
+        sandboxed = [t for t in tasks if self._sandboxed(t)]
+        if sandboxed and self._backend is None:
+            self._backend = await asyncio.to_thread(open_backend, self.config.sandbox or "bwrap")
+        hosted = len(slots) - len(sandboxed) * self.config.repeat
+        self._warm = self.shared_warm or (await start_warm(self.config, self.log_dir.parent) if hosted > 1
                                           else None)  # a starter costs an interpreter with the SDK imported
         try:
             async def one(slot: EpisodeSlot) -> None:
@@ -213,12 +229,34 @@ class Runner:
             return InProcessJudge(self.config.judge)
         return JudgePool(self.config.judge, workers=self.config.judge_workers, timeout_s=self.config.judge_timeout_s)
 
+    def _sandboxed(self, task: Task) -> bool:
+        return self.config.sandbox is not None or harbor.is_harbor(task)
+
+    async def _not_prepared(self, slot: EpisodeSlot, why: str) -> None:
+        outcome = EpisodeOutcome(slot.episode_id, self.run_id, slot.task.task_id, slot.repeat_index, 1, NOT_PREPARED,
+                                 None, None, why, time.time(), 0.0, None)
+        await asyncio.to_thread(self.store.add_outcome, outcome)
+        self.outcomes.append(outcome)
+        if self.on_episode is not None:
+            self.on_episode(outcome, None)
+
     async def _episode(self, slot: EpisodeSlot, pool: JudgePool | InProcessJudge | None) -> None:
+        if harbor.is_harbor(slot.task):
+            why = slot.task.data[harbor.KEY]["not_prepared"]
+            if why is None and self.config.oracle and not (
+                    Path(slot.task.data[harbor.KEY]["path"]) / "solution" / "solve.sh").is_file():
+                why = f"task {slot.task.task_id!r}: it has no solution/solve.sh for the oracle agent"
+            if why is not None:
+                return await self._not_prepared(slot, why)
+        elif self.config.oracle:
+            return await self._not_prepared(slot, f"task {slot.task.task_id!r} is not a Harbor task: the oracle "
+                                                  "agent runs Harbor tasks' solution/solve.sh")
         attempt = 1
         while True:
             episode_id = slot.episode_id if attempt == 1 else f"{slot.episode_id}-retry{attempt - 1}"
             try:
-                agent_task = await asyncio.to_thread(instance_for, slot.task)
+                agent_task = (harbor.agent_task(slot.task) if harbor.is_harbor(slot.task)
+                              else await asyncio.to_thread(instance_for, slot.task))
             except TaskError as exc:  # the environment service is down: not the agent's fault
                 outcome = EpisodeOutcome(episode_id, self.run_id, slot.task.task_id, slot.repeat_index, attempt,
                                          INFRA_ERROR, None, None, str(exc), time.time(), 0.0, None)
@@ -242,12 +280,21 @@ class Runner:
             break
         self.outcomes.append(outcome)  # the last attempt stands for the slot
         judgement = None
-        if pool is not None and outcome.status not in (INFRA_ERROR, INTERRUPTED):
+        workspace = self._workspaces.pop(episode_id, None)
+        if harbor.is_harbor(slot.task) and outcome.status not in (INFRA_ERROR, INTERRUPTED) and workspace:
+            started = time.perf_counter()
+            judgement = await harbor.verify(slot.task, episode_id, workspace, self._backend,
+                                            base_env(self.config), self.log_dir / f"{episode_id}.verifier.log")
+            self.judge_s += time.perf_counter() - started
+        elif pool is not None and outcome.status not in (INFRA_ERROR, INTERRUPTED):
             started = time.perf_counter()
             judgement = await pool.judge(episode_id, agent_task, outcome.answer, calls)
             self.judge_s += time.perf_counter() - started
+        if judgement is not None:
             await asyncio.to_thread(self.store.add_judgements, [judgement])
             self.judgements.append(judgement)
+        if workspace is not None and not self.config.keep_workspaces:
+            await asyncio.to_thread(shutil.rmtree, workspace, True)
         if self.on_episode is not None:
             self.on_episode(outcome, judgement)
 
@@ -262,13 +309,20 @@ class Runner:
         for name in self.config.hidden_env:  # the hop's environment may name them too
             env.pop(name, None)
         log_path = self.log_dir / f"{episode_id}.log"
+        sandboxed, is_harbor = self._sandboxed(slot.task), harbor.is_harbor(slot.task)
+        timeout_s = slot.task.data[harbor.KEY]["agent_timeout_s"] if is_harbor else self.config.timeout_s
         started, t0 = time.time(), time.perf_counter()
         status, error, exit_code, stdout = FINISHED, None, None, b""
+        box, sandbox = None, None
         with open(log_path, "wb") as log:
-            terminal = _Terminal(log) if debug else None
+            terminal = _Terminal(log) if debug and not sandboxed else None
             try:
                 proc = None
-                if terminal is not None:
+                if sandboxed:
+                    box, sandbox = await self._open_sandbox(slot.task, episode_id)
+                    proc = await box.exec(self._command(slot.task), env=env, stdin=asyncio.subprocess.PIPE,
+                                          stdout=asyncio.subprocess.PIPE, stderr=log)
+                elif terminal is not None:
                     proc = await terminal.start(self.config.command, env=env, cwd=self.config.cwd)
                 elif self._warm is not None and self._warm.takes(self.config.command, env, self.config.cwd):
                     with contextlib.suppress(OSError):  # the starter is gone: this episode starts cold
@@ -282,25 +336,35 @@ class Runner:
                         stdout=asyncio.subprocess.PIPE, stderr=log, env=env, cwd=self.config.cwd,
                         start_new_session=True,
                     )
-            except OSError as exc:
+            except (OSError, SandboxError, TaskError) as exc:
+                if box is not None:
+                    await box.close()
                 return EpisodeOutcome(episode_id, self.run_id, slot.task.task_id, slot.repeat_index, attempt,
-                                      CRASHED, None, None, f"could not start {self.config.command[0]!r}: {exc}",
-                                      started, 0.0, str(log_path))
+                                      CRASHED, None, None, f"could not start {self.config.command[0]!r}"
+                                      f"{' in its sandbox' if sandboxed else ''}: {exc}", started, 0.0,
+                                      str(log_path), sandbox)
             self._running.add(proc)
             try:
                 if terminal is not None:
                     stdout = await terminal.relay(proc)  # no timeout: a breakpoint may hold the agent for long
                 else:
-                    stdout, _ = await asyncio.wait_for(proc.communicate(task_json.encode()), self.config.timeout_s)
+                    stdout, _ = await asyncio.wait_for(proc.communicate(task_json.encode()),
+                                                       None if debug else timeout_s)
                 exit_code = proc.returncode
             except TimeoutError:
-                status, error = TIMED_OUT, f"the agent ran past the {self.config.timeout_s:g} s episode timeout"
+                status, error = TIMED_OUT, f"the agent ran past the {timeout_s:g} s episode timeout" + (
+                    " ([agent] timeout_sec)" if is_harbor else "")
             finally:
                 self._kill(proc)  # a finished agent may still have children running
                 await proc.wait()
                 if self.config.max_procs and terminal is None:  # and some may have left its process group
                     await asyncio.to_thread(release, proc.pid)
                 self._running.discard(proc)
+                if box is not None:
+                    closing = time.perf_counter()
+                    await box.close()
+                    sandbox["close_ms"] = (time.perf_counter() - closing) * 1000.0
+                    sandbox["flags"] += box.flags
         duration_ms = (time.perf_counter() - t0) * 1000.0
         answer = parse_answer(stdout.decode("utf-8", "replace"))
         if status == FINISHED:
@@ -308,10 +372,49 @@ class Runner:
                 status, error = INTERRUPTED, "the run was stopped while the agent was running"
             elif exit_code != 0:
                 status, error = CRASHED, f"the agent exited with code {exit_code}: {_tail(log_path)}"
-            elif answer is None:
+            elif answer is None and not is_harbor:  # a Harbor task's outcome is its workspace
                 status, error = NO_OUTPUT, "the agent exited 0 but printed nothing on stdout"
         return EpisodeOutcome(episode_id, self.run_id, slot.task.task_id, slot.repeat_index, attempt, status,
-                              exit_code, answer, error, started, duration_ms, str(log_path))
+                              exit_code, answer, error, started, duration_ms, str(log_path), sandbox)
+
+    def _command(self, task: Task) -> list[str]:
+        """A sandboxed episode's command: the oracle's, or the agent's with the files it names made absolute (the
+        sandbox starts it in the workspace)."""
+        if self.config.oracle:
+            return list(harbor.ORACLE_COMMAND)
+        cwd = self.config.cwd or Path.cwd()
+        return [arg if os.path.isabs(arg) or (i == 0 and "/" not in arg) or not (cwd / arg).is_file()
+                else str((cwd / arg).resolve()) for i, arg in enumerate(self.config.command)]
+
+    async def _open_sandbox(self, task: Task, episode_id: str):
+        """The episode's sandbox over a fresh workspace (a Harbor task's environment copied in) and the record of
+        it that goes into `episode_outcomes.sandbox`."""
+        workspace = self.log_dir.parent / "workspaces" / episode_id
+        self._workspaces[episode_id] = workspace
+        if workspace.exists():
+            await asyncio.to_thread(shutil.rmtree, workspace)
+        opening = time.perf_counter()
+        more = {"binds": (*agent_binds(self._command(task), self.config.cwd), *self.config.sandbox_binds),
+                "blocked": self.config.blocked_commands, "max_procs": self.config.max_procs}
+        mounts = {}
+        if harbor.is_harbor(task):
+            flags = await asyncio.to_thread(harbor.prepare, task, workspace)
+            spec = harbor.spec_of(task, **more)
+            if spec.memory_mb is None:
+                spec = replace(spec, memory_mb=self.config.memory_mb)
+            if self.config.oracle:
+                scratch = self.log_dir.parent / "workspaces" / f"{episode_id}.oracle"
+                await asyncio.to_thread(shutil.rmtree, scratch, True)
+                scratch.mkdir(parents=True)
+                mounts = await asyncio.to_thread(harbor.oracle_mounts, task, scratch)
+        else:
+            flags, spec = [], SandboxSpec(memory_mb=self.config.memory_mb, **more)
+        host, port = self.proxy.url.removeprefix("http://").rsplit(":", 1)
+        box = await self._backend.open(spec, workspace, proxy=(await self.proxy.unix_socket(), host, int(port)),
+                                       mounts=mounts)
+        record = {"backend": self._backend.name, "workdir": spec.workdir, "workspace": str(workspace),
+                  "flags": flags, "open_ms": (time.perf_counter() - opening) * 1000.0, "close_ms": None}
+        return box, record
 
     def _kill(self, proc: asyncio.subprocess.Process | WarmProcess) -> None:
         """Kill an agent and everything it started (its process group); in debug mode the agent shares the
@@ -402,6 +505,26 @@ def _echo(data: bytes) -> None:
     else:
         sys.stderr.write(data.decode("utf-8", "replace"))
         sys.stderr.flush()
+
+
+def agent_binds(command: list[str], cwd: Path | None) -> list[str]:
+    """What a sandboxed agent needs of the host, bound read-only: this Python's venv when the command runs it, and
+    each file the command names (its script), or the node_modules a named file lives in (a CLI's install).
+    Directories are bound only when named in `sandbox_binds`: a checkout may hold what the agent must not see."""
+    binds = []
+    for i, arg in enumerate(command):
+        if i == 0 and "/" not in arg:
+            continue
+        path = Path(arg) if os.path.isabs(arg) else (cwd or Path.cwd()) / arg
+        if not path.is_file():
+            continue
+        binds.append(os.path.abspath(path))
+        real = Path(os.path.realpath(path))
+        modules = next((p for p in real.parents if p.name == "node_modules"), None)
+        binds.append(str(modules) if modules is not None else str(real))
+    if command and os.path.dirname(command[0]) == os.path.dirname(sys.executable):
+        binds.append(sys.prefix)
+    return list(dict.fromkeys(binds))
 
 
 def base_env(config: RunConfig) -> dict[str, str]:

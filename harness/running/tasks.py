@@ -5,6 +5,7 @@ sources, told apart by their form:
 
     tasks.jsonl                            one JSON object per line
     data/  x.parquet  x.json  x.arrow      a Hugging Face `datasets` source (save_to_disk output or data files)
+    tasks/  tasks/fix-bug/                 Harbor tasks: a dir of task dirs, or one (harness/running/harbor.py)
     org/name  org/name:config              a dataset on the Hugging Face Hub (needs the network, or its cache)
     http://host:port                       an environment service (docs/environments.md)
     module:function  path/to/file.py:function   a Python function that returns tasks
@@ -36,6 +37,7 @@ import zlib
 from pathlib import Path
 
 from harness.core.records import Task
+from harness.running import harbor
 from harness.running.task_records import (
     DATASET_BUILDERS,
     TaskError,
@@ -49,7 +51,8 @@ __all__ = ["TaskError", "read_tasks", "source_kind", "instance_for", "evaluate_i
 
 ACCEPTED = (
     "a .jsonl file; a .parquet, .json or .arrow file; a directory saved with datasets' save_to_disk or holding "
-    "data files; a Hugging Face Hub dataset name (org/name or org/name:config); an environment service URL "
+    "data files; a Harbor task directory (instruction.md, task.toml, tests/test.sh) or a directory of them; a "
+    "Hugging Face Hub dataset name (org/name or org/name:config); an environment service URL "
     "(http://... or https://...); or a Python function as module:function or path/to/file.py:function"
 )
 # Suffixes that make a missing source read as a mistyped path rather than a Hub name.
@@ -134,6 +137,8 @@ def _read(source: str, split: str, limit: int | None) -> list[Task]:
     if source.startswith(("http://", "https://")):
         return _read_service(source, split)
     path = Path(source).expanduser()
+    if path.is_dir() and (harbor.is_task_dir(path) or harbor.is_task_set(path)):
+        return harbor.read_harbor(path, split)
     if path.is_dir():
         return hf_tasks.read_dataset_dir(path, split, limit)
     if path.is_file():

@@ -305,9 +305,10 @@ class Store:
 
     def add_outcome(self, o: EpisodeOutcome) -> None:
         row = [o.episode_id, o.run_id, o.task_id, o.repeat_index, o.attempt, o.status, o.exit_code, o.answer,
-               o.error, _utc(o.started_at), o.duration_ms, o.log_path]
+               o.error, _utc(o.started_at), o.duration_ms, o.log_path,
+               None if o.sandbox is None else to_json(o.sandbox)]
         with self.cursor() as cur:
-            cur.execute("INSERT INTO episode_outcomes VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", row)
+            cur.execute("INSERT INTO episode_outcomes VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", row)
 
     def add_judgements(self, judgements: Sequence[Judgement]) -> None:
         rows = [[j.episode_id, j.judge, j.judge_hash, j.reward, to_json(j.details), j.error, _utc(j.created_at)]

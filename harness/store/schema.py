@@ -375,5 +375,12 @@ MIGRATIONS: list[tuple[str, str]] = [
         FROM calls WHERE role_key <> '' GROUP BY run_id, role_key;
         """,
     ),
+    (
+        # A sandboxed episode (harness/sandbox/) says where it ran and what its sandbox flagged; NULL otherwise.
+        "episode_outcomes_sandbox",
+        """
+        ALTER TABLE episode_outcomes ADD COLUMN sandbox JSON;
+        """,
+    ),
 ]
 SCHEMA_VERSION = len(MIGRATIONS)

@@ -198,6 +198,14 @@ class RolloutConfig:
                           "machine offers one, harness/running/limits.py); 0: none", ge=0)
     warm_start: bool = _key(True, "a `rollout.agent` forks from an interpreter that has imported the openai SDK "
                             "instead of starting cold in every episode (harness/running/warm.py)")
+    sandbox: Literal["auto", "none", "bwrap"] = _key(
+        "auto", "where each episode runs (docs/sandboxes.md): bwrap, a bubblewrap sandbox (no network but the proxy, "
+        "the host's toolchain read-only, a private workspace); auto or none: others on the host (Harbor tasks always "
+        "run in bwrap)")
+    sandbox_binds: list[str] = _key([], "more host paths a sandboxed agent needs (its install), bound read-only at "
+                                    "the same path")
+    blocked_commands: list[str] = _key([], "commands refused in the sandbox, each attempt flagged on the episode, "
+                                       "e.g. [git, pip, curl]")
     temperature: float = _key(1.0, "training sampling temperature, replacing the agent's own", gt=0, le=10)
     top_p: float = _key(1.0, "training nucleus sampling threshold, replacing the agent's own", gt=0, le=1)
     max_tokens: int | None = _key(None, "cap on the agent's max_tokens per call; null: the agent's own", ge=1)

@@ -275,7 +275,9 @@ def run_config(cfg: TrainConfig) -> RunConfig:
     return RunConfig(command=command, judge=cfg.task_judge.judge, repeat=r.num_repeat, concurrency=r.concurrency,
                      timeout_s=r.timeout_s, retries=r.retries, judge_timeout_s=cfg.task_judge.timeout_s,
                      judge_workers=cfg.task_judge.workers, cwd=r.cwd, env=dict(r.env), debug=cfg.debug.enabled,
-                     memory_mb=r.memory_mb or None, max_procs=r.max_procs or None, warm_start=r.warm_start)
+                     memory_mb=r.memory_mb or None, max_procs=r.max_procs or None, warm_start=r.warm_start,
+                     sandbox=None if r.sandbox in ("auto", "none") else r.sandbox,
+                     sandbox_binds=tuple(r.sandbox_binds), blocked_commands=tuple(r.blocked_commands))
 
 
 def start_engines(cfg: TrainConfig, out: Path) -> list[Engine]:

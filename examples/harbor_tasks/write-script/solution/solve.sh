@@ -1,0 +1,3 @@
+#!/bin/bash
+printf '#!/bin/bash\nwc -w < "$1"\n' > wordcount.sh
+chmod +x wordcount.sh
