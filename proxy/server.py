@@ -41,6 +41,7 @@ class ProxyServer:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopped: asyncio.Event | None = None
         self._unix_path: str | None = None
+        self._unix_lock = asyncio.Lock()
 
     @property
     def run_id(self) -> str:
@@ -100,10 +101,11 @@ class ProxyServer:
     async def unix_socket(self) -> str:
         """The path of a unix socket the started proxy also serves on (made at the first call, removed at stop):
         sandboxes, which have no network of their own, reach the proxy through it (harness/sandbox/bwrap.py)."""
-        if self._unix_path is None:
-            path = os.path.join(tempfile.mkdtemp(prefix="hx-proxy-"), "proxy.sock")  # short: at most 107 bytes
-            await web.UnixSite(self._runner, path).start()
-            self._unix_path = path
+        async with self._unix_lock:  # episodes starting at once share one
+            if self._unix_path is None:
+                path = os.path.join(tempfile.mkdtemp(prefix="hx-proxy-"), "proxy.sock")  # short: at most 107 bytes
+                await web.UnixSite(self._runner, path).start()
+                self._unix_path = path
         return self._unix_path
 
     async def stop(self) -> None:

@@ -1,15 +1,20 @@
 """A coding task done by a coding agent as it ships (Codex CLI or Claude Code), unmodified, for `harness run`.
 
-The task (`{"id", "prompt", "files": {path: text}, "check": "a shell command", "answer": "pass"}`) comes in
-HARNESS_TASK (else on stdin). This wrapper makes a scratch git repository holding the task's files, runs the CLI
-there on the prompt, pointed at the proxy by the CLI's own settings (made from the OPENAI_BASE_URL and
-OPENAI_API_KEY that `harness run` gives each episode), then runs the task's check in the repository and prints
-`{"answer": "pass"}` or `{"answer": "fail"}` last, for the judge (exact_match against the task's answer). The CLI's
-own output goes to stderr, with the check's. The repository is removed afterwards (HARNESS_KEEP_SCRATCH=1 keeps it).
+The task comes in HARNESS_TASK (else on stdin), in one of two forms:
+- `{"id", "prompt", "files": {path: text}, "check": "a shell command", "answer": "pass"}`: this wrapper makes a
+  scratch git repository holding the task's files, runs the CLI there on the prompt, then runs the task's check in
+  the repository and prints `{"answer": "pass"}` or `{"answer": "fail"}` last, for the judge (exact_match against
+  the task's answer). The repository is removed afterwards (HARNESS_KEEP_SCRATCH=1 keeps it).
+- a Harbor task (`{"task_id", "prompt"}`, no check): the CLI runs in the current directory, the sandbox's workspace
+  (docs/sandboxes.md), and the task's own tests judge what it leaves there; the answer printed is the CLI's exit.
+Either way the CLI is pointed at the proxy by its own settings (made from the OPENAI_BASE_URL and OPENAI_API_KEY
+that `harness run` gives each episode), and its output goes to stderr, with the check's.
 
     harness run examples/coding_agents/coding_agent.py --data examples/coding_agents/tasks.jsonl \\
         --judge exact_match --model runs/tiny                    # Codex CLI (the default)
     harness run --cmd "python examples/coding_agents/coding_agent.py claude" --data ... # Claude Code
+    harness run examples/coding_agents/coding_agent.py --data examples/harbor_tasks \
+        --sandbox-bind examples/coding_agents/node_modules --model runs/tiny   # Harbor tasks, sandboxed
 
 The CLIs come from examples/coding_agents/node_modules (`make install`), else from PATH. No harness imports: an
 agent is any program.
@@ -34,7 +39,7 @@ CHECK_TIMEOUT_S = 60
 def read_task() -> dict:
     text = os.environ.get("HARNESS_TASK") or sys.stdin.read()
     task = json.loads(text)
-    for key in ("prompt", "check"):
+    for key in ("prompt", "check") if "check" in task or "task_id" not in task else ("prompt",):
         if not isinstance(task.get(key), str) or not task[key]:
             raise SystemExit(f"coding_agent: the task has no {key!r} string: {text[:200]}")
     return task
@@ -110,12 +115,16 @@ def main() -> int:
     base_url, api_key = os.environ.get("OPENAI_BASE_URL"), os.environ.get("OPENAI_API_KEY", "none")
     if not base_url:
         raise SystemExit("coding_agent: OPENAI_BASE_URL is not set: run me under harness run (or set it to the proxy)")
-    repo = scratch_repo(task.get("files") or {})
+    harbor = "check" not in task  # a Harbor task: the workspace is here, and its tests judge it
+    repo = Path.cwd() if harbor else scratch_repo(task.get("files") or {})
     home = Path(tempfile.mkdtemp(prefix="harness-home-"))
     try:
         command = (codex if which == "codex" else claude)(task["prompt"], repo, home, base_url, api_key)
         ran = subprocess.run(command, cwd=repo, stdin=subprocess.DEVNULL, stdout=sys.stderr, stderr=sys.stderr)
         print(f"coding_agent: {which} exited {ran.returncode}", file=sys.stderr)
+        if harbor:
+            print(json.dumps({"answer": f"{which} exited {ran.returncode}"}))
+            return 0
         check = subprocess.run(task["check"], shell=True, cwd=repo, capture_output=True, text=True,
                                timeout=CHECK_TIMEOUT_S)
         print(f"coding_agent: check {task['check']!r} exited {check.returncode}\n{check.stdout}{check.stderr}",
@@ -123,7 +132,7 @@ def main() -> int:
         print(json.dumps({"answer": "pass" if check.returncode == 0 else "fail"}))
         return 0
     finally:
-        if os.environ.get("HARNESS_KEEP_SCRATCH") != "1":
+        if os.environ.get("HARNESS_KEEP_SCRATCH") != "1" and not harbor:
             shutil.rmtree(repo, ignore_errors=True)
         shutil.rmtree(home, ignore_errors=True)
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import glob
 import hashlib
 import json
@@ -32,6 +33,7 @@ import os
 import re
 import shlex
 import shutil
+import stat
 import tempfile
 import time
 import tomllib
@@ -39,7 +41,7 @@ from pathlib import Path
 
 from harness.core.records import Judgement, Task
 from harness.running.task_records import TaskError, UniqueIds
-from harness.sandbox import SandboxSpec, flag
+from harness.sandbox import SandboxError, SandboxSpec, flag, workdir_problem
 
 KEY = "harbor"  # Task.data[KEY]: what the runner needs of a Harbor task (never given to the agent)
 JUDGE = "harbor:tests/test.sh"
@@ -164,7 +166,8 @@ def _read_dockerfile(path: Path, out: dict, task_id: str) -> None:
     from dockerfile_parse import DockerfileParser
 
     try:
-        structure = DockerfileParser(fileobj=open(path, "rb")).structure
+        with open(path, "rb") as f:
+            structure = DockerfileParser(fileobj=f).structure
     except Exception as exc:  # the parser's own errors have no common type
         raise TaskError(f"task {task_id!r}: {path} does not parse as a Dockerfile ({exc})") from None
     context = path.parent
@@ -194,8 +197,8 @@ def _read_dockerfile(path: Path, out: dict, task_id: str) -> None:
                 variables[name] = out["env"][name] = _substitute(val, variables)
         elif instruction == "WORKDIR":
             workdir = os.path.normpath(os.path.join(workdir, _substitute(value, variables)))
-            if not workdir.startswith("/") or workdir in ("/", "/tmp", "/usr", "/etc", "/proc", "/dev", "/run"):
-                refuse(item, f"the workdir {workdir} is not a directory of its own")
+            if problem := workdir_problem(workdir):
+                raise TaskError(f"task {task_id!r}: {path}:{item['startline'] + 1}: {problem}")
         elif instruction in ("COPY", "ADD"):
             _copy(item, instruction, _substitute(value, variables), context, workdir, out, refuse)
         elif instruction == "USER":
@@ -289,8 +292,12 @@ def prepare(task: Task, workspace: Path) -> list[dict]:
     that came with the files is removed (its history may hold the answer)."""
     h = task.data[KEY]
     workspace.mkdir(parents=True, exist_ok=True)
+    root = os.path.realpath(workspace)
     for copy in h["copies"]:
         target = workspace / os.path.relpath(copy["dest"], h["workdir"])
+        if target.is_symlink() or not _under(os.path.realpath(target), root):
+            raise TaskError(f"task {task.task_id!r}: COPY to {copy['dest']} goes through a link its earlier COPY "
+                            "lines made: refused (it could write outside the workspace)")
         if copy["dir"]:
             shutil.copytree(copy["source"], target, symlinks=True, dirs_exist_ok=True)
         else:
@@ -325,9 +332,19 @@ def tests_hash(task: Task) -> str:
 
 
 async def verify(task: Task, episode_id: str, workspace: Path, backend, env: dict[str, str],
-                 log_path: Path) -> Judgement:
+                 log_path: Path, *, memory_mb: int | None = None, max_procs: int | None = None) -> Judgement:
     """Run the task's tests/test.sh in a fresh sandbox over `workspace` (tests/ copied to /tests, the reward at
-    /logs/verifier), under the verifier's timeout, and read its reward."""
+    /logs/verifier), under the verifier's timeout and the episode's limits, and read its reward. A verifier that
+    cannot run is a judgement with its error, never a failed run."""
+    try:
+        return await _verify(task, episode_id, workspace, backend, env, log_path, memory_mb, max_procs)
+    except (OSError, SandboxError, TaskError) as exc:
+        return Judgement(episode_id, JUDGE, tests_hash(task), None, {}, f"task {task.task_id!r}: the verifier "
+                         f"could not run: {exc}", time.time())
+
+
+async def _verify(task: Task, episode_id: str, workspace: Path, backend, env: dict[str, str], log_path: Path,
+                  memory_mb: int | None, max_procs: int | None) -> Judgement:
     h = task.data[KEY]
     started = time.time()
     details: dict = {}
@@ -339,8 +356,11 @@ async def verify(task: Task, episode_id: str, workspace: Path, backend, env: dic
     try:
         shutil.copytree(Path(h["path"]) / "tests", scratch / "tests", symlinks=True)
         (scratch / "logs").mkdir()
-        box = await backend.open(spec_of(task), workspace, mounts={"/tests": (scratch / "tests", True),
-                                                                  "/logs/verifier": (scratch / "logs", True)})
+        spec = spec_of(task, max_procs=max_procs)
+        if spec.memory_mb is None:
+            spec = dataclasses.replace(spec, memory_mb=memory_mb)
+        box = await backend.open(spec, workspace, mounts={"/tests": (scratch / "tests", True),
+                                                         "/logs/verifier": (scratch / "logs", True)})
         try:
             with open(log_path, "wb") as log:
                 proc = await box.exec(["bash", "/tests/test.sh"], env=env, stdin=asyncio.subprocess.DEVNULL,
@@ -352,7 +372,9 @@ async def verify(task: Task, episode_id: str, workspace: Path, backend, env: dic
                                         f"{h['verifier_timeout_s']:g} s timeout ([verifier] timeout_sec)")
         finally:
             await box.close()
-        details["log_tail"] = log_path.read_bytes()[-_LOG_TAIL:].decode("utf-8", "replace")
+        with open(log_path, "rb") as log:
+            log.seek(max(0, log.seek(0, os.SEEK_END) - _LOG_TAIL))
+            details["log_tail"] = log.read().decode("utf-8", "replace")
         try:
             reward, more = read_reward(scratch / "logs", task.task_id, details["exit_code"])
         except TaskError as exc:
@@ -367,8 +389,8 @@ def read_reward(logs: Path, task_id: str, exit_code: int | None) -> tuple[float,
     """The reward tests/test.sh wrote: reward.txt (one number) or reward.json ({"reward": x, other names: numbers,
     "role_rewards": {role: x}}; a single named number is the reward)."""
     text_file, json_file = logs / "reward.txt", logs / "reward.json"
-    if text_file.is_file():
-        text = text_file.read_text(errors="replace").strip()
+    if text_file.is_file() or text_file.is_symlink():
+        text = _read_written(text_file, task_id).strip()
         try:
             value = float(text)
         except ValueError:
@@ -377,9 +399,9 @@ def read_reward(logs: Path, task_id: str, exit_code: int | None) -> tuple[float,
             raise TaskError(f"task {task_id!r}: tests/test.sh wrote {text[:80]!r} to /logs/verifier/reward.txt: "
                             "expected one number")
         return value, {}
-    if json_file.is_file():
+    if json_file.is_file() or json_file.is_symlink():
         try:
-            obj = json.loads(json_file.read_text(errors="replace"))
+            obj = json.loads(_read_written(json_file, task_id))
         except ValueError as exc:
             raise TaskError(f"task {task_id!r}: /logs/verifier/reward.json is not JSON ({exc})") from None
         if not isinstance(obj, dict):
@@ -405,6 +427,22 @@ def read_reward(logs: Path, task_id: str, exit_code: int | None) -> tuple[float,
         return float(reward), details
     raise TaskError(f"task {task_id!r}: tests/test.sh (exit {exit_code}) wrote no /logs/verifier/reward.txt or "
                     "reward.json")
+
+
+def _read_written(path: Path, task_id: str, limit: int = 1 << 20) -> str:
+    """A file the verifier wrote, as text: a plain file only (code the agent left ran there and may have made it a
+    link to a host file), at most `limit` bytes."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        raise TaskError(f"task {task_id!r}: /logs/verifier/{path.name} is not a plain file") from None
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            raise TaskError(f"task {task_id!r}: /logs/verifier/{path.name} is not a plain file")
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise TaskError(f"task {task_id!r}: /logs/verifier/{path.name} is over {limit} bytes")
+    return data.decode("utf-8", "replace")
 
 
 def _number(v: object) -> bool:

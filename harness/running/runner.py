@@ -61,7 +61,7 @@ from harness.running.judge_pool import InProcessJudge, JudgePool
 from harness.running.limits import AGENT_MAX_PROCS, AGENT_MEMORY_MB, limited, release
 from harness.running.tasks import TaskError, instance_for
 from harness.running.warm import WarmProcess, WarmStarter, script_of
-from harness.sandbox import SandboxError, SandboxSpec, open_backend
+from harness.sandbox import SandboxError, SandboxSpec, host_env, open_backend
 from proxy.server import ProxyServer
 
 _UPSTREAM_TROUBLE = (502, 503, 504)
@@ -201,10 +201,10 @@ class Runner:
         await asyncio.to_thread(self.store.add_tasks, self.run_id, tasks)
         slots = self.plan(tasks)
         gate = asyncio.Semaphore(1 if self.config.debug else self.config.concurrency)
-        pool = self.shared_judges or self._judge_pool()
         sandboxed = [t for t in tasks if self._sandboxed(t)]
-        if sandboxed and self._backend is None:
+        if sandboxed and self._backend is None:  # before anything that needs closing: it may refuse
             self._backend = await asyncio.to_thread(open_backend, self.config.sandbox or "bwrap")
+        pool = self.shared_judges or self._judge_pool()
         hosted = len(slots) - len(sandboxed) * self.config.repeat
         self._warm = self.shared_warm or (await start_warm(self.config, self.log_dir.parent) if hosted > 1
                                           else None)  # a starter costs an interpreter with the SDK imported
@@ -274,6 +274,7 @@ class Runner:
                                    error=f"the engine was unreachable during the episode; {outcome.error}")
             await asyncio.to_thread(self.store.add_outcome, outcome)  # every attempt is kept
             if outcome.status == INFRA_ERROR and attempt <= self.config.retries and not self._stopping.is_set():
+                await self._forget_workspace(episode_id)  # the retry gets a fresh one
                 attempt += 1
                 await asyncio.sleep(min(2.0 ** attempt, 10.0))
                 continue
@@ -283,8 +284,9 @@ class Runner:
         workspace = self._workspaces.pop(episode_id, None)
         if harbor.is_harbor(slot.task) and outcome.status not in (INFRA_ERROR, INTERRUPTED) and workspace:
             started = time.perf_counter()
-            judgement = await harbor.verify(slot.task, episode_id, workspace, self._backend,
-                                            base_env(self.config), self.log_dir / f"{episode_id}.verifier.log")
+            judgement = await harbor.verify(slot.task, episode_id, workspace, self._backend, self._agent_env(slot.task),
+                                            self.log_dir / f"{episode_id}.verifier.log",
+                                            memory_mb=self.config.memory_mb, max_procs=self.config.max_procs)
             self.judge_s += time.perf_counter() - started
         elif pool is not None and outcome.status not in (INFRA_ERROR, INTERRUPTED):
             started = time.perf_counter()
@@ -293,15 +295,16 @@ class Runner:
         if judgement is not None:
             await asyncio.to_thread(self.store.add_judgements, [judgement])
             self.judgements.append(judgement)
-        if workspace is not None and not self.config.keep_workspaces:
-            await asyncio.to_thread(shutil.rmtree, workspace, True)
+        if workspace is not None:
+            self._workspaces[episode_id] = workspace
+            await self._forget_workspace(episode_id)
         if self.on_episode is not None:
             self.on_episode(outcome, judgement)
 
     async def _run_agent(self, slot: EpisodeSlot, episode_id: str, attempt: int, agent_task: dict,
                          api_key: str) -> EpisodeOutcome:
         task_json, debug = json.dumps(agent_task), self.config.debug
-        env = {**({"PYTHONUNBUFFERED": "1"} if debug else {}), **base_env(self.config),
+        env = {**({"PYTHONUNBUFFERED": "1"} if debug else {}), **self._agent_env(slot.task),
                **model_env(self.proxy.url, episode_id, api_key), "HARNESS_TASK": task_json,
                "HARNESS_EPISODE_ID": episode_id}
         if self.episode_env is not None:
@@ -339,6 +342,9 @@ class Runner:
             except (OSError, SandboxError, TaskError) as exc:
                 if box is not None:
                     await box.close()
+                if isinstance(exc, TaskError):  # the task's workspace could not be made
+                    return EpisodeOutcome(episode_id, self.run_id, slot.task.task_id, slot.repeat_index, attempt,
+                                          NOT_PREPARED, None, None, str(exc), started, 0.0, str(log_path), sandbox)
                 return EpisodeOutcome(episode_id, self.run_id, slot.task.task_id, slot.repeat_index, attempt,
                                       CRASHED, None, None, f"could not start {self.config.command[0]!r}"
                                       f"{' in its sandbox' if sandboxed else ''}: {exc}", started, 0.0,
@@ -376,6 +382,23 @@ class Runner:
                 status, error = NO_OUTPUT, "the agent exited 0 but printed nothing on stdout"
         return EpisodeOutcome(episode_id, self.run_id, slot.task.task_id, slot.repeat_index, attempt, status,
                               exit_code, answer, error, started, duration_ms, str(log_path), sandbox)
+
+    def _agent_env(self, task: Task) -> dict[str, str]:
+        """What every agent of this run gets before its episode's own variables (base_env); in a sandbox, of the
+        host's environment only what harness.sandbox.host_env lets through (no keys, no tokens)."""
+        if not self._sandboxed(task):
+            return base_env(self.config)
+        env = {**host_env(os.environ), **self.config.env}
+        for name in self.config.hidden_env:
+            env.pop(name, None)
+        return env
+
+    async def _forget_workspace(self, episode_id: str) -> None:
+        """Remove a sandboxed episode's workspace (and the oracle's copy of its solution), unless they are kept."""
+        workspace = self._workspaces.pop(episode_id, None)
+        if workspace is not None and not self.config.keep_workspaces:
+            for path in (workspace, workspace.with_name(f"{episode_id}.oracle")):
+                await asyncio.to_thread(shutil.rmtree, path, True)
 
     def _command(self, task: Task) -> list[str]:
         """A sandboxed episode's command: the oracle's, or the agent's with the files it names made absolute (the

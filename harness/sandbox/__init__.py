@@ -18,9 +18,10 @@ verifier can run over it in a fresh one (harness/running/harbor.py).
 from __future__ import annotations
 
 import importlib
+import os
 from dataclasses import dataclass, field
 
-__all__ = ["SandboxError", "SandboxSpec", "BACKENDS", "open_backend", "flag"]
+__all__ = ["SandboxError", "SandboxSpec", "BACKENDS", "open_backend", "flag", "workdir_problem", "host_env"]
 
 BACKENDS = {"bwrap": "harness.sandbox.bwrap:Bubblewrap"}
 
@@ -40,12 +41,32 @@ class SandboxSpec:
     max_procs: int | None = None  # processes and threads, all of them together
 
     def __post_init__(self):
-        if not self.workdir.startswith("/") or self.workdir.rstrip("/") in ("", "/proc", "/dev", "/tmp", "/usr",
-                                                                           "/etc", "/run", "/run/harness"):
-            raise SandboxError(f"workdir {self.workdir!r} cannot be a sandbox's workspace: give an absolute path "
-                               "of its own, e.g. /app")
+        if problem := workdir_problem(self.workdir):
+            raise SandboxError(problem)
         if self.cpus is not None and self.cpus <= 0:
             raise SandboxError(f"cpus must be positive, got {self.cpus}")
+
+
+# Where a sandbox keeps its own things: a workspace may be none of them, nor under one.
+RESERVED = ("/proc", "/dev", "/run", "/tmp", "/usr", "/etc", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32",
+            "/root", "/tests", "/logs", "/solution")
+# What of the host's environment a sandboxed command gets (with what the caller sets for it): no keys, no tokens,
+# no host paths but PATH.
+HOST_ENV = ("PATH", "LANG", "LANGUAGE", "TERM", "TZ", "COLUMNS", "LINES", "NO_COLOR", "FORCE_COLOR")
+
+
+def workdir_problem(workdir: str) -> str | None:
+    """Why `workdir` cannot be a sandbox's workspace, or None."""
+    norm = os.path.normpath(workdir) if workdir.startswith("/") else workdir
+    if not norm.startswith("/") or norm == "/" or any(norm == r or norm.startswith(r + "/") for r in RESERVED):
+        return (f"workdir {workdir!r} cannot be a sandbox's workspace: give an absolute path of its own, e.g. /app "
+                f"(not / and not in {', '.join(RESERVED)})")
+    return None
+
+
+def host_env(env: dict[str, str]) -> dict[str, str]:
+    """The part of a host environment a sandboxed command may see: HOST_ENV and the locale (LC_*)."""
+    return {k: v for k, v in env.items() if k in HOST_ENV or k.startswith("LC_")}
 
 
 def flag(reason: str, **details) -> dict:

@@ -27,6 +27,7 @@ import json
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -58,8 +59,11 @@ class Bubblewrap:
         self.bwrap = shutil.which("bwrap")
         if self.bwrap is None:
             raise SandboxError(_INSTALL)
-        probe = subprocess.run([self.bwrap, "--ro-bind", "/", "/", "--unshare-all", "--die-with-parent",
-                                "--cap-drop", "ALL", "true"], capture_output=True, text=True, timeout=60)
+        try:
+            probe = subprocess.run([self.bwrap, "--ro-bind", "/", "/", "--unshare-all", "--die-with-parent",
+                                    "--cap-drop", "ALL", "true"], capture_output=True, text=True, timeout=120)
+        except subprocess.TimeoutExpired:
+            raise SandboxError(f"{self.bwrap} did not make a sandbox within 120 s on this machine") from None
         if probe.returncode != 0:
             raise SandboxError(f"bubblewrap cannot make a sandbox on this machine: {probe.stderr.strip()} "
                                "(it needs user namespaces, or root)")
@@ -68,6 +72,9 @@ class Bubblewrap:
                    mounts: dict[str, tuple[Path, bool]] | None = None) -> BwrapSandbox:
         """A sandbox over `workspace` (made if missing). `proxy`: (unix socket, host, port) the relay serves inside;
         `mounts`: more host directories, {path inside: (host path, writable)} (a verifier's /tests, /logs)."""
+        if proxy is not None and proxy[1] not in ("127.0.0.1", "localhost", "0.0.0.0"):
+            raise SandboxError(f"the proxy listens on {proxy[1]}: a sandbox, whose network is its own loopback, "
+                               "reaches a proxy on 127.0.0.1 or 0.0.0.0 only (ProxyConfig.host)")
         box = BwrapSandbox(self.bwrap, spec, Path(workspace), proxy, dict(mounts or {}))
         await box._start()
         return box
@@ -87,6 +94,13 @@ class BwrapSandbox:
         self._closed = False
 
     async def _start(self) -> None:
+        try:
+            await self._make()
+        except BaseException:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            raise
+
+    async def _make(self) -> None:
         self.workspace.mkdir(parents=True, exist_ok=True)
         (self._run / "bin").mkdir(parents=True)
         self._home.mkdir()
@@ -119,17 +133,21 @@ class BwrapSandbox:
         return proc
 
     def put(self, source: Path, dest: str) -> None:
-        """Copy a host file or directory to `dest`, a path in the workspace."""
+        """Copy a host file or directory to `dest`, a path in the workspace (never through a link there)."""
         target = self._host_path(dest)
+        if target.is_symlink():
+            raise SandboxError(f"{dest!r} is a link in the sandbox's workspace: not written through")
         target.parent.mkdir(parents=True, exist_ok=True)
         if Path(source).is_dir():
             shutil.copytree(source, target, symlinks=True, dirs_exist_ok=True)
         else:
             shutil.copy2(source, target)
 
-    def get(self, path: str) -> bytes:
-        """The bytes of a file in the workspace."""
-        return self._host_path(path).read_bytes()
+    def get(self, path: str, limit: int = 64 << 20) -> bytes:
+        """The bytes of a file in the workspace (at most `limit`)."""
+        fd = os.open(self._host_path(path), os.O_RDONLY | os.O_NOFOLLOW)
+        with os.fdopen(fd, "rb") as f:
+            return f.read(limit)
 
     async def close(self) -> None:
         """Kill everything still running in the sandbox, release its cgroups, remove its own files (the workspace
@@ -148,6 +166,7 @@ class BwrapSandbox:
             self._events.close()
             await self._events.wait_closed()
         await asyncio.to_thread(shutil.rmtree, self._dir, True)
+        await asyncio.to_thread(strip_setid, self.workspace)
 
     # ------------------------------------------------------------------------------------------------ inside
 
@@ -178,23 +197,30 @@ class BwrapSandbox:
         for name in self.spec.blocked:  # over the real command too, wherever PATH would find it
             for found in _found(name, path, ["/usr", *bound]):
                 a += ["--ro-bind", str(self._run / "bin" / name), found]
-        a += ["--remount-ro", "/", "--chdir", cwd, _interpreter(), "-IS", f"{RUN}/inside.py", "relay"]
+        # The root and /proc read-only: uid 0 inside is the host's root without capabilities, and procfs lets a
+        # file's owner write what only capabilities guard elsewhere (sysctls, /proc/sysrq-trigger).
+        a += ["--remount-ro", "/", "--remount-ro", "/proc", "--chdir", cwd, _interpreter(), "-IS",
+              f"{RUN}/inside.py", "relay"]
         if self.proxy is not None:
             a.append(f"{self.proxy[1]}:{self.proxy[2]}={RUN}/proxy.sock")
         return [*a, "--", *command]
 
     def _host_path(self, path: str) -> Path:
+        """The host path of `path` in the workspace, refused when it (or a link on the way) leads out of it: what
+        runs inside may have made any name a link to a host file."""
         workdir = self.spec.workdir.rstrip("/")
         if not (path == workdir or path.startswith(workdir + "/")):
             raise SandboxError(f"{path!r} is not in the sandbox's workspace ({workdir})")
         rel = os.path.normpath(path[len(workdir):].lstrip("/") or ".")
-        if rel.startswith(".."):
-            raise SandboxError(f"{path!r} leaves the sandbox's workspace ({workdir})")
-        return self.workspace / rel
+        root = os.path.realpath(self.workspace)
+        host = os.path.join(self.workspace, rel)
+        if rel.split(os.sep)[0] == ".." or not _under(os.path.realpath(host), root):
+            raise SandboxError(f"{path!r} leads out of the sandbox's workspace ({workdir})")
+        return Path(host)
 
     async def _on_event(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            while line := await reader.readline():
+            while line := await _line(reader):
                 try:
                     event = json.loads(line)
                 except ValueError:
@@ -210,9 +236,29 @@ class BwrapSandbox:
             writer.close()
 
 
+async def _line(reader: asyncio.StreamReader) -> bytes:
+    """The next event line; b"" at the end or for a line past the reader's limit (64 KiB): the connection ends."""
+    try:
+        return await reader.readline()
+    except (ValueError, asyncio.LimitOverrunError):
+        return b""
+
+
 def _interpreter() -> str:
     """This Python's own binary (not a venv's link to it): the relay runs on it with -IS, needing only its prefix."""
     return os.path.realpath(sys.executable)
+
+
+def strip_setid(workspace: Path) -> None:
+    """Clear the set-user-ID and set-group-ID bits of every file in `workspace`: what runs inside is the host's
+    root without capabilities, so a setuid file it makes would be a root one on the host once the sandbox is gone."""
+    for dirpath, dirnames, filenames in os.walk(workspace):
+        for name in dirnames + filenames:
+            path = os.path.join(dirpath, name)
+            with contextlib.suppress(OSError):
+                mode = os.lstat(path).st_mode
+                if mode & (stat.S_ISUID | stat.S_ISGID) and not stat.S_ISLNK(mode):
+                    os.chmod(path, stat.S_IMODE(mode) & ~(stat.S_ISUID | stat.S_ISGID))
 
 
 def _under(path: str, root: str) -> bool:

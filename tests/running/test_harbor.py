@@ -79,6 +79,7 @@ async def test_a_wrong_oracle_scores_0_and_a_verifier_without_reward_is_an_error
     _task_dir(root, "silent", test_sh="exit 0\n", solve="true\n")
     _task_dir(root, "nan", test_sh="echo many > /logs/verifier/reward.txt\n", solve="true\n")
     _task_dir(root, "slow", test_sh="sleep 600\n", toml="[verifier]\ntimeout_sec = 1\n", solve="true\n")
+    _task_dir(root, "link", test_sh="ln -s /etc/hostname /logs/verifier/reward.txt\n", solve="true\n")
     config = RunConfig(command=list(harbor.ORACLE_COMMAND), judge=None, oracle=True, timeout_s=600)
     await run_dataset(read_tasks(root), config, attach(upstream.url), tmp_path / "run", progress=False)
     rows = db_rows(tmp_path / "run" / "harness.duckdb",
@@ -88,6 +89,7 @@ async def test_a_wrong_oracle_scores_0_and_a_verifier_without_reward_is_an_error
     assert by_task["silent"][0] is None and "wrote no /logs/verifier/reward.txt or reward.json" in by_task["silent"][1]
     assert by_task["nan"][0] is None and "'many'" in by_task["nan"][1] and "expected one number" in by_task["nan"][1]
     assert by_task["slow"][0] is None and "verifier's 1 s timeout" in by_task["slow"][1]
+    assert by_task["link"][0] is None and "reward.txt is not a plain file" in by_task["link"][1]  # not followed
 
 
 def test_the_dockerfile_instructions_the_sandbox_honours(tmp_path):
@@ -121,6 +123,7 @@ def test_the_dockerfile_instructions_the_sandbox_honours(tmp_path):
     ("COPY a.txt /etc/a.txt", "outside the workdir /app"),
     ("COPY ../secret ./", "outside the build context"),
     ("COPY missing.txt ./", "not in the build context"),
+    ("WORKDIR /tests", "cannot be a sandbox's workspace"),
     ("ONBUILD RUN make", "ONBUILD changes the image"),
 ])
 def test_a_dockerfile_the_sandbox_cannot_honour_refuses_its_task_naming_the_line(tmp_path, line, why):

@@ -55,9 +55,13 @@ async def test_put_and_get_reach_the_workspace_only(backend, tmp_path):
         out, _ = await proc.communicate()
         assert out.decode().splitlines() == ["/work/space", "from the host"]
         assert box.get("/work/space/out.txt") == b"made\n"
-        for outside in ("/etc/passwd", "/work/space/../x", "/work/spaced/x"):
+        proc = await box.exec(["ln", "-s", str(source), "link"], env=dict(os.environ))
+        assert await proc.wait() == 0
+        for outside in ("/etc/passwd", "/work/space/../x", "/work/spaced/x", "/work/space/link"):
             with pytest.raises(SandboxError, match="workspace"):
-                box.get(outside)
+                box.get(outside)  # a link the sandbox made to a host file is not followed on the host
+        with pytest.raises(SandboxError, match="workspace"):
+            box.put(source, "/work/space/link")
     finally:
         await box.close()
     assert (tmp_path / "ws" / "out.txt").read_text() == "made\n"  # the workspace outlives its sandbox
@@ -82,7 +86,7 @@ async def test_a_closed_sandbox_leaves_nothing_running(backend, tmp_path):
 
 
 def test_a_workdir_must_be_a_directory_of_its_own():
-    for bad in ("app", "/", "/usr", "/tmp/", "/run/harness"):
+    for bad in ("app", "/", "/usr", "/tmp/", "/run/harness", "/proc/x", "/tests", "/logs/verifier", "/app/../etc"):
         with pytest.raises(SandboxError, match="cannot be a sandbox's workspace"):
             SandboxSpec(workdir=bad)
 

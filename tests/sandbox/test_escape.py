@@ -52,6 +52,13 @@ ESCAPE = textwrap.dedent('''
     for path in ("/usr/escaped", "/etc/escaped", "/escaped", "/run/harness/escaped", where["secret"],
                  where["other_workspace"] + "/escaped"):
         attempt(f"write {path}", write(path))
+    attempt("write a kernel setting", write("/proc/sys/kernel/printk_ratelimit"))
+    attempt("trigger sysrq", write("/proc/sysrq-trigger"))
+    tried["host secret in the environment"] = "seen" if "HARNESS_TEST_SECRET" in os.environ else "absent"
+    import shutil, stat
+    shutil.copy("/usr/bin/true", "suid-true")
+    os.chmod("suid-true", 0o4755)  # a setuid file of the host's root, once the sandbox is gone
+    os.symlink(where["secret"], "link-to-host")  # for the host side to follow
     attempt("reach a host server", lambda: socket.create_connection(("127.0.0.1", where["port"]), timeout=5))
     attempt("reach the network", lambda: socket.create_connection(("10.255.255.1", 80), timeout=5))
     for command in (["git", "log"], ["curl", "-s", "http://127.0.0.1:1/"], ["pip", "install", "requests"]):
@@ -102,7 +109,8 @@ def _task(root: Path, prompt: str) -> Path:
     return task
 
 
-async def test_every_way_out_is_refused_and_the_proxy_alone_answers(upstream, host_server, tmp_path):
+async def test_every_way_out_is_refused_and_the_proxy_alone_answers(upstream, host_server, tmp_path, monkeypatch):
+    monkeypatch.setenv("HARNESS_TEST_SECRET", "a host key")
     run_dir = tmp_path / "run"
     other = run_dir / "workspaces" / "another-episode"
     other.mkdir(parents=True)
@@ -119,7 +127,7 @@ async def test_every_way_out_is_refused_and_the_proxy_alone_answers(upstream, ho
     agent.write_text(ESCAPE)
     tasks = read_tasks(tasks_root)
     config = RunConfig(command=[sys.executable, str(agent)], judge=None, timeout_s=600,
-                       blocked_commands=("git", "curl", "pip"))
+                       blocked_commands=("git", "curl", "pip"), keep_workspaces=True)
     run_id, report = await run_dataset(tasks, config, attach(upstream.url), run_dir, progress=False)
 
     [(status, answer, error, sandbox)] = db_rows(run_dir / "harness.duckdb",
@@ -131,10 +139,11 @@ async def test_every_way_out_is_refused_and_the_proxy_alone_answers(upstream, ho
     # agent's own file is bound there): the host's file must be unchanged either way (below).
     expected_refusals = {"read tests", "list /tests", "read solution", "read the run's database",
                          "list another episode's workspace", "read a host file", "reach a host server",
-                         "reach the network"} | {k for k in tried if k.startswith("write ")} - {f"write {secret}"}
+                         "reach the network", "write a kernel setting", "trigger sysrq"}
+    expected_refusals |= {k for k in tried if k.startswith("write ")} - {f"write {secret}"}
     assert set(refused) - {f"write {secret}"} == expected_refusals, tried
     assert tried["git"] == tried["curl"] == tried["pip"] == "exit 126", tried
-    assert tried["git history"] == "absent"
+    assert tried["git history"] == "absent" and tried["host secret in the environment"] == "absent"
     assert tried["proxy health"] == "ok" and tried["model call"] == "answered"
 
     sandbox = json.loads(sandbox)
@@ -156,7 +165,9 @@ async def test_every_way_out_is_refused_and_the_proxy_alone_answers(upstream, ho
     assert calls == 1
     [(judge, reward, jerror)] = db_rows(run_dir / "harness.duckdb", "SELECT judge, reward, error FROM judgements")
     assert (judge, reward, jerror) == (harbor.JUDGE, 1.0, None)
-    assert not (run_dir / "workspaces" / f"{run_id}-escape-0").exists()  # removed once judged
+    workspace = Path(sandbox["workspace"])  # kept (keep_workspaces): what the agent left on the host
+    assert (workspace / "done.txt").exists() and not (workspace / "suid-true").stat().st_mode & 0o6000
+    assert (workspace / "link-to-host").is_symlink()
 
 
 def _running(marker: str) -> bool:
