@@ -405,7 +405,7 @@ class Runner:
         sandbox starts it in the workspace)."""
         if self.config.oracle:
             return list(harbor.ORACLE_COMMAND)
-        cwd = self.config.cwd or Path.cwd()
+        cwd = Path(self.config.cwd or Path.cwd())
         return [arg if os.path.isabs(arg) or (i == 0 and "/" not in arg) or not (cwd / arg).is_file()
                 else str((cwd / arg).resolve()) for i, arg in enumerate(self.config.command)]
 
@@ -538,7 +538,7 @@ def agent_binds(command: list[str], cwd: Path | None) -> list[str]:
     for i, arg in enumerate(command):
         if i == 0 and "/" not in arg:
             continue
-        path = Path(arg) if os.path.isabs(arg) else (cwd or Path.cwd()) / arg
+        path = Path(arg) if os.path.isabs(arg) else Path(cwd or Path.cwd()) / arg
         if not path.is_file():
             continue
         binds.append(os.path.abspath(path))

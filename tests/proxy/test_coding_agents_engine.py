@@ -23,6 +23,7 @@ from harness.store.database import Store
 from proxy import SamplingOverrides
 from tests.proxy.test_coding_agents import BIN, CODING_AGENTS, _codex_home, _installed
 from tests.support import LONG_TESTS, RunningProxy, db_rows
+from trainer.model.weight_sync import WeightSync
 
 ROOT = Path(__file__).resolve().parents[2]
 TASKS = CODING_AGENTS / "tasks.jsonl"
@@ -273,3 +274,40 @@ def test_a_coding_cli_in_its_sandbox_solves_harbor_tasks_on_the_real_engine(agen
     assert rows == [(n, "finished", "bwrap", "harbor:tests/test.sh", 1.0) for n in sorted(names)], rows
     assert db_rows(db, "SELECT count(*), bool_and(prompt_ids IS NOT NULL) FROM calls WHERE status = 'ok'") == [
         (3 * len(names), True)]
+
+
+def test_harness_train_over_harbor_tasks_with_a_sandboxed_cli(forced_engine, tmp_path):
+    """The closed loop over a Harbor task: `harness train`, two steps of two Codex episodes each in its sandbox,
+    judged by the task's tests/test.sh. The first step's second episode writes the wrong file on purpose, so its
+    verifier's 0 beside the other's 1 gives GRPO an advantage to train on; the new weights reach the engine."""
+    _installed("codex")
+    engine, model, replies = forced_engine
+    shutil.copytree(HARBOR_TASKS / "hello-file", tmp_path / "tasks" / "hello-file")
+    call = lambda c: _call("exec_command", {"cmd": c})  # noqa: E731
+    right, wrong = HARBOR_SOLUTIONS["hello-file"], ["echo 'hello, world' > greeting.txt", "cat greeting.txt"]
+    replies.write_text(json.dumps([r for commands in (right, wrong, right, right)
+                                   for r in (*map(call, commands), "done")]))
+    config = tmp_path / "harbor.yaml"
+    config.write_text(json.dumps({"harness": {
+        "experiment_name": "harbor", "model": {"path": str(model)}, "data": {"train": str(tmp_path / "tasks")},
+        "rollout": {"command": f"{sys.executable} {CODING_AGENTS / 'coding_agent.py'} codex",
+                    "sandbox_binds": [str(CODING_AGENTS / "node_modules")], "num_repeat": 2, "batch_size": 1,
+                    "concurrency": 1, "timeout_s": 600, "max_tokens": 512, "engine": {"url": engine.base_url}},
+        "trainer": {"total_steps": 2, "lr": 1e-3, "micro_batch_tokens": CONTEXT, "warmup_steps": 0,
+                    "test_freq": 0, "save_freq": 0},
+        "logging": {"run_dir": str(tmp_path / "runs"), "console": False, "curve_png": False}}}))
+    try:
+        done = subprocess.run([sys.executable, "-m", "harness.cli", "train", str(config)], capture_output=True,
+                              text=True, timeout=1800)
+    finally:
+        WeightSync(engine.base_url, tmp_path / "restore").load(model, 0)  # the module's engine as it was
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert json.loads(replies.read_text()) == []
+    db = tmp_path / "runs" / "harbor" / "harness.duckdb"
+    rewards = db_rows(db, "SELECT o.run_id, o.sandbox->>'backend', j.judge, j.reward FROM episode_outcomes o "
+                      "JOIN judgements j USING (episode_id) ORDER BY o.run_id, o.repeat_index")
+    assert [r[1:] for r in rewards] == [("bwrap", "harbor:tests/test.sh", reward) for reward in (1.0, 0.0, 1.0, 1.0)]
+    means = db_rows(db, "SELECT step, value FROM metrics WHERE name = 'reward/mean' ORDER BY step")
+    assert [v for _, v in means] == [0.5, 1.0]  # the verifier's rewards are what GRPO trained on
+    [(grad,)] = db_rows(db, "SELECT max(value) FROM metrics WHERE name = 'actor/grad_norm' AND step = 1")
+    assert grad > 0  # the first step's advantage moved the policy

@@ -261,6 +261,19 @@ def test_bad_values_are_named_with_what_to_do(tmp_path, sections, message):
     assert message.format(dir=tmp_path) in str(info.value)
 
 
+def test_harbor_tasks_need_no_judge_and_refuse_one(tmp_path):
+    """Harbor tasks are judged by their own tests/test.sh: task_judge.judge is not required, and one given is
+    refused with what to do."""
+    harbor = str(REPO / "examples" / "harbor_tasks")
+    cfg = load_config(write_config(tmp_path, {"data": {"train": harbor}, "task_judge": {"judge": None},
+                                              "rollout": {"sandbox": "bwrap", "blocked_commands": ["git"],
+                                                          "sandbox_binds": ["node_modules"]}}))
+    assert cfg.task_judge.judge is None and cfg.rollout.sandbox == "bwrap"
+    assert cfg.rollout.sandbox_binds == [str(tmp_path / "node_modules")]  # relative to the config file
+    with pytest.raises(ConfigError, match="are judged by their own tests/test.sh: leave task_judge.judge out"):
+        load_config(write_config(tmp_path, {"data": {"train": harbor}}))
+
+
 def test_group_size_one_is_fine_without_a_group_estimator(tmp_path):
     sections = {"rollout": {"num_repeat": 1}, "trainer": {"adv_estimator": "reinforce_pp"}}
     cfg = load_config(write_config(tmp_path, sections))

@@ -60,14 +60,25 @@ def problems_of(cfg: TrainConfig, where: str, mode: Mode = "rl", gpus: Gpus | No
     return found
 
 
+def harbor_data(cfg: TrainConfig) -> bool:
+    """Whether the tasks are Harbor task directories (harness/running/harbor.py)."""
+    from harness.running import harbor
+
+    paths = [Path(p) for p in (cfg.data.train, cfg.data.validation) if isinstance(p, str) and p]
+    return bool(paths) and all(p.is_dir() and (harbor.is_task_dir(p) or harbor.is_task_set(p)) for p in paths)
+
+
 def _leaf_problems(cfg: TrainConfig, where: str, mode: Mode) -> list[str]:
     """Required keys left null and numbers out of their range."""
     online = mode == "rl"
     # offline modes train on stored data: tasks and a judge only for validating with the agent
     offline_optional = {"data.train"} | (set() if cfg.data.validation else {"task_judge.judge"})
+    judged_by_tests = harbor_data(cfg)  # Harbor tasks: their own tests/test.sh is the judge
     found = []
     for key, f, _, value in _leaves(cfg):
         meta = f.metadata
+        if judged_by_tests and key == "task_judge.judge":
+            continue
         if meta["required"] and value is None and (online or key not in offline_optional):
             found.append(f"{key} is required ({meta['help']}): set it in {where} or with --set {key}=...")
         if isinstance(value, (int, float)) and not isinstance(value, bool) and not in_range(value, meta):
@@ -80,6 +91,9 @@ def _check_agreement(cfg: TrainConfig, where: str, mode: Mode) -> None:
     online = mode == "rl"
     r, t = cfg.rollout, cfg.trainer
     problems = [
+        (harbor_data(cfg) and cfg.task_judge.judge is not None,
+         f"task_judge.judge {cfg.task_judge.judge!r}: Harbor tasks (data.train {cfg.data.train}) are judged by their "
+         f"own tests/test.sh: leave task_judge.judge out of {where}"),
         (r.agent is None and r.command is None and (online or cfg.data.validation is not None),
          f"rollout.agent (a Python file) or rollout.command (any command) is required"
          f"{'' if online else ' to validate on data.validation'}: set one in {where}"),

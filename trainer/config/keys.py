@@ -203,7 +203,7 @@ class RolloutConfig:
         "the host's toolchain read-only, a private workspace); auto or none: others on the host (Harbor tasks always "
         "run in bwrap)")
     sandbox_binds: list[str] = _key([], "more host paths a sandboxed agent needs (its install), bound read-only at "
-                                    "the same path")
+                                    "the same path", path="file")
     blocked_commands: list[str] = _key([], "commands refused in the sandbox, each attempt flagged on the episode, "
                                        "e.g. [git, pip, curl]")
     temperature: float = _key(1.0, "training sampling temperature, replacing the agent's own", gt=0, le=10)

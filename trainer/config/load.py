@@ -296,6 +296,8 @@ def _parse_raw(raw: str, tp: Any, key: str) -> Any:
 def _value(f: dataclasses.Field, tp: Any, value: Any, key: str, base: Path) -> Any:
     value = _coerce(value, tp, key)
     kind = f.metadata.get("path")
+    if kind and isinstance(value, list):  # a list of paths (rollout.sandbox_binds)
+        return [_resolve(kind, v, base) if isinstance(v, str) else v for v in value]
     return _resolve(kind, value, base) if kind and value is not None else value
 
 
