@@ -10,6 +10,8 @@ AGENTS_STAMP := $(AGENTS_VENV)/.installed
 # The client examples (examples/clients/): their Python packages go into .venv-agents; the Node agent's into its
 # own node_modules, when npm is there (its test is skipped without node and npm).
 CLIENTS_REQUIREMENTS := examples/clients/requirements.txt
+# The coding agents that ship on PyPI (mini-swe-agent) go there too.
+CODING_REQUIREMENTS := examples/coding_agents/requirements.txt
 NODE_AGENT := examples/clients/node_agent
 NODE_STAMP := $(NODE_AGENT)/node_modules/.installed
 # Transparent mode's hop (proxy/mitm_addon.py) runs under a Python with mitmproxy, which pins packages that
@@ -67,9 +69,9 @@ $(VERL_STAMP): $(STAMP)
 	$(BIN)/python -c "import verl.experimental.agent_loop.agent_loop, ray, transfer_queue"
 	touch $(VERL_STAMP)
 
-$(AGENTS_STAMP): $(CLIENTS_REQUIREMENTS)
+$(AGENTS_STAMP): $(CLIENTS_REQUIREMENTS) $(CODING_REQUIREMENTS)
 	test -x $(AGENTS_VENV)/bin/python || $(PY) -m venv $(AGENTS_VENV)
-	$(AGENTS_VENV)/bin/pip install $(PIP_FLAGS) agentscope openai -r $(CLIENTS_REQUIREMENTS)
+	$(AGENTS_VENV)/bin/pip install $(PIP_FLAGS) agentscope openai -r $(CLIENTS_REQUIREMENTS) -r $(CODING_REQUIREMENTS)
 	touch $(AGENTS_STAMP)
 
 $(MITM_STAMP):

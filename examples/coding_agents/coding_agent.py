@@ -1,4 +1,5 @@
-"""A coding task done by a coding agent as it ships (Codex CLI or Claude Code), unmodified, for `harness run`.
+"""A coding task done by a coding agent as it ships (Codex CLI, Claude Code or mini-swe-agent), unmodified, for
+`harness run`.
 
 The task comes in HARNESS_TASK (else on stdin), in one of two forms:
 - `{"id", "prompt", "files": {path: text}, "check": "a shell command", "answer": "pass"}`: this wrapper makes a
@@ -16,8 +17,8 @@ that `harness run` gives each episode), and its output goes to stderr, with the 
     harness run examples/coding_agents/coding_agent.py --data examples/harbor_tasks \
         --sandbox-bind examples/coding_agents/node_modules --model runs/tiny   # Harbor tasks, sandboxed
 
-The CLIs come from examples/coding_agents/node_modules (`make install`), else from PATH. No harness imports: an
-agent is any program.
+The CLIs come from examples/coding_agents/node_modules (`make install`), mini-swe-agent's `mini` from the
+checkout's .venv-agents (`make install`), else from PATH. No harness imports: an agent is any program.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-AGENTS = ("codex", "claude")
+AGENTS = ("codex", "claude", "mini")
+AGENTS_VENV = HERE.parents[1] / ".venv-agents"  # mini-swe-agent's install (make install)
 CODEX_MODEL = "gpt-5-codex"  # any name: the proxy serves its policy under it (Claude Code keeps its default model)
 CHECK_TIMEOUT_S = 60
 
@@ -46,7 +48,7 @@ def read_task() -> dict:
 
 
 def cli(name: str) -> str:
-    local = HERE / "node_modules" / ".bin" / name
+    local = (AGENTS_VENV / "bin" if name == "mini" else HERE / "node_modules" / ".bin") / name
     found = str(local) if local.exists() else shutil.which(name)
     if found is None:
         raise SystemExit(f"coding_agent: no {name} here: run `make install` (npm ci in {HERE}) or put it on PATH")
@@ -107,10 +109,22 @@ def claude(prompt: str, repo: Path, home: Path, base_url: str, api_key: str) -> 
     return [cli("claude"), "-p", prompt, "--dangerously-skip-permissions"]
 
 
+def mini(prompt: str, repo: Path, home: Path, base_url: str, api_key: str) -> list[str]:
+    """mini-swe-agent's `mini` (its default config: a bash tool) through litellm's OpenAI provider at the proxy,
+    without confirmations, cost tracking (the model is no priced one) or a cost limit."""
+    os.environ.update({"HOME": str(home), "MSWEA_CONFIGURED": "true",  # no first-run setup questions
+                       "MSWEA_COST_TRACKING": "ignore_errors", "MSWEA_SILENT_STARTUP": "1",
+                       "LITELLM_LOCAL_MODEL_COST_MAP": "True",  # litellm's price list from the package, offline
+                       "OPENAI_API_KEY": api_key})
+    return [cli("mini"), "--model", "openai/gpt-4o-mini", "--task", prompt, "--yolo", "--exit-immediately",
+            "--cost-limit", "0", "-c", "mini.yaml", "-c", f"model.model_kwargs.api_base={base_url}",
+            "-c", "agent.step_limit=20", "-o", str(home / "trajectory.json")]
+
+
 def main() -> int:
     which = sys.argv[1] if len(sys.argv) > 1 else "codex"
     if which not in AGENTS:
-        raise SystemExit(f"coding_agent: unknown agent {which!r}: codex or claude")
+        raise SystemExit(f"coding_agent: unknown agent {which!r}: codex, claude or mini")
     task = read_task()
     base_url, api_key = os.environ.get("OPENAI_BASE_URL"), os.environ.get("OPENAI_API_KEY", "none")
     if not base_url:
@@ -119,7 +133,8 @@ def main() -> int:
     repo = Path.cwd() if harbor else scratch_repo(task.get("files") or {})
     home = Path(tempfile.mkdtemp(prefix="harness-home-"))
     try:
-        command = (codex if which == "codex" else claude)(task["prompt"], repo, home, base_url, api_key)
+        command = {"codex": codex, "claude": claude, "mini": mini}[which](task["prompt"], repo, home, base_url,
+                                                                          api_key)
         ran = subprocess.run(command, cwd=repo, stdin=subprocess.DEVNULL, stdout=sys.stderr, stderr=sys.stderr)
         print(f"coding_agent: {which} exited {ran.returncode}", file=sys.stderr)
         if harbor:

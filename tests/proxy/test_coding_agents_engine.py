@@ -48,7 +48,8 @@ HARBOR_SOLUTIONS = {"hello-file": ["echo 'hello, harbor' > greeting.txt", "cat g
                     "write-script": ["printf '#!/bin/sh\\nwc -w < \"$1\"\\n' > wordcount.sh && chmod +x wordcount.sh",
                                      "./wordcount.sh data/sample.txt"],
                     "edit-config": ["sed -i '0,/port = 8000/s//port = 8088/' conf/server.ini", "cat conf/server.ini"]}
-HARBOR_IN_CI = {"codex": ("hello-file",), "claude": ("fix-failing-test",)}
+HARBOR_IN_CI = {"codex": ("hello-file",), "claude": ("fix-failing-test",), "mini": ("write-script",)}
+AGENTS_VENV = ROOT / ".venv-agents"  # mini-swe-agent (make install: examples/coding_agents/requirements.txt)
 
 CONTEXT = 32768
 
@@ -247,23 +248,30 @@ def test_harness_run_judges_a_coding_cli_on_the_real_engine_and_trains_on_the_ru
     assert metrics == {"offline/episodes": passed, "offline/samples": passed}  # each passing episode one sample
 
 
-@pytest.mark.parametrize("agent", ["codex", "claude"])
+@pytest.mark.parametrize("agent", ["codex", "claude", "mini"])
 def test_a_coding_cli_in_its_sandbox_solves_harbor_tasks_on_the_real_engine(agent, forced_engine, tmp_path):
-    """A CLI, unmodified, through `harness run` over Harbor tasks: each episode in its bubblewrap sandbox (the CLI's
-    install bound read-only, the proxy its only way out), the verifier's reward stored, every call recorded with
-    the engine's ids."""
-    _installed(agent)
+    """A coding agent, unmodified, through `harness run` over Harbor tasks: each episode in its bubblewrap sandbox
+    (the agent's install bound read-only, the proxy its only way out), the verifier's reward stored, every call
+    recorded with the engine's ids. mini-swe-agent (PyPI, through litellm) ends by its own submit command."""
+    if agent == "mini":
+        assert (AGENTS_VENV / "bin" / "mini").exists(), "no mini-swe-agent in .venv-agents: `make install`"
+        install = AGENTS_VENV
+        call = lambda c: _call("bash", {"command": c})  # noqa: E731
+        last = call("echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT")
+    else:
+        _installed(agent)
+        install, last = CODING_AGENTS / "node_modules", "done"
+        call = (lambda c: _call("exec_command", {"cmd": c})) if agent == "codex" else (
+            lambda c: _call("Bash", {"command": c, "description": "Run it"}))
     engine, model, replies = forced_engine
-    call = (lambda c: _call("exec_command", {"cmd": c})) if agent == "codex" else (
-        lambda c: _call("Bash", {"command": c, "description": "Run it"}))
     names = sorted(n for n in HARBOR_SOLUTIONS if LONG_TESTS or n in HARBOR_IN_CI[agent])  # the order they run in
     for name in names:
         shutil.copytree(HARBOR_TASKS / name, tmp_path / "tasks" / name)
-    replies.write_text(json.dumps([r for n in names for r in (*map(call, HARBOR_SOLUTIONS[n]), "done")]))
+    replies.write_text(json.dumps([r for n in names for r in (*map(call, HARBOR_SOLUTIONS[n]), last)]))
     run_dir = tmp_path / "run"
     done = subprocess.run([sys.executable, "-m", "harness.cli", "run", "--cmd",
                            f"{sys.executable} {CODING_AGENTS / 'coding_agent.py'} {agent}", "--data",
-                           str(tmp_path / "tasks"), "--sandbox-bind", str(CODING_AGENTS / "node_modules"),
+                           str(tmp_path / "tasks"), "--sandbox-bind", str(install),
                            "--upstream", engine.base_url, "--concurrency", "1", "--max-tokens-cap", "512",
                            "--run-dir", str(run_dir)], capture_output=True, text=True, timeout=1800)
     assert done.returncode == 0, done.stderr[-4000:]
