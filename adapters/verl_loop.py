@@ -76,6 +76,9 @@ class LoopSettings:
     transparent: bool = False  # rollout.transparent: the agents' calls to LLM hosts reach the proxy through mitmproxy
     llm_hosts: list[str] = field(default_factory=list)  # with transparent: more LLM hosts to intercept
     refuse_other_hosts: bool = False  # with transparent: refuse the agents' traffic to other hosts
+    sandbox: str | None = None  # rollout.sandbox: each episode in a sandbox of this backend (Harbor tasks always)
+    sandbox_binds: list[str] = field(default_factory=list)  # host paths a sandboxed agent needs, bound read-only
+    blocked_commands: list[str] = field(default_factory=list)  # commands refused (and flagged) in the sandbox
     roles: dict = field(default_factory=dict)  # the roles section's match, upstream, upstream_model,
     # upstream_key_env and train: the proxy names each call's role; only the learning role's samples go to verl
 
@@ -230,7 +233,8 @@ class _Bridge:
         run = RunConfig(command=s.command, judge=s.judge, repeat=1, concurrency=1, timeout_s=s.timeout_s,
                         retries=s.retries, judge_timeout_s=s.judge_timeout_s, judge_workers=s.judge_workers,
                         cwd=Path(s.cwd) if s.cwd else None, env=dict(s.env), memory_mb=s.memory_mb or None,
-                        max_procs=s.max_procs or None)
+                        max_procs=s.max_procs or None, sandbox=s.sandbox, sandbox_binds=tuple(s.sandbox_binds),
+                        blocked_commands=tuple(s.blocked_commands))
         run_dir = Path(s.run_dir) / "verl" / f"worker-{os.getpid()}"
         run_dir.mkdir(parents=True, exist_ok=True)
         engine = Engine(base_url=url, served_model=s.served_model, returns_token_ids=True, tool_parser=s.tool_parser,

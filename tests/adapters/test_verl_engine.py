@@ -193,3 +193,40 @@ async def test_transparent_mode_through_verl_s_agent_loop(tmp_path, engine, tiny
     for k, episode_id in enumerate(episodes):
         [(tokens,)] = db_rows(db, "SELECT token_ids FROM samples WHERE episode_id = ?", [episode_id])
         assert out.batch["input_ids"][k][out.batch["attention_mask"][k].bool()].tolist() == tokens
+
+
+SANDBOXED_AGENT = '''
+import json, sys
+from openai import OpenAI
+task = json.loads(sys.stdin.read())
+reply = OpenAI().chat.completions.create(model="gpt-4o-mini", max_tokens=16,
+                                         messages=[{"role": "user", "content": task["prompt"]}])
+open("answer.txt", "w").write(reply.choices[0].message.content or "")
+print(json.dumps({"answer": "written"}))
+'''
+
+
+@needs_verl
+async def test_harbor_tasks_through_verl_s_agent_loop_run_sandboxed(tmp_path, engine, tiny_model_dir):
+    """`backbone: verl` over Harbor tasks: each agent-loop episode runs in its sandbox on the worker's own machine
+    and is judged by the task's tests/test.sh; verl gets the verifier's reward on the episode's sample."""
+    for k, name in enumerate(("first", "second")):
+        task = tmp_path / "tasks" / name
+        (task / "tests").mkdir(parents=True)
+        (task / "instruction.md").write_text(f"Say something about the number {k}.\n")
+        reward = "1" if k == 0 else "0.25"  # the verifier's number, whatever the random model wrote
+        (task / "tests" / "test.sh").write_text(f"[ -f /app/answer.txt ] && echo {reward} > /logs/verifier/reward.txt"
+                                                "\n")
+    agent = tmp_path / "agent.py"
+    agent.write_text(SANDBOXED_AGENT)
+    cfg = _config(tmp_path, tiny_model_dir, agent=agent, tasks=tmp_path / "tasks", judge="null",
+                  rollout=" blocked_commands: [git],")
+    out, _, db = await _verl_batch(tmp_path, cfg, engine)
+    episodes = list(out.non_tensor_batch["episode_id"])
+    assert len(episodes) == 4 and set(out.non_tensor_batch["episode_status"]) == {"finished"}
+    for k, episode_id in enumerate(episodes):
+        [(task_id, backend, judge, reward)] = db_rows(
+            db, "SELECT o.task_id, o.sandbox->>'backend', j.judge, j.reward FROM episode_outcomes o "
+                "JOIN judgements j USING (episode_id) WHERE episode_id = ?", [episode_id])
+        assert (backend, judge, reward) == ("bwrap", "harbor:tests/test.sh", 1.0 if task_id == "first" else 0.25)
+        assert out.batch["rm_scores"][k].sum().item() == pytest.approx(reward)

@@ -210,10 +210,13 @@ class Rollouts:
             self.server.call(_stop(runner))
 
     def close(self) -> None:
-        if self.interceptor is not None:
-            self.interceptor.close()
-        if self._warm is not None:
-            self.server.call(self._warm.close())
+        """Stop the hop, the warm starter and the proxy; a second call (an atexit hook after an explicit close) does
+        nothing."""
+        interceptor, warm, self.interceptor, self._warm = self.interceptor, self._warm, None, None
+        if interceptor is not None:
+            interceptor.close()
+        if warm is not None:
+            self.server.call(warm.close())
         self.server.stop_thread()
 
 

@@ -115,6 +115,8 @@ def loop_settings(cfg: TrainConfig, run_dir: Path) -> dict:
             "max_procs": r.max_procs, "max_turns": r.max_turns, "max_samples_per_episode": r.max_samples_per_episode,
             "guard": dataclasses.asdict(r.guard), "transparent": r.transparent, "llm_hosts": list(r.llm_hosts),
             "refuse_other_hosts": r.refuse_other_hosts,
+            "sandbox": None if r.sandbox in ("auto", "none") else r.sandbox, "sandbox_binds": list(r.sandbox_binds),
+            "blocked_commands": list(r.blocked_commands),
             "roles": {k: v for k, v in dataclasses.asdict(cfg.roles).items() if k != "policies"}}  # policies: refused
 
 
