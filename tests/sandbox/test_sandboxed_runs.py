@@ -20,6 +20,10 @@ AGENT = textwrap.dedent('''
     task = json.loads(sys.stdin.read())
     if task.get("hang"):
         time.sleep(3600)
+    if task.get("die"):  # the sandbox dies under it: its relay, the agent's parent, killed
+        import signal
+        os.kill(os.getppid(), signal.SIGKILL)
+        time.sleep(3600)
     OpenAI().chat.completions.create(model="qwen-plus", messages=[{"role": "user", "content": task["q"]}])
     open("scratch.txt", "w").write("mine")
     print(json.dumps({"answer": json.dumps({"sum": str(task["a"] + task["b"]), "cwd": os.getcwd(),
@@ -59,3 +63,20 @@ async def test_ordinary_tasks_run_sandboxed_and_are_judged_as_on_the_host(upstre
     await run_dataset(hang, cut, attach(upstream.url), tmp_path / "hang", progress=False)
     [(status, error)] = db_rows(tmp_path / "hang" / "harness.duckdb", "SELECT status, error FROM episode_outcomes")
     assert status == "timeout" and "3 s episode timeout" in error  # the agent never ends on its own
+
+
+async def test_a_sandbox_that_dies_is_an_episode_with_a_cause_and_the_run_goes_on(upstream, tmp_path):
+    agent, judge = tmp_path / "agent.py", tmp_path / "judge.py"
+    agent.write_text(AGENT)
+    judge.write_text(JUDGE)
+    tasks = [Task("dies", {"q": "add", "a": 1, "b": 1, "answer": "2", "die": True}),
+             Task("lives", {"q": "add", "a": 2, "b": 1, "answer": "3"})]
+    config = RunConfig(command=[sys.executable, str(agent)], judge=f"{judge}:judge", concurrency=2, timeout_s=600,
+                       sandbox="bwrap")
+    _, report = await run_dataset(tasks, config, attach(upstream.url), tmp_path / "run", progress=False)
+    rows = dict((r[0], r[1:]) for r in db_rows(tmp_path / "run" / "harness.duckdb",
+                                               "SELECT task_id, status, exit_code, error FROM episode_outcomes"))
+    assert rows["lives"][0] == "finished"
+    status, exit_code, error = rows["dies"]
+    assert status == "crashed" and exit_code != 0 and "exited with code" in error, rows["dies"]
+    assert report["failures"]["crashed"] == 1 and report["episodes"] == 2  # (its judge, given no answer, fails too)
