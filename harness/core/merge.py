@@ -21,6 +21,14 @@ a call that starts a new timeline, whose user messages carry a string argument (
 call an earlier call of the episode made, is SUB_AGENT, and its Break names that call and tool call (the
 latest one that matches). Its timeline merges apart, like any other, and is trained with the episode's reward.
 
+Compaction (Claude Code and Codex on long tasks, any agent that summarises its context): the summary is an earlier
+call's reply, and the conversation goes on from a history that starts from it. A call that starts a new timeline
+(and is no sub-agent), whose user messages carry the reply text (80 characters or more, spaces collapsed) of an
+earlier answered call of the same agent (role, model name and system prompt: another agent handed a reply is a
+hand-off, not a compaction), is COMPACTION, and its Break names that call: the summary call, whose prompt was the
+history it summarised. The summary call itself continues that history (its timeline ends with the summary); the
+continued timeline merges apart and is trained with the episode's reward, like a sub-agent's.
+
 Cost: each role keeps its nodes longest first, so finding the parent stops at the first node that is a prefix
 of the prompt: one comparison of the prompt per call for an append-only agent, whatever the episode's length.
 """
@@ -36,16 +44,17 @@ import orjson
 from harness.core.flags import cuts
 from harness.core.records import ENGINE, OK, Break, Call, Sample
 
-__all__ = ["DROPS_REASONING", "DRIFT", "FIRST_CALL", "HISTORY_CHANGED", "MERGE_VERSION", "N_BRANCH", "NEW_ROLE",
-           "REASONS", "REPLY_EDITED", "SUB_AGENT", "SYSTEM_CHANGED", "TOOLS_CHANGED", "Merged", "format_merge_summary",
-           "merge_episode", "mergeable", "reply_edited", "summarise_merges"]  # fmt: skip
+__all__ = ["COMPACTION", "DROPS_REASONING", "DRIFT", "FIRST_CALL", "HISTORY_CHANGED", "MERGE_VERSION", "N_BRANCH",
+           "NEW_ROLE", "REASONS", "REPLY_EDITED", "SUB_AGENT", "SYSTEM_CHANGED", "TOOLS_CHANGED", "Merged",
+           "format_merge_summary", "merge_episode", "mergeable", "reply_edited", "summarise_merges"]  # fmt: skip
 
 # Stored with every sample: bump it when merge_episode would build other samples from the same calls.
 # 2: a drift break of a call whose history holds an edited reply is reply_edited.
 # 3: a drift break of a call the proxy served on a history whose template dropped a reply's reasoning is
 #    template_drops_reasoning.
 # 4: a new timeline an earlier tool call handed its task to is sub_agent, with its parent call and tool call.
-MERGE_VERSION = 4
+# 5: a new timeline that goes on from an earlier reply (a summary of the history) is compaction, with that call.
+MERGE_VERSION = 5
 
 # Break.reason values.
 FIRST_CALL = "first_call"  # the episode's first call
@@ -57,13 +66,15 @@ DRIFT = "retokenization_drift"  # the history matches up to an assistant turn, w
 REPLY_EDITED = "reply_edited"  # as DRIFT, but the agent changed that turn's text (the call's record says where)
 DROPS_REASONING = "template_drops_reasoning"  # as DRIFT, but the template left that turn's reasoning out
 SUB_AGENT = "sub_agent"  # a new timeline whose user messages carry an earlier tool call's argument (a task)
+COMPACTION = "compaction"  # a new timeline whose user messages carry an earlier call's reply (its history's summary)
 N_BRANCH = "n_branch"  # a sibling on the same prompt: choice 1.. of an n>1 call, or a call repeating a prompt
 REASONS = (FIRST_CALL, NEW_ROLE, SYSTEM_CHANGED, TOOLS_CHANGED, HISTORY_CHANGED, DRIFT, REPLY_EDITED, DROPS_REASONING,
-           SUB_AGENT, N_BRANCH)
+           SUB_AGENT, COMPACTION, N_BRANCH)
 
 _SHOWN = 8  # tokens of each side a Break keeps
 _NEW_TIMELINE = (NEW_ROLE, SYSTEM_CHANGED, TOOLS_CHANGED, HISTORY_CHANGED)  # what a sub-agent's first call looks like
 _TASK_CHARS = 24  # a tool call's string argument this long or longer can be a sub-agent's task
+_SUMMARY_CHARS = 80  # an earlier reply this long or longer, found in a new timeline's user messages, is its summary
 _SPACE = re.compile(r"\s+")
 
 
@@ -164,7 +175,7 @@ def merge_episode(calls: list[Call], sources: tuple[str, ...] = (ENGINE,)) -> Me
         elif why is not None and why.reason == DRIFT and _served(call) == DROPS_REASONING:
             why = replace(why, reason=DROPS_REASONING)  # the tokens differ because the reasoning is gone
         elif parent is None and why is not None and why.reason in _NEW_TIMELINE:
-            why = _sub_agent(call, answered, tasks) or why
+            why = _sub_agent(call, answered, tasks) or _compaction(call, answered) or why
         first = True
         for choice in call.choices:
             if choice.completion_ids is None:
@@ -248,6 +259,24 @@ def _sub_agent(call: Call, answered: list[Call], tasks: dict[str, list]) -> Brea
             if any(s in text for s in strings):
                 return Break(call.call_id, 0, SUB_AGENT, parent_call_id=earlier.call_id,
                              parent_tool_call_id=tool_call_id)
+    return None
+
+
+def _compaction(call: Call, answered: list[Call]) -> Break | None:
+    """A COMPACTION break when this call's user messages carry the reply text of an earlier answered call (the latest
+    such call), else None."""
+    text = _user_text(call)
+    if len(text) < _SUMMARY_CHARS:
+        return None
+    for earlier in reversed(answered):
+        if earlier.call_index >= call.call_index or (earlier.role_key, earlier.requested_model,
+                                                      earlier.system_hash) != (call.role_key, call.requested_model,
+                                                                               call.system_hash):
+            continue  # the same agent goes on from its summary; another one given a reply is a hand-off
+        for choice in earlier.choices:
+            reply = _SPACE.sub(" ", choice.text or "").strip()
+            if len(reply) >= _SUMMARY_CHARS and reply in text:
+                return Break(call.call_id, 0, COMPACTION, parent_call_id=earlier.call_id)
     return None
 
 

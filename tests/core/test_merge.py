@@ -10,6 +10,7 @@ import orjson
 import pytest
 
 from harness.core.merge import (
+    COMPACTION,
     DRIFT,
     FIRST_CALL,
     HISTORY_CHANGED,
@@ -320,6 +321,42 @@ def test_a_new_timeline_without_a_matching_tool_call_keeps_its_reason(first_mess
              asking(call(1, [1, 2, 9, 4, 10, 5], [11]), {"role": "user", "content": first_message})]
     merged = merge_episode(calls)
     assert [(b.reason, b.parent_call_id) for b in merged.breaks] == [(FIRST_CALL, None), (HISTORY_CHANGED, None)]
+
+
+SUMMARY = ("Summary of the conversation so far: the user asked to fix the failing test in mathutils.py; the mean "
+           "divided by len + 1; I fixed it and the test passes.")
+
+
+def summarising(c: Call, text: str) -> Call:
+    return replace(c, choices=[replace(c.choices[0], text=text)])
+
+
+def test_a_timeline_that_goes_on_from_an_earlier_reply_is_a_compaction_of_that_call():
+    """Compaction as Claude Code and Codex do it: the history, a request to summarise it (the summary call continues
+    the timeline), then a new conversation whose first user message carries the summary."""
+    calls = [call(0, [1, 2, 3], [10, 11]),
+             call(1, [1, 2, 3, 10, 11, 4], [12]),
+             summarising(call(2, [1, 2, 3, 10, 11, 4, 12, 5, 6], [30, 31, 32]), SUMMARY),  # "summarise the above"
+             asking(call(3, [1, 2, 40, 41, 42, 7], [13]),  # the same system prompt, the summary as its history
+                    {"role": "system", "content": "s"},
+                    {"role": "user", "content": "This session continues an earlier one, summarised below.\n"
+                                                + SUMMARY.replace(" ", "\n", 3)}),
+             call(4, [1, 2, 40, 41, 42, 7, 13, 8], [14])]  # and goes on from there
+    merged = merge_episode(calls)
+    assert [(b.call_id, b.reason, b.parent_call_id) for b in merged.breaks] == [
+        ("c0", FIRST_CALL, None), ("c3", COMPACTION, "c2")]
+    assert sorted(s.call_ids for s in merged.samples) == [["c0", "c1", "c2"], ["c3", "c4"]]  # merged apart
+
+
+@pytest.mark.parametrize("reply, system, reason", [
+    (SUMMARY[:60], "s", HISTORY_CHANGED),  # too short to be a summary
+    ("x" * 100, "s", HISTORY_CHANGED),  # not in the message
+    (SUMMARY, "another agent", HISTORY_CHANGED),  # another agent (its own system prompt) given the reply: a hand-off
+])
+def test_a_new_timeline_without_its_own_earlier_reply_in_it_is_no_compaction(reply, system, reason):
+    calls = [summarising(call(0, [1, 2, 3], [10]), reply),
+             asking(call(1, [1, 2, 9, 4], [11], system=system), {"role": "user", "content": "go on: " + SUMMARY})]
+    assert [b.reason for b in merge_episode(calls).breaks] == [FIRST_CALL, reason]
 
 
 def test_a_call_that_continues_a_timeline_is_never_a_sub_agent():
