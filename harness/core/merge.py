@@ -23,9 +23,10 @@ latest one that matches). Its timeline merges apart, like any other, and is trai
 
 Compaction (Claude Code and Codex on long tasks, any agent that summarises its context): the summary is an earlier
 call's reply, and the conversation goes on from a history that starts from it. A call that starts a new timeline
-(and is no sub-agent), whose user messages carry the reply text (80 characters or more, spaces collapsed) of an
-earlier answered call of the same agent (role, model name and system prompt: another agent handed a reply is a
-hand-off, not a compaction), is COMPACTION, and its Break names that call: the summary call, whose prompt was the
+(and is no sub-agent), whose user messages carry a passage (80 characters or more, between markup tags and blank
+lines, spaces collapsed) of the reply of an earlier answered call of the same model name (and named role, where
+roles are named; the system prompt and tools may change, as Claude Code's do), is COMPACTION, and its Break names
+that call: the summary call, whose prompt was the
 history it summarised. The summary call itself continues that history (its timeline ends with the summary); the
 continued timeline merges apart and is trained with the episode's reward, like a sub-agent's.
 
@@ -76,6 +77,7 @@ _NEW_TIMELINE = (NEW_ROLE, SYSTEM_CHANGED, TOOLS_CHANGED, HISTORY_CHANGED)  # wh
 _TASK_CHARS = 24  # a tool call's string argument this long or longer can be a sub-agent's task
 _SUMMARY_CHARS = 80  # an earlier reply this long or longer, found in a new timeline's user messages, is its summary
 _SPACE = re.compile(r"\s+")
+_PASSAGE_BREAK = re.compile(r"<[^<>\n]{1,40}>|\n\s*\n")  # a markup tag or a blank line
 
 
 @dataclass(eq=False, slots=True)
@@ -263,21 +265,27 @@ def _sub_agent(call: Call, answered: list[Call], tasks: dict[str, list]) -> Brea
 
 
 def _compaction(call: Call, answered: list[Call]) -> Break | None:
-    """A COMPACTION break when this call's user messages carry the reply text of an earlier answered call (the latest
-    such call), else None."""
+    """A COMPACTION break when this call's user messages carry a passage (80 characters or more) of the reply of an
+    earlier answered call of the same named role and model name (the latest such call), else None. A passage: the
+    reply's text between markup tags and blank lines, spaces collapsed (Claude Code keeps what its summary's
+    <summary> tags held and drops the <analysis> before it)."""
     text = _user_text(call)
     if len(text) < _SUMMARY_CHARS:
         return None
     for earlier in reversed(answered):
-        if earlier.call_index >= call.call_index or (earlier.role_key, earlier.requested_model,
-                                                      earlier.system_hash) != (call.role_key, call.requested_model,
-                                                                               call.system_hash):
-            continue  # the same agent goes on from its summary; another one given a reply is a hand-off
+        if earlier.call_index >= call.call_index or (earlier.role, earlier.requested_model) != (
+                call.role, call.requested_model):
+            continue  # the same agent goes on from its summary (its system prompt and tools may have changed)
         for choice in earlier.choices:
-            reply = _SPACE.sub(" ", choice.text or "").strip()
-            if len(reply) >= _SUMMARY_CHARS and reply in text:
+            if any(passage in text for passage in _passages(choice.text or "")):
                 return Break(call.call_id, 0, COMPACTION, parent_call_id=earlier.call_id)
     return None
+
+
+def _passages(reply: str) -> list[str]:
+    """The parts of a reply, between markup tags and blank lines, long enough to tell a summary by."""
+    parts = (_SPACE.sub(" ", part).strip() for part in _PASSAGE_BREAK.split(reply))
+    return [part for part in parts if len(part) >= _SUMMARY_CHARS]
 
 
 def _user_text(call: Call) -> str:

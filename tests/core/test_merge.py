@@ -348,15 +348,26 @@ def test_a_timeline_that_goes_on_from_an_earlier_reply_is_a_compaction_of_that_c
     assert sorted(s.call_ids for s in merged.samples) == [["c0", "c1", "c2"], ["c3", "c4"]]  # merged apart
 
 
-@pytest.mark.parametrize("reply, system, reason", [
-    (SUMMARY[:60], "s", HISTORY_CHANGED),  # too short to be a summary
-    ("x" * 100, "s", HISTORY_CHANGED),  # not in the message
-    (SUMMARY, "another agent", HISTORY_CHANGED),  # another agent (its own system prompt) given the reply: a hand-off
-])
-def test_a_new_timeline_without_its_own_earlier_reply_in_it_is_no_compaction(reply, system, reason):
+def test_a_summary_in_tags_is_found_by_its_passages_and_the_system_prompt_may_change():
+    """Claude Code asks for <analysis> then <summary>, and goes on with what the summary tags held, under a system
+    prompt that has changed meanwhile."""
+    reply = f"<analysis>\nI looked at what was done.\n</analysis>\n\n<summary>\n{SUMMARY}\n</summary>"
     calls = [summarising(call(0, [1, 2, 3], [10]), reply),
-             asking(call(1, [1, 2, 9, 4], [11], system=system), {"role": "user", "content": "go on: " + SUMMARY})]
-    assert [b.reason for b in merge_episode(calls).breaks] == [FIRST_CALL, reason]
+             asking(call(1, [1, 2, 9, 4], [11], system="s2"),
+                    {"role": "user", "content": "Summary below.\n" + SUMMARY})]
+    merged = merge_episode(calls)
+    assert [(b.reason, b.parent_call_id) for b in merged.breaks] == [(FIRST_CALL, None), (COMPACTION, "c0")]
+
+
+@pytest.mark.parametrize("reply, model", [
+    (SUMMARY[:60], "m"),  # too short to be a summary
+    ("x" * 100, "m"),  # not in the message
+    (SUMMARY, "another model"),  # another agent given the reply: a hand-off (named roles tell same-model ones apart)
+])
+def test_a_new_timeline_without_its_own_earlier_reply_in_it_is_no_compaction(reply, model):
+    calls = [summarising(call(0, [1, 2, 3], [10]), reply),
+             asking(call(1, [1, 2, 9, 4], [11], model=model), {"role": "user", "content": "go on: " + SUMMARY})]
+    assert COMPACTION not in [b.reason for b in merge_episode(calls).breaks]
 
 
 def test_a_call_that_continues_a_timeline_is_never_a_sub_agent():

@@ -16,7 +16,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-from harness.core.merge import FIRST_CALL, SUB_AGENT, merge_episode
+from harness.core.merge import COMPACTION, FIRST_CALL, SUB_AGENT, merge_episode
 from harness.running.tiny_model import build_tiny_model
 from harness.running.vllm_server import start_vllm
 from harness.store.database import Store
@@ -319,3 +319,48 @@ def test_harness_train_over_harbor_tasks_with_a_sandboxed_cli(forced_engine, tmp
     assert [v for _, v in means] == [0.5, 1.0]  # the verifier's rewards are what GRPO trained on
     [(grad,)] = db_rows(db, "SELECT max(value) FROM metrics WHERE name = 'actor/grad_norm' AND step = 1")
     assert grad > 0  # the first step's advantage moved the policy
+
+
+COMPACT_SUMMARY = ("The user asked to write hello into out.txt and show it. I wrote it with echo and showed it with "
+                   "cat; out.txt says hello, and nothing is left to do.")
+ASKS_SUMMARY = "create a detailed summary of the conversation"  # Claude Code's summary request
+
+
+def test_claude_codes_compaction_is_its_own_timeline_linked_to_the_summary_call(forced_engine, tmp_path):
+    """Claude Code compacts a session (`/compact`, as its auto-compaction does near the context's end): a request
+    to summarise the history, then a conversation that goes on from the summary. The summary call continues the
+    task's timeline; the one after it is a `compaction` break naming the summary call, merged apart."""
+    _installed("claude")
+    engine, model, replies = forced_engine
+    task = [_call("Bash", {"command": "echo hello > out.txt", "description": "Write it"}),
+            _call("Bash", {"command": "cat out.txt", "description": "Show it"}), "done: out.txt says hello"]
+    summary = f"<analysis>\nWhat was asked and done.\n</analysis>\n\n<summary>\n{COMPACT_SUMMARY}\n</summary>"
+    replies.write_text(json.dumps([*({"unless": ASKS_SUMMARY, "reply": r} for r in task),
+                                   {"when": ASKS_SUMMARY, "reply": summary},
+                                   {"unless": ASKS_SUMMARY, "reply": "done, again"}]))
+    db = tmp_path / "rec.duckdb"
+    proxy = RunningProxy(engine.base_url, db, served_model=engine.served_model, tokenizer=str(model),
+                         sampling=SamplingOverrides(max_tokens_cap=512))
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    try:
+        command, settings = _cli("claude", proxy, tmp_path, "write hello into out.txt and show it")
+        for prompt, more in ((None, []), ("/compact", ["--continue"]), ("say it is done", ["--continue"])):
+            argv = command if prompt is None else [command[0], "-p", prompt, *more, "--dangerously-skip-permissions"]
+            done = subprocess.run(argv, cwd=scratch, capture_output=True, text=True, timeout=600,
+                                  stdin=subprocess.DEVNULL, **settings)
+            assert done.returncode == 0, (prompt, done.stdout[-2000:], done.stderr[-3000:])
+    finally:
+        proxy.close()
+    assert json.loads(replies.read_text()) == []
+    with Store.open(db) as store:
+        calls = store.load_calls("claude")
+    merged = merge_episode(calls)
+    summary_call = next(c for c in calls if c.choices and COMPACT_SUMMARY in (c.choices[0].text or ""))
+    [compaction] = [b for b in merged.breaks if b.reason == COMPACTION]
+    assert compaction.parent_call_id == summary_call.call_id
+    after = next(c for c in calls if c.call_id == compaction.call_id)
+    assert after.call_index > summary_call.call_index and after.choices[0].text == "done, again"
+    by_call = {cid: s for s in merged.samples for cid in s.call_ids}
+    assert by_call[summary_call.call_id] is by_call[calls[0].call_id]  # the summary ends the task's timeline
+    assert by_call[after.call_id] is not by_call[calls[0].call_id]  # the compacted one merges apart
