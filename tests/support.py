@@ -115,3 +115,14 @@ def record_terse_run(upstream_url: str, run_dir: Path) -> Path:
 LONG_TESTS = bool(os.environ.get("HARNESS_LONG_TESTS"))  # tests that run short in CI run whole
 long_run = pytest.mark.skipif(not LONG_TESTS,
                               reason="left out of CI: make test-long (HARNESS_LONG_TESTS=1) runs it")
+
+
+def running_with(marker: str) -> bool:
+    """Whether a live (not zombie) process has `marker` in its command line."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if marker.encode() in Path("/proc", pid, "cmdline").read_bytes():
+                return Path("/proc", pid, "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        except OSError:
+            continue
+    return False

@@ -78,15 +78,9 @@ def cap_processes(max_procs: int) -> str:
     root = pids_root()
     if root is not None:
         group = root / f"{_GROUP_PREFIX}{os.getpid()}"
-        try:
-            group.mkdir(exist_ok=True)
-            (group / "pids.max").write_text(str(max_procs))
-            (group / "cgroup.procs").write_text(str(os.getpid()))
+        if (failed := _join(group, {"pids.max": str(max_procs)})) is None:
             return f"pids cgroup {group}"
-        except OSError as exc:
-            with contextlib.suppress(OSError):
-                group.rmdir()
-            reason = f"cannot use the pids cgroup {group}: {exc}"
+        reason = f"cannot use the pids cgroup {group}: {failed}"
     else:
         reason = "no writable pids cgroup"
     if os.geteuid() == 0:
@@ -114,19 +108,27 @@ def cap_cpus(cpus: float) -> str:
     group = root / f"{_GROUP_PREFIX}{os.getpid()}"
     period = 100_000
     quota = max(1000, int(cpus * period))
-    try:
-        group.mkdir(exist_ok=True)  # cgroup v2: the pids group, when it has one
-        if (group / "cpu.max").exists():
-            (group / "cpu.max").write_text(f"{quota} {period}")
-        else:
-            (group / "cpu.cfs_period_us").write_text(str(period))
-            (group / "cpu.cfs_quota_us").write_text(str(quota))
-        (group / "cgroup.procs").write_text(str(os.getpid()))
+    v2 = (root / "cgroup.controllers").exists()  # cgroup v2 (its group may be the pids one, made already)
+    settings = {"cpu.max": f"{quota} {period}"} if v2 else {"cpu.cfs_period_us": str(period),
+                                                          "cpu.cfs_quota_us": str(quota)}
+    if (failed := _join(group, settings)) is None:
         return f"cpu cgroup {group} ({cpus:g} CPUs)"
+    return f"no CPU cap (cannot use the cpu cgroup {group}: {failed})"
+
+
+def _join(group: Path, settings: dict[str, str]) -> OSError | None:
+    """Make `group` (or use it), write its `settings`, move this process into it; the error, with the group removed
+    when it is left empty, or None."""
+    try:
+        group.mkdir(exist_ok=True)
+        for name, value in settings.items():
+            (group / name).write_text(value)
+        (group / "cgroup.procs").write_text(str(os.getpid()))
+        return None
     except OSError as exc:
         with contextlib.suppress(OSError):
             group.rmdir()
-        return f"no CPU cap (cannot use the cpu cgroup {group}: {exc})"
+        return exc
 
 
 def release(pid: int, timeout_s: float = 5.0) -> None:

@@ -34,7 +34,6 @@ import hashlib
 import json
 import os
 import re
-import shutil
 import signal
 import sys
 import time
@@ -42,7 +41,6 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import BinaryIO
 
 from harness.core.records import (
     CRASHED,
@@ -59,15 +57,15 @@ from harness.core.records import (
 from harness.running import harbor
 from harness.running.judge_pool import InProcessJudge, JudgePool
 from harness.running.limits import AGENT_MAX_PROCS, AGENT_MEMORY_MB, limited, release
+from harness.running.sandboxed import EpisodeSandboxes
 from harness.running.tasks import TaskError, instance_for
+from harness.running.terminal import Terminal
 from harness.running.warm import WarmProcess, WarmStarter, script_of
-from harness.sandbox import SandboxError, SandboxSpec, host_env, open_backend
+from harness.sandbox import SandboxError
 from proxy.server import ProxyServer
 
 _UPSTREAM_TROUBLE = (502, 503, 504)
 _STDERR_TAIL = 800
-_DRAIN_S = 1.0  # debug mode: how long to read an exited agent's pipes, which a child it left running may hold open
-_PDB_PROMPT = re.compile(rb"^(?:\(Pdb\) )+", re.MULTILINE)
 _SAFE_PART = re.compile(r"[A-Za-z0-9._:@+-]{1,64}")
 _UNSAFE = re.compile(r"[^A-Za-z0-9._:@+-]")
 
@@ -175,8 +173,7 @@ class Runner:
         self.shared_judges = judge_pool  # the caller's pool, used and left open; None: one of our own per run()
         self.shared_warm = warm  # the caller's warm starter, used and left open; None: one of our own per run()
         self._warm: WarmStarter | None = None
-        self._backend = None  # the sandbox backend, when episodes run sandboxed
-        self._workspaces: dict[str, Path] = {}  # a sandboxed episode's workspace, until it is judged
+        self.sandboxes = EpisodeSandboxes(config, proxy, run_dir)  # where sandboxed episodes run
         self.outcomes: list[EpisodeOutcome] = []
         self.judgements: list[Judgement] = []
         self.judge_s = 0.0  # seconds spent waiting for judges, summed over episodes (they overlap agents' runs)
@@ -201,11 +198,9 @@ class Runner:
         await asyncio.to_thread(self.store.add_tasks, self.run_id, tasks)
         slots = self.plan(tasks)
         gate = asyncio.Semaphore(1 if self.config.debug else self.config.concurrency)
-        sandboxed = [t for t in tasks if self._sandboxed(t)]
-        if sandboxed and self._backend is None:  # before anything that needs closing: it may refuse
-            self._backend = await asyncio.to_thread(open_backend, self.config.sandbox or "bwrap")
+        sandboxed = await self.sandboxes.start(tasks)  # before anything that needs closing: it may refuse
         pool = self.shared_judges or self._judge_pool()
-        hosted = len(slots) - len(sandboxed) * self.config.repeat
+        hosted = len(slots) - sandboxed * self.config.repeat
         self._warm = self.shared_warm or (await start_warm(self.config, self.log_dir.parent) if hosted > 1
                                           else None)  # a starter costs an interpreter with the SDK imported
         try:
@@ -228,9 +223,6 @@ class Runner:
         if self.config.debug:
             return InProcessJudge(self.config.judge)
         return JudgePool(self.config.judge, workers=self.config.judge_workers, timeout_s=self.config.judge_timeout_s)
-
-    def _sandboxed(self, task: Task) -> bool:
-        return self.config.sandbox is not None or harbor.is_harbor(task)
 
     async def _not_prepared(self, slot: EpisodeSlot, why: str) -> None:
         outcome = EpisodeOutcome(slot.episode_id, self.run_id, slot.task.task_id, slot.repeat_index, 1, NOT_PREPARED,
@@ -274,19 +266,17 @@ class Runner:
                                    error=f"the engine was unreachable during the episode; {outcome.error}")
             await asyncio.to_thread(self.store.add_outcome, outcome)  # every attempt is kept
             if outcome.status == INFRA_ERROR and attempt <= self.config.retries and not self._stopping.is_set():
-                await self._forget_workspace(episode_id)  # the retry gets a fresh one
+                await self.sandboxes.forget(episode_id)  # the retry gets a fresh one
                 attempt += 1
                 await asyncio.sleep(min(2.0 ** attempt, 10.0))
                 continue
             break
         self.outcomes.append(outcome)  # the last attempt stands for the slot
         judgement = None
-        workspace = self._workspaces.pop(episode_id, None)
-        if harbor.is_harbor(slot.task) and outcome.status not in (INFRA_ERROR, INTERRUPTED) and workspace:
+        if harbor.is_harbor(slot.task) and outcome.status not in (INFRA_ERROR, INTERRUPTED, NOT_PREPARED):
             started = time.perf_counter()
-            judgement = await harbor.verify(slot.task, episode_id, workspace, self._backend, self._agent_env(slot.task),
-                                            self.log_dir / f"{episode_id}.verifier.log",
-                                            memory_mb=self.config.memory_mb, max_procs=self.config.max_procs)
+            judgement = await self.sandboxes.verify(slot.task, episode_id,
+                                                    self.log_dir / f"{episode_id}.verifier.log")
             self.judge_s += time.perf_counter() - started
         elif pool is not None and outcome.status not in (INFRA_ERROR, INTERRUPTED):
             started = time.perf_counter()
@@ -295,16 +285,16 @@ class Runner:
         if judgement is not None:
             await asyncio.to_thread(self.store.add_judgements, [judgement])
             self.judgements.append(judgement)
-        if workspace is not None:
-            self._workspaces[episode_id] = workspace
-            await self._forget_workspace(episode_id)
+        await self.sandboxes.forget(episode_id)
         if self.on_episode is not None:
             self.on_episode(outcome, judgement)
 
     async def _run_agent(self, slot: EpisodeSlot, episode_id: str, attempt: int, agent_task: dict,
                          api_key: str) -> EpisodeOutcome:
         task_json, debug = json.dumps(agent_task), self.config.debug
-        env = {**({"PYTHONUNBUFFERED": "1"} if debug else {}), **self._agent_env(slot.task),
+        sandboxed, is_harbor = self.sandboxes.wanted(slot.task), harbor.is_harbor(slot.task)
+        env = {**({"PYTHONUNBUFFERED": "1"} if debug else {}),
+               **(self.sandboxes.env() if sandboxed else base_env(self.config)),
                **model_env(self.proxy.url, episode_id, api_key), "HARNESS_TASK": task_json,
                "HARNESS_EPISODE_ID": episode_id}
         if self.episode_env is not None:
@@ -312,18 +302,17 @@ class Runner:
         for name in self.config.hidden_env:  # the hop's environment may name them too
             env.pop(name, None)
         log_path = self.log_dir / f"{episode_id}.log"
-        sandboxed, is_harbor = self._sandboxed(slot.task), harbor.is_harbor(slot.task)
         timeout_s = slot.task.data[harbor.KEY]["agent_timeout_s"] if is_harbor else self.config.timeout_s
         started, t0 = time.time(), time.perf_counter()
         status, error, exit_code, stdout = FINISHED, None, None, b""
         box, sandbox = None, None
         with open(log_path, "wb") as log:
-            terminal = _Terminal(log) if debug and not sandboxed else None
+            terminal = Terminal(log) if debug and not sandboxed else None
             try:
                 proc = None
                 if sandboxed:
-                    box, sandbox = await self._open_sandbox(slot.task, episode_id)
-                    proc = await box.exec(self._command(slot.task), env=env, stdin=asyncio.subprocess.PIPE,
+                    box, sandbox = await self.sandboxes.open(slot.task, episode_id)
+                    proc = await box.exec(self.sandboxes.command(), env=env, stdin=asyncio.subprocess.PIPE,
                                           stdout=asyncio.subprocess.PIPE, stderr=log)
                 elif terminal is not None:
                     proc = await terminal.start(self.config.command, env=env, cwd=self.config.cwd)
@@ -383,62 +372,6 @@ class Runner:
         return EpisodeOutcome(episode_id, self.run_id, slot.task.task_id, slot.repeat_index, attempt, status,
                               exit_code, answer, error, started, duration_ms, str(log_path), sandbox)
 
-    def _agent_env(self, task: Task) -> dict[str, str]:
-        """What every agent of this run gets before its episode's own variables (base_env); in a sandbox, of the
-        host's environment only what harness.sandbox.host_env lets through (no keys, no tokens)."""
-        if not self._sandboxed(task):
-            return base_env(self.config)
-        env = {**host_env(os.environ), **self.config.env}
-        for name in self.config.hidden_env:
-            env.pop(name, None)
-        return env
-
-    async def _forget_workspace(self, episode_id: str) -> None:
-        """Remove a sandboxed episode's workspace (and the oracle's copy of its solution), unless they are kept."""
-        workspace = self._workspaces.pop(episode_id, None)
-        if workspace is not None and not self.config.keep_workspaces:
-            for path in (workspace, workspace.with_name(f"{episode_id}.oracle")):
-                await asyncio.to_thread(shutil.rmtree, path, True)
-
-    def _command(self, task: Task) -> list[str]:
-        """A sandboxed episode's command: the oracle's, or the agent's with the files it names made absolute (the
-        sandbox starts it in the workspace)."""
-        if self.config.oracle:
-            return list(harbor.ORACLE_COMMAND)
-        cwd = Path(self.config.cwd or Path.cwd())
-        return [arg if os.path.isabs(arg) or (i == 0 and "/" not in arg) or not (cwd / arg).is_file()
-                else str((cwd / arg).resolve()) for i, arg in enumerate(self.config.command)]
-
-    async def _open_sandbox(self, task: Task, episode_id: str):
-        """The episode's sandbox over a fresh workspace (a Harbor task's environment copied in) and the record of
-        it that goes into `episode_outcomes.sandbox`."""
-        workspace = self.log_dir.parent / "workspaces" / episode_id
-        self._workspaces[episode_id] = workspace
-        if workspace.exists():
-            await asyncio.to_thread(shutil.rmtree, workspace)
-        opening = time.perf_counter()
-        more = {"binds": (*agent_binds(self._command(task), self.config.cwd), *self.config.sandbox_binds),
-                "blocked": self.config.blocked_commands, "max_procs": self.config.max_procs}
-        mounts = {}
-        if harbor.is_harbor(task):
-            flags = await asyncio.to_thread(harbor.prepare, task, workspace)
-            spec = harbor.spec_of(task, **more)
-            if spec.memory_mb is None:
-                spec = replace(spec, memory_mb=self.config.memory_mb)
-            if self.config.oracle:
-                scratch = self.log_dir.parent / "workspaces" / f"{episode_id}.oracle"
-                await asyncio.to_thread(shutil.rmtree, scratch, True)
-                scratch.mkdir(parents=True)
-                mounts = await asyncio.to_thread(harbor.oracle_mounts, task, scratch)
-        else:
-            flags, spec = [], SandboxSpec(memory_mb=self.config.memory_mb, **more)
-        host, port = self.proxy.url.removeprefix("http://").rsplit(":", 1)
-        box = await self._backend.open(spec, workspace, proxy=(await self.proxy.unix_socket(), host, int(port)),
-                                       mounts=mounts)
-        record = {"backend": self._backend.name, "workdir": spec.workdir, "workspace": str(workspace),
-                  "flags": flags, "open_ms": (time.perf_counter() - opening) * 1000.0, "close_ms": None}
-        return box, record
-
     def _kill(self, proc: asyncio.subprocess.Process | WarmProcess) -> None:
         """Kill an agent and everything it started (its process group); in debug mode the agent shares the
         runner's process group, so only the agent itself is killed."""
@@ -447,107 +380,6 @@ class Runner:
                 proc.kill()
         else:
             _kill_group(proc)
-
-
-class _Terminal:
-    """Debug mode: an agent on the runner's terminal. It inherits the runner's stdin and process group, so that a
-    breakpoint and Ctrl-C reach it; its stdout and stderr are shown on the runner's stderr as they come (a pdb prompt,
-    which ends in no newline, included), stdout kept for the answer and stderr written to the episode's log.
-
-    The pipes are ours, not asyncio's: with asyncio's, `Process.wait()` lasts until every child the agent left
-    running has closed them too, and in debug mode those children are not killed with a process group."""
-
-    def __init__(self, log: BinaryIO):
-        self._stdout = bytearray()
-        self._sinks = (self._stdout.extend, log.write)
-        self._relays: list[_Relay] = []
-
-    async def start(self, command: list[str], *, env: dict[str, str], cwd: Path | None) -> asyncio.subprocess.Process:
-        loop = asyncio.get_running_loop()
-        write_ends = []
-        try:
-            for sink in self._sinks:
-                read_end, write_end = os.pipe()
-                write_ends.append(write_end)
-                _, relay = await loop.connect_read_pipe(lambda sink=sink: _Relay(sink), open(read_end, "rb", 0))
-                self._relays.append(relay)
-            return await asyncio.create_subprocess_exec(*command, stdout=write_ends[0], stderr=write_ends[1],
-                                                        env=env, cwd=cwd)
-        except BaseException:
-            self._close()
-            raise
-        finally:
-            for end in write_ends:  # the agent has its own copies
-                os.close(end)
-
-    async def relay(self, proc: asyncio.subprocess.Process) -> bytes:
-        """Wait for the agent to exit, read what is left in its pipes, and return its stdout."""
-        try:
-            await proc.wait()
-            await asyncio.wait([r.ended for r in self._relays], timeout=_DRAIN_S)
-        finally:
-            self._close()
-        return _PDB_PROMPT.sub(b"", bytes(self._stdout))  # pdb's prompt may start the line of the answer
-
-    def _close(self) -> None:
-        for relay in self._relays:
-            relay.close()
-
-
-class _Relay(asyncio.Protocol):
-    """One of a debug agent's output pipes: what arrives goes to its sink and to the runner's stderr."""
-
-    def __init__(self, sink: Callable[[bytes], object]):
-        self.sink = sink
-        self.ended = asyncio.get_running_loop().create_future()
-        self.transport: asyncio.BaseTransport | None = None
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport
-
-    def data_received(self, data: bytes) -> None:
-        self.sink(data)
-        _echo(data)
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        if not self.ended.done():
-            self.ended.set_result(None)
-
-    def close(self) -> None:
-        if self.transport is not None:
-            self.transport.close()
-
-
-def _echo(data: bytes) -> None:
-    """Write an agent's bytes to the runner's stderr as they are (through sys.stderr, so that capture works)."""
-    sys.stderr.flush()
-    buffer = getattr(sys.stderr, "buffer", None)
-    if buffer is not None:
-        buffer.write(data)
-        buffer.flush()
-    else:
-        sys.stderr.write(data.decode("utf-8", "replace"))
-        sys.stderr.flush()
-
-
-def agent_binds(command: list[str], cwd: Path | None) -> list[str]:
-    """What a sandboxed agent needs of the host, bound read-only: this Python's venv when the command runs it, and
-    each file the command names (its script), or the node_modules a named file lives in (a CLI's install).
-    Directories are bound only when named in `sandbox_binds`: a checkout may hold what the agent must not see."""
-    binds = []
-    for i, arg in enumerate(command):
-        if i == 0 and "/" not in arg:
-            continue
-        path = Path(arg) if os.path.isabs(arg) else Path(cwd or Path.cwd()) / arg
-        if not path.is_file():
-            continue
-        binds.append(os.path.abspath(path))
-        real = Path(os.path.realpath(path))
-        modules = next((p for p in real.parents if p.name == "node_modules"), None)
-        binds.append(str(modules) if modules is not None else str(real))
-    if command and os.path.dirname(command[0]) == os.path.dirname(sys.executable):
-        binds.append(sys.prefix)
-    return list(dict.fromkeys(binds))
 
 
 def base_env(config: RunConfig) -> dict[str, str]:

@@ -6,12 +6,12 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
-from pathlib import Path
 
 import pytest
 
 from harness.running.limits import cgroup_root, pids_root
 from harness.sandbox import SandboxError, SandboxSpec, open_backend
+from tests.support import running_with
 
 PIPE = asyncio.subprocess.PIPE
 
@@ -76,13 +76,13 @@ async def test_a_closed_sandbox_leaves_nothing_running(backend, tmp_path):
             "start_new_session=True); print('started', flush=True); time.sleep(3600)")
     proc = await box.exec([sys.executable, "-c", code], env=dict(os.environ), stdout=PIPE)
     assert await proc.stdout.readline() == b"started\n"
-    assert _running(marker)
+    assert running_with(marker)
     await box.close()
     for _ in range(200):  # the kernel tears the PID namespace down after bwrap is killed
-        if not _running(marker):
+        if not running_with(marker):
             break
         await asyncio.sleep(0.05)
-    assert not _running(marker)
+    assert not running_with(marker)
 
 
 def test_a_workdir_must_be_a_directory_of_its_own():
@@ -94,13 +94,3 @@ def test_a_workdir_must_be_a_directory_of_its_own():
 def test_an_unknown_backend_is_named():
     with pytest.raises(SandboxError, match="unknown sandbox 'docker'"):
         open_backend("docker")
-
-
-def _running(marker: str) -> bool:
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            if marker.encode() in Path("/proc", pid, "cmdline").read_bytes():
-                return Path("/proc", pid, "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-        except OSError:
-            continue
-    return False

@@ -20,7 +20,7 @@ from harness.running.dataset import run_dataset
 from harness.running.runner import RunConfig
 from harness.running.tasks import read_tasks
 from harness.running.vllm_server import attach
-from tests.support import db_rows
+from tests.support import db_rows, running_with
 
 ESCAPE = textwrap.dedent('''
     import json, os, socket, subprocess, sys, urllib.request
@@ -157,7 +157,7 @@ async def test_every_way_out_is_refused_and_the_proxy_alone_answers(upstream, ho
     assert secret.read_text() == "the host's\n"
     assert sorted(p.name for p in other.iterdir()) == ["work.txt"]
     assert (tasks_root / "escape" / "tests" / "test.sh").read_text() == TEST_SH
-    assert not _running(marker)
+    assert not running_with(marker)
 
     # the model call went through the proxy and is recorded; the verifier scored the workspace
     [(calls,)] = db_rows(run_dir / "harness.duckdb", "SELECT count(*) FROM calls WHERE run_id = ? AND status = 'ok'",
@@ -168,13 +168,3 @@ async def test_every_way_out_is_refused_and_the_proxy_alone_answers(upstream, ho
     workspace = Path(sandbox["workspace"])  # kept (keep_workspaces): what the agent left on the host
     assert (workspace / "done.txt").exists() and not (workspace / "suid-true").stat().st_mode & 0o6000
     assert (workspace / "link-to-host").is_symlink()
-
-
-def _running(marker: str) -> bool:
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            if marker.encode() in Path("/proc", pid, "cmdline").read_bytes():
-                return Path("/proc", pid, "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-        except OSError:
-            continue
-    return False
