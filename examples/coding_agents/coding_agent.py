@@ -1,5 +1,5 @@
-"""A coding task done by a coding agent as it ships (Codex CLI, Claude Code or mini-swe-agent), unmodified, for
-`harness run`.
+"""A coding task done by a coding agent as it ships (Codex CLI, Claude Code, opencode, Qwen Code, mini-swe-agent or
+aider), unmodified, for `harness run`.
 
 The task comes in HARNESS_TASK (else on stdin), in one of two forms:
 - `{"id", "prompt", "files": {path: text}, "check": "a shell command", "answer": "pass"}`: this wrapper makes a
@@ -18,7 +18,8 @@ that `harness run` gives each episode), and its output goes to stderr, with the 
         --sandbox-bind examples/coding_agents/node_modules --model runs/tiny   # Harbor tasks, sandboxed
 
 The CLIs come from examples/coding_agents/node_modules (`make install`), mini-swe-agent's `mini` from the
-checkout's .venv-agents (`make install`), else from PATH. No harness imports: an agent is any program.
+checkout's .venv-agents and aider from its .venv-aider (`make install`), else from PATH. No harness imports: an
+agent is any program.
 """
 
 from __future__ import annotations
@@ -32,8 +33,9 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-AGENTS = ("codex", "claude", "mini")
-AGENTS_VENV = HERE.parents[1] / ".venv-agents"  # mini-swe-agent's install (make install)
+# The PyPI agents' installs (make install): mini-swe-agent beside the other Python agents; aider, whose exact pins
+# no other package shares, in a venv of its own.
+VENVS = {"mini": HERE.parents[1] / ".venv-agents", "aider": HERE.parents[1] / ".venv-aider"}
 CODEX_MODEL = "gpt-5-codex"  # any name: the proxy serves its policy under it (Claude Code keeps its default model)
 CHECK_TIMEOUT_S = 60
 
@@ -48,7 +50,7 @@ def read_task() -> dict:
 
 
 def cli(name: str) -> str:
-    local = (AGENTS_VENV / "bin" if name == "mini" else HERE / "node_modules" / ".bin") / name
+    local = (VENVS[name] / "bin" if name in VENVS else HERE / "node_modules" / ".bin") / name
     found = str(local) if local.exists() else shutil.which(name)
     if found is None:
         raise SystemExit(f"coding_agent: no {name} here: run `make install` (npm ci in {HERE}) or put it on PATH")
@@ -109,6 +111,36 @@ def claude(prompt: str, repo: Path, home: Path, base_url: str, api_key: str) -> 
     return [cli("claude"), "-p", prompt, "--dangerously-skip-permissions"]
 
 
+def opencode(prompt: str, repo: Path, home: Path, base_url: str, api_key: str) -> list[str]:
+    """`opencode run` with a provider of its own at the proxy (the AI SDK's OpenAI-compatible one, which opencode
+    bundles), offline: no models.dev list, no update check, no plugins; the session's title given (so no title
+    call) and its permissions approved (--auto)."""
+    config = {"$schema": "https://opencode.ai/config.json", "model": "harness/policy", "autoupdate": False,
+              "share": "disabled",
+              "provider": {"harness": {"npm": "@ai-sdk/openai-compatible", "name": "harness proxy",
+                                       "options": {"baseURL": base_url, "apiKey": "{env:OPENAI_API_KEY}"},
+                                       "models": {"policy": {"name": "policy"}}}}}
+    (home / "opencode.json").write_text(json.dumps(config, indent=2))
+    os.environ.update({"HOME": str(home), "OPENCODE_CONFIG": str(home / "opencode.json"), "OPENAI_API_KEY": api_key,
+                       **dict.fromkeys(("OPENCODE_DISABLE_MODELS_FETCH", "OPENCODE_DISABLE_AUTOUPDATE",
+                                        "OPENCODE_DISABLE_DEFAULT_PLUGINS", "OPENCODE_DISABLE_LSP_DOWNLOAD",
+                                        "OPENCODE_DISABLE_SHARE"), "1")})
+    return [cli("opencode"), "run", "--pure", "--auto", "--title", "harness episode", prompt]
+
+
+def qwen(prompt: str, repo: Path, home: Path, base_url: str, api_key: str) -> list[str]:
+    """`qwen -p` on its OpenAI provider (OPENAI_BASE_URL, OPENAI_API_KEY, OPENAI_MODEL), tools approved (--yolo),
+    without its memory sub-agent (a second call after every task), usage statistics or update checks."""
+    settings = {"security": {"auth": {"selectedType": "openai"}}, "general": {"enableAutoUpdate": False},
+                "privacy": {"usageStatisticsEnabled": False}, "telemetry": {"enabled": False},
+                "memory": {"enableManagedAutoMemory": False, "enableManagedAutoDream": False}}
+    (home / ".qwen").mkdir()
+    (home / ".qwen" / "settings.json").write_text(json.dumps(settings, indent=2))
+    os.environ.update({"HOME": str(home), "OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": api_key,
+                       "OPENAI_MODEL": "qwen3-coder-plus", "QWEN_CODE_SUPPRESS_YOLO_WARNING": "1"})
+    return [cli("qwen"), "-p", prompt, "--yolo"]
+
+
 def mini(prompt: str, repo: Path, home: Path, base_url: str, api_key: str) -> list[str]:
     """mini-swe-agent's `mini` (its default config: a bash tool) through litellm's OpenAI provider at the proxy,
     without confirmations, cost tracking (the model is no priced one) or a cost limit."""
@@ -121,10 +153,24 @@ def mini(prompt: str, repo: Path, home: Path, base_url: str, api_key: str) -> li
             "-c", "agent.step_limit=20", "-o", str(home / "trajectory.json")]
 
 
+def aider(prompt: str, repo: Path, home: Path, base_url: str, api_key: str) -> list[str]:
+    """`aider --message` (one request, its edits applied: the whole-file edit format, which small models write best)
+    through litellm's OpenAI provider at the proxy, confirmations answered yes, without git, update checks,
+    analytics or litellm's price list from the network; its histories in its home, not the workspace."""
+    os.environ.update({"HOME": str(home), "LITELLM_LOCAL_MODEL_COST_MAP": "True", "OPENAI_API_KEY": api_key})
+    return [cli("aider"), "--model", "openai/gpt-4o-mini", "--openai-api-base", base_url, "--edit-format", "whole",
+            "--yes-always", "--no-git", "--no-check-update", "--no-show-model-warnings", "--no-show-release-notes",
+            "--analytics-disable", "--no-pretty", "--no-fancy-input", "--chat-history-file", str(home / "chat.md"),
+            "--input-history-file", str(home / "input.history"), "--message", prompt]
+
+
+AGENTS = {"codex": codex, "claude": claude, "opencode": opencode, "qwen": qwen, "mini": mini, "aider": aider}
+
+
 def main() -> int:
     which = sys.argv[1] if len(sys.argv) > 1 else "codex"
     if which not in AGENTS:
-        raise SystemExit(f"coding_agent: unknown agent {which!r}: codex, claude or mini")
+        raise SystemExit(f"coding_agent: unknown agent {which!r}: one of {', '.join(AGENTS)}")
     task = read_task()
     base_url, api_key = os.environ.get("OPENAI_BASE_URL"), os.environ.get("OPENAI_API_KEY", "none")
     if not base_url:
@@ -133,8 +179,7 @@ def main() -> int:
     repo = Path.cwd() if harbor else scratch_repo(task.get("files") or {})
     home = Path(tempfile.mkdtemp(prefix="harness-home-"))
     try:
-        command = {"codex": codex, "claude": claude, "mini": mini}[which](task["prompt"], repo, home, base_url,
-                                                                          api_key)
+        command = AGENTS[which](task["prompt"], repo, home, base_url, api_key)
         ran = subprocess.run(command, cwd=repo, stdin=subprocess.DEVNULL, stdout=sys.stderr, stderr=sys.stderr)
         print(f"coding_agent: {which} exited {ran.returncode}", file=sys.stderr)
         if harbor:
