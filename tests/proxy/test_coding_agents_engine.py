@@ -55,8 +55,9 @@ AIDER_EDITS = {"hello-file": "greeting.txt\n```\nhello, harbor\n```",
                                    'non-empty list of numbers."""\n    return sum(values) / len(values)\n```',
                "edit-config": "conf/server.ini\n```ini\n[http]\nhost = 127.0.0.1\nport = 8088\n\n[log]\nlevel = info\n"
                               "port = 514\n```"}
-# Qwen Code is not here yet: inside the sandbox its requests to the proxy fail ("Connection error. (cause: fetch
-# failed)") where the other Node CLIs' arrive (issue 49's note).
+# Qwen Code is not here yet: it is the one CLI that calls through Node's own fetch, whose HTTP parser is WebAssembly,
+# and V8 cannot reserve a Wasm memory under the sandbox's 2 GiB address-space cap (RLIMIT_AS, the tasks' memory_mb):
+# "fetch failed". The cap is to become a data or cgroup memory limit (issue 49's note).
 HARBOR_IN_CI = {"codex": ("hello-file",), "claude": ("fix-failing-test",), "opencode": ("edit-config",),
                 "mini": ("write-script",), "aider": ("fix-failing-test",)}
 # Each CLI's shell tool (its name and the argument holding the command), as the CLI declares it.
