@@ -68,7 +68,7 @@ class LoopSettings:
     reasoning_parser: str | None = None
     reasoning_history: str = "as_rendered"
     max_tokens: int | None = None  # cap on the agent's max_tokens per call
-    memory_mb: int = AGENT_MEMORY_MB  # address-space cap of each agent process (harness/running/limits.py); 0: none
+    memory_mb: int = AGENT_MEMORY_MB  # writable-memory cap (RLIMIT_DATA) of each agent (running/limits.py); 0: none
     max_procs: int = AGENT_MAX_PROCS  # processes and threads of each agent with its children (limits.py); 0: none
     max_turns: int | None = None  # LLM calls an episode may make (proxy/guard.py); None: no limit
     max_samples_per_episode: int | None = None  # samples an episode trains; the rest are marked, not trained

@@ -130,10 +130,14 @@ def opencode(prompt: str, repo: Path, home: Path, base_url: str, api_key: str) -
 
 def qwen(prompt: str, repo: Path, home: Path, base_url: str, api_key: str) -> list[str]:
     """`qwen -p` on its OpenAI provider (OPENAI_BASE_URL, OPENAI_API_KEY, OPENAI_MODEL), tools approved (--yolo),
-    without its memory sub-agent (a second call after every task), usage statistics or update checks."""
+    without its memory sub-agent (a second call after every task), usage statistics or update checks; without its
+    `agent` and `skill` tools and bundled skills, whose descriptions alone are 26k characters of each prompt (~12k
+    tokens: with them the first prompt is past a 32k context)."""
     settings = {"security": {"auth": {"selectedType": "openai"}}, "general": {"enableAutoUpdate": False},
                 "privacy": {"usageStatisticsEnabled": False}, "telemetry": {"enabled": False},
-                "memory": {"enableManagedAutoMemory": False, "enableManagedAutoDream": False}}
+                "memory": {"enableManagedAutoMemory": False, "enableManagedAutoDream": False,
+                           "enableAutoSkill": False},
+                "permissions": {"deny": ["agent", "skill"]}, "skills": {"disabledLevels": ["bundled"]}}
     (home / ".qwen").mkdir()
     (home / ".qwen" / "settings.json").write_text(json.dumps(settings, indent=2))
     os.environ.update({"HOME": str(home), "OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": api_key,
@@ -142,15 +146,31 @@ def qwen(prompt: str, repo: Path, home: Path, base_url: str, api_key: str) -> li
 
 
 def mini(prompt: str, repo: Path, home: Path, base_url: str, api_key: str) -> list[str]:
-    """mini-swe-agent's `mini` (its default config: a bash tool) through litellm's OpenAI provider at the proxy,
-    without confirmations, cost tracking (the model is no priced one) or a cost limit."""
+    """mini-swe-agent's `mini` through litellm's OpenAI provider at the proxy, without confirmations, cost tracking
+    (the model is no priced one) or a cost limit. Its default config offers a bash tool; MINI_CONFIG=textbased
+    picks its mini_textbased.yaml instead, whose actions are ```mswea_bash_command blocks in the reply's text (for a
+    model that has no tool calls), and MINI_ACTION_REGEX replaces the regex that finds that block. MINI_STEP_LIMIT:
+    its calls per task (default 20)."""
     os.environ.update({"HOME": str(home), "MSWEA_CONFIGURED": "true",  # no first-run setup questions
                        "MSWEA_COST_TRACKING": "ignore_errors", "MSWEA_SILENT_STARTUP": "1",
                        "LITELLM_LOCAL_MODEL_COST_MAP": "True",  # litellm's price list from the package, offline
                        "OPENAI_API_KEY": api_key})
+    which = os.environ.get("MINI_CONFIG", "default")
+    if which not in ("default", "textbased"):
+        raise SystemExit(f"coding_agent: MINI_CONFIG={which!r}: expected default or textbased")
+    config = ["-c", "mini_textbased.yaml", "-c", "model.model_class=litellm_textbased"] if which == "textbased" \
+        else ["-c", "mini.yaml"]
+    if os.environ.get("MINI_ACTION_REGEX"):
+        if which != "textbased":
+            raise SystemExit("coding_agent: MINI_ACTION_REGEX is for MINI_CONFIG=textbased (the default config's "
+                             "actions are tool calls)")
+        config += ["-c", f"model.action_regex={os.environ['MINI_ACTION_REGEX']}"]
+    steps = os.environ.get("MINI_STEP_LIMIT", "20")
+    if not steps.isdigit():
+        raise SystemExit(f"coding_agent: MINI_STEP_LIMIT={steps!r}: expected a whole number of calls")
     return [cli("mini"), "--model", "openai/gpt-4o-mini", "--task", prompt, "--yolo", "--exit-immediately",
-            "--cost-limit", "0", "-c", "mini.yaml", "-c", f"model.model_kwargs.api_base={base_url}",
-            "-c", "agent.step_limit=20", "-o", str(home / "trajectory.json")]
+            "--cost-limit", "0", *config, "-c", f"model.model_kwargs.api_base={base_url}",
+            "-c", f"agent.step_limit={steps}", "-o", str(home / "trajectory.json")]
 
 
 def aider(prompt: str, repo: Path, home: Path, base_url: str, api_key: str) -> list[str]:

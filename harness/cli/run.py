@@ -54,7 +54,7 @@ def add_parser(verbs) -> None:
     p.add_argument("--run-dir", type=Path, default=options.DEFAULT_RUN_DIR,
                    help="where the run goes (default: %(default)s)")
     p.add_argument("--agent-memory-mb", type=int, default=AGENT_MEMORY_MB,
-                   help="address-space cap of each agent process in MB; 0: none (default: %(default)s)")
+                   help="writable-memory cap (RLIMIT_DATA) of each agent process in MB; 0: none (default: %(default)s)")
     p.add_argument("--agent-max-procs", type=int, default=AGENT_MAX_PROCS,
                    help="processes and threads of each agent with all it starts; 0: none (default: %(default)s)")
     p.add_argument("--cold-start", action="store_true",

@@ -1,7 +1,7 @@
 """Resource limits for code we run but do not own: agents and judges.
 
 An agent is started through this module (`python -m harness.running.limits MEMORY_MB [--procs N] [--cpus X] --
-cmd...`): it caps its own address space, moves itself into a process-count group (and a CPU-quota group, for a
+cmd...`): it caps its own writable memory, moves itself into a process-count group (and a CPU-quota group, for a
 sandboxed task's `cpus`) of its own, then execs the agent, which inherits them (no pre-exec hook in a threaded
 parent). A judge worker caps its memory when it starts
 (judge_pool.py). A process past its memory cap gets MemoryError / ENOMEM on allocation and usually exits:
@@ -25,21 +25,26 @@ import sys
 import time
 from pathlib import Path
 
-AGENT_MEMORY_MB = 8192  # generous: a Node agent reserves ~4 GB of address space before it allocates anything
+AGENT_MEMORY_MB = 8192  # generous: a Node agent with its V8 heap and a browser's share can need a few GB
 JUDGE_MEMORY_MB = 8192
 AGENT_MAX_PROCS = 512  # processes and threads (the pids controller counts both) of one agent and its children
 _GROUP_PREFIX = "harness-"
 
 
 def cap_memory(memory_mb: int | None) -> None:
-    """Cap this process's address space (RLIMIT_AS) at memory_mb, never above the cap it already has."""
+    """Cap this process's writable memory (RLIMIT_DATA: its heap and its private writable mappings, anonymous
+    mmap included, since Linux 4.7) at memory_mb, never above the cap it already has.
+
+    Not RLIMIT_AS: that counts address space merely reserved, and V8 reserves gigabytes for WebAssembly memories
+    (Node's fetch parses HTTP in Wasm) before it writes a page, so a 2 GiB RLIMIT_AS breaks every Node agent's
+    fetch ("WebAssembly.instantiate(): Out of memory") while RLIMIT_DATA binds only what is written to."""
     if not memory_mb:
         return
     wanted = memory_mb * 1024 * 1024
-    _, hard = resource.getrlimit(resource.RLIMIT_AS)
+    _, hard = resource.getrlimit(resource.RLIMIT_DATA)
     if hard != resource.RLIM_INFINITY:
         wanted = min(wanted, hard)
-    resource.setrlimit(resource.RLIMIT_AS, (wanted, hard if hard != resource.RLIM_INFINITY else wanted))
+    resource.setrlimit(resource.RLIMIT_DATA, (wanted, hard if hard != resource.RLIM_INFINITY else wanted))
 
 
 def pids_root() -> Path | None:

@@ -84,7 +84,7 @@ class RunConfig:
     env: dict[str, str] = field(default_factory=dict)  # extra environment for agents
     hidden_env: tuple[str, ...] = ()  # variables agents never see (e.g. a frozen role's upstream key)
     debug: bool = False  # one episode at a time, agent on the terminal, judge in this process, no timeouts
-    memory_mb: int | None = AGENT_MEMORY_MB  # address-space cap of each agent (harness/running/limits.py); None: none
+    memory_mb: int | None = AGENT_MEMORY_MB  # RLIMIT_DATA of each agent (harness/running/limits.py); None: none
     max_procs: int | None = AGENT_MAX_PROCS  # processes and threads of each agent with its children; None: none
     warm_start: bool = True  # `python agent.py` forks from an interpreter with the SDK imported (running/warm.py)
     sandbox: str | None = None  # each episode in a sandbox of this backend (harness/sandbox/: "bwrap"); Harbor tasks

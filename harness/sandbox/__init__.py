@@ -37,7 +37,7 @@ class SandboxSpec:
     binds: tuple[str, ...] = ()  # host paths bound read-only at the same path (the agent's own install)
     blocked: tuple[str, ...] = ()  # commands refused inside, each attempt flagged (e.g. git, pip, curl)
     cpus: float | None = None  # CPU time, in CPUs
-    memory_mb: int | None = None  # address space of each process
+    memory_mb: int | None = None  # writable memory of each process (RLIMIT_DATA)
     max_procs: int | None = None  # processes and threads, all of them together
 
     def __post_init__(self):

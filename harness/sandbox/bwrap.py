@@ -12,7 +12,7 @@ What a process in it sees:
   bound in, so the agent's OPENAI_BASE_URL is the usual one and nothing else on the host answers;
 - PID, IPC, UTS, cgroup and user namespaces of its own, every capability dropped (uid 0 without privileges), a
   session of its own; when the command it runs exits, the PID namespace ends and the kernel kills what is left.
-Limits: each process's address space, and the processes and CPU time of all of them together, by
+Limits: each process's writable memory (RLIMIT_DATA), and the processes and CPU time of all of them together, by
 harness/running/limits.py around bwrap (cgroups where the machine lets them).
 Blocked commands are shims bound over the real ones and put first on PATH: each attempt is refused (exit 126) and
 flagged. They stop the easy way (`git log`, `pip install`), not a determined one (a copy of the binary, python -m

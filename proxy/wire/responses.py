@@ -210,6 +210,8 @@ def to_chat(body: dict, history: list[dict] | None = None,
         chat["tools"] = tools.chat
     if body.get("tool_choice") is not None:
         chat["tool_choice"] = _tool_choice(body["tool_choice"])
+        if not tools.chat and chat["tool_choice"] in ("auto", "none"):
+            del chat["tool_choice"]  # nothing to choose from (Codex's compaction request): chat engines refuse it
     if body.get("parallel_tool_calls") is not None:
         chat["parallel_tool_calls"] = check(body["parallel_tool_calls"], (bool,), "parallel_tool_calls", "a boolean")
     if body.get("max_output_tokens") is not None:

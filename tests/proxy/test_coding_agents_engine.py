@@ -17,7 +17,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-from harness.core.merge import COMPACTION, FIRST_CALL, SUB_AGENT, merge_episode
+from harness.core.merge import COMPACTION, FIRST_CALL, SUB_AGENT, TOOLS_CHANGED, merge_episode
 from harness.running.tiny_model import build_tiny_model
 from harness.running.vllm_server import start_vllm
 from harness.store.database import Store
@@ -55,11 +55,10 @@ AIDER_EDITS = {"hello-file": "greeting.txt\n```\nhello, harbor\n```",
                                    'non-empty list of numbers."""\n    return sum(values) / len(values)\n```',
                "edit-config": "conf/server.ini\n```ini\n[http]\nhost = 127.0.0.1\nport = 8088\n\n[log]\nlevel = info\n"
                               "port = 514\n```"}
-# Qwen Code is not here yet: it is the one CLI that calls through Node's own fetch, whose HTTP parser is WebAssembly,
-# and V8 cannot reserve a Wasm memory under the sandbox's 2 GiB address-space cap (RLIMIT_AS, the tasks' memory_mb):
-# "fetch failed". The cap is to become a data or cgroup memory limit (issue 49's note).
+# Qwen Code calls through Node's own fetch, whose HTTP parser is WebAssembly: it is the CLI that proves the tasks'
+# memory_mb caps writable memory (RLIMIT_DATA), not address space, which V8 reserves by the gigabyte for Wasm.
 HARBOR_IN_CI = {"codex": ("hello-file",), "claude": ("fix-failing-test",), "opencode": ("edit-config",),
-                "mini": ("write-script",), "aider": ("fix-failing-test",)}
+                "qwen": ("hello-file",), "mini": ("write-script",), "aider": ("fix-failing-test",)}
 # Each CLI's shell tool (its name and the argument holding the command), as the CLI declares it.
 SHELL_TOOLS = {"codex": ("exec_command", "cmd"), "claude": ("Bash", "command"), "opencode": ("bash", "command"),
                "qwen": ("run_shell_command", "command"), "mini": ("bash", "command")}
@@ -111,15 +110,20 @@ def forced_engine(tmp_path_factory):
     engine.stop()
 
 
+def _recording(engine, model: Path, tmp_path: Path) -> tuple[Path, RunningProxy]:
+    """A proxy in front of the forced engine, recording into tmp_path/rec.duckdb. Claude Code asks for max_tokens
+    128000, more than the whole context: capped, as its README says to serve it."""
+    db = tmp_path / "rec.duckdb"
+    return db, RunningProxy(engine.base_url, db, served_model=engine.served_model, tokenizer=str(model),
+                            sampling=SamplingOverrides(max_tokens_cap=512))
+
+
 @pytest.mark.parametrize("agent", ["codex", "claude"])
 def test_a_coding_cli_on_the_real_engine_merges_into_one_sample(agent, forced_engine, tmp_path):
     _installed(agent)
     engine, model, replies = forced_engine
     replies.write_text(json.dumps(REPLIES[agent]))
-    db = tmp_path / "rec.duckdb"
-    # Claude Code asks for max_tokens 128000, more than the whole context: capped, as its README says to serve it
-    proxy = RunningProxy(engine.base_url, db, served_model=engine.served_model, tokenizer=str(model),
-                         sampling=SamplingOverrides(max_tokens_cap=512))
+    db, proxy = _recording(engine, model, tmp_path)
     scratch, home = tmp_path / "scratch", tmp_path / "home"
     scratch.mkdir()
     home.mkdir()
@@ -178,9 +182,7 @@ def test_a_coding_clis_sub_agent_is_its_own_timeline_linked_to_the_call_that_sta
     _installed(agent)
     engine, model, replies = forced_engine
     replies.write_text(json.dumps(SUB_AGENT_REPLIES[agent]))
-    db = tmp_path / "rec.duckdb"
-    proxy = RunningProxy(engine.base_url, db, served_model=engine.served_model, tokenizer=str(model),
-                         sampling=SamplingOverrides(max_tokens_cap=512))
+    db, proxy = _recording(engine, model, tmp_path)
     scratch, home = tmp_path / "scratch", tmp_path / "home"
     scratch.mkdir()
     home.mkdir()
@@ -364,9 +366,7 @@ def test_claude_codes_compaction_is_its_own_timeline_linked_to_the_summary_call(
     replies.write_text(json.dumps([*({"unless": ASKS_SUMMARY, "reply": r} for r in task),
                                    {"when": ASKS_SUMMARY, "reply": summary},
                                    {"unless": ASKS_SUMMARY, "reply": "done, again"}]))
-    db = tmp_path / "rec.duckdb"
-    proxy = RunningProxy(engine.base_url, db, served_model=engine.served_model, tokenizer=str(model),
-                         sampling=SamplingOverrides(max_tokens_cap=512))
+    db, proxy = _recording(engine, model, tmp_path)
     scratch = tmp_path / "scratch"
     scratch.mkdir()
     try:
@@ -390,3 +390,49 @@ def test_claude_codes_compaction_is_its_own_timeline_linked_to_the_summary_call(
     by_call = {cid: s for s in merged.samples for cid in s.call_ids}
     assert by_call[summary_call.call_id] is by_call[calls[0].call_id]  # the summary ends the task's timeline
     assert by_call[after.call_id] is not by_call[calls[0].call_id]  # the compacted one merges apart
+
+
+ASKS_CHECKPOINT = "CONTEXT CHECKPOINT COMPACTION"  # Codex's summary request (its local compaction prompt)
+
+
+def test_codexs_auto_compaction_is_its_own_timeline_linked_to_the_summary_call(forced_engine, tmp_path):
+    """Codex compacts on its own past `model_auto_compact_token_limit` (lowered here to 1000 tokens, under the first
+    prompt): after the first tool call it asks for a handoff summary (without tools), then goes on from a history
+    whose user message carries the summary: a `compaction` break naming the summary call, merged apart; every call
+    holds the engine's ids."""
+    _installed("codex")
+    engine, model, replies = forced_engine
+    replies.write_text(json.dumps([
+        {"unless": ASKS_CHECKPOINT, "reply": _call("exec_command", {"cmd": "echo hello > out.txt"})},
+        {"when": ASKS_CHECKPOINT, "reply": COMPACT_SUMMARY},
+        {"unless": ASKS_CHECKPOINT, "reply": "done, after the summary"}]))
+    db, proxy = _recording(engine, model, tmp_path)
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    try:
+        command, settings = _cli("codex", proxy, tmp_path, "write hello into out.txt")
+        config = Path(settings["env"]["CODEX_HOME"]) / "config.toml"
+        config.write_text("model_auto_compact_token_limit = 1000\n" + config.read_text())  # a top-level key
+        done = subprocess.run(command, cwd=scratch, capture_output=True, text=True, timeout=600,
+                              stdin=subprocess.DEVNULL, **settings)
+    finally:
+        proxy.close()
+    asked = db_rows(db, "SELECT call_index, http_status, choices.text FROM calls LEFT JOIN choices USING (call_id) "
+                    "ORDER BY call_index")
+    assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-3000:], asked)
+    assert json.loads(replies.read_text()) == [], asked
+    assert (scratch / "out.txt").read_text() == "hello\n"
+    with Store.open(db) as store:
+        calls = store.load_calls("codex")
+    assert len(calls) == 3 and all(c.status == "ok" and c.prompt_ids and c.choices[0].completion_ids for c in calls)
+    merged = merge_episode(calls)
+    first, summary_call, after = calls
+    assert ASKS_CHECKPOINT in summary_call.request.decode() and summary_call.choices[0].text == COMPACT_SUMMARY
+    assert COMPACT_SUMMARY in after.request.decode() and after.choices[0].text == "done, after the summary"
+    # Codex asks for its summary without tools, so that call's prompt is no extension of the task's (the template
+    # renders the tools first): a timeline of its own; the one after it goes on from the summary.
+    assert [(b.call_id, b.reason, b.parent_call_id) for b in merged.breaks] == [
+        (first.call_id, FIRST_CALL, None), (summary_call.call_id, TOOLS_CHANGED, None),
+        (after.call_id, COMPACTION, summary_call.call_id)]
+    assert [s.call_ids for s in merged.samples] == [[first.call_id], [summary_call.call_id], [after.call_id]]
+    assert merged.n_drift == 0

@@ -104,6 +104,13 @@ async def test_responses_request_becomes_the_chat_request(proxy, upstream):
     assert sent["messages"] == [{"role": "user", "content": "hi"}]
     assert sent["stream"] is True and sent["stream_options"] == {"include_usage": True}
 
+    # Codex's compaction request: tool_choice "auto" and no tools, which the Responses API takes and chat engines
+    # refuse ("When using `tool_choice`, `tools` must be set"): nothing to choose from, so it is left out.
+    await _raw(proxy.url + "/v1/responses", {"model": "m", "input": "sum it up", "tool_choice": "auto",
+                                             "tools": [], "parallel_tool_calls": False})
+    sent = upstream.engine.requests[-1]
+    assert "tool_choice" not in sent and "tools" not in sent
+
 
 @pytest.mark.parametrize(("body", "status", "param"), [
     ({"model": "m"}, 400, "input"),

@@ -208,3 +208,29 @@ def test_the_oracle_needs_harbor_tasks(tmp_path):
 
 def test_a_task_object_is_harbor_only_with_its_key():
     assert not harbor.is_harbor(Task("t", {"prompt": "p"}))
+
+
+
+def test_the_easy_task_set_of_the_real_model_bench_scores_its_oracle_1_and_partial_work_less(tmp_path):
+    """bench/easy_harbor_tasks.py (what bench/coding_agent_learns.py trains SmolLM2 on): held-out tasks in a split of
+    their own, with names no training task uses; each kind's oracle scores 1, partial work 0.5 and none 0."""
+    from bench.easy_harbor_tasks import KINDS, TEST_NAMES, TRAIN_NAMES, make_tasks, write_task
+
+    tasks = make_tasks(tmp_path / "tasks", train=4, test=4)
+    assert [t.task_id for t in read_tasks(str(tasks))] == [f"train-{i:02d}-{k}" for i, k in enumerate(KINDS)]
+    assert [t.task_id for t in read_tasks(str(tasks), split="test")] == [f"test-{i:02d}-{k}"
+                                                                         for i, k in enumerate(KINDS)]
+    assert not set(TEST_NAMES) & set(TRAIN_NAMES)
+    partial = {"write": "echo notes notes > notes.txt", "mkdir": "touch notes", "rename": "cp notes.txt plan.txt",
+               "delete": "rm notes.txt plan.txt"}
+    for variant, want in (("oracle", 1.0), ("partial", 0.5), ("none", 0.0)):
+        for kind in KINDS:
+            write_task(tmp_path / variant, kind, "train", kind, "notes", "apple", "plan")
+            if variant != "oracle":
+                command = partial[kind] if variant == "partial" else "true"
+                (tmp_path / variant / kind / "solution" / "solve.sh").write_text(f"#!/bin/bash\n{command}\n")
+        result = _harness("run", "--agent", "oracle", "--data", str(tmp_path / variant), "--run-dir",
+                          str(tmp_path / f"run-{variant}"), cwd=tmp_path)
+        rewards = dict(db_rows(tmp_path / f"run-{variant}" / "harness.duckdb", "SELECT o.task_id, j.reward FROM "
+                               "episode_outcomes o JOIN judgements j USING (episode_id)"))
+        assert rewards == dict.fromkeys(KINDS, want), (variant, result.stderr[-2000:])

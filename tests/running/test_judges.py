@@ -294,7 +294,7 @@ async def test_pool_workers_run_under_a_memory_cap(act_spec):
     from harness.running.limits import JUDGE_MEMORY_MB
 
     size = (JUDGE_MEMORY_MB + 1024) << 20
-    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    soft, _ = resource.getrlimit(resource.RLIMIT_DATA)
     assert soft == resource.RLIM_INFINITY or soft > size
     async with JudgePool(act_spec, workers=1, timeout_s=30) as pool:
         j = await pool.judge("ep", {"do": "hoard", "bytes": size, "answer": "1"}, "1", [])

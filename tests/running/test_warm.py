@@ -38,7 +38,7 @@ PROBE = textwrap.dedent('''
         "argv": sys.argv, "name": __name__, "file": __file__, "path0": sys.path[0], "cwd": os.getcwd(),
         "main_file": sys.modules["__main__"].__file__, "stdin": task, "env": os.environ.get("PROBE_VAR"),
         "api_key_env": sorted(k for k in os.environ if k.startswith("OPENAI")),
-        "rlimit_as": resource.getrlimit(resource.RLIMIT_AS), "own_session": os.getsid(0) == os.getpid(),
+        "rlimit_data": resource.getrlimit(resource.RLIMIT_DATA), "own_session": os.getsid(0) == os.getpid(),
         "own_group": os.getpgrp() == os.getpid(), "pids_group": f"harness-{os.getpid()}" in cgroup,
         "stdout": [sys.stdout.encoding, sys.stdout.errors, sys.stdout.line_buffering, sys.stdout.write_through,
                    type(sys.stdout.buffer).__name__],
@@ -105,7 +105,7 @@ async def test_the_probe_sees_the_same_interpreter_cold_and_warm(starter, tmp_pa
     assert warm == cold, {k: (cold[k], warm.get(k)) for k in cold if cold[k] != warm.get(k)}
     assert cold["argv"] == ["probe.py", "--flag", "x y"] and cold["name"] == "__main__"
     assert cold["file"] == str(tmp_path / "work" / "probe.py") == cold["main_file"]
-    assert cold["rlimit_as"] == [1024 << 20, 1024 << 20] and cold["own_session"] and cold["own_group"]
+    assert cold["rlimit_data"] == [1024 << 20, 1024 << 20] and cold["own_session"] and cold["own_group"]
     assert cold["pids_group"] == (pids_root() is not None)
 
 

@@ -25,7 +25,7 @@ async def test_the_limits_reach_every_process_inside(backend, tmp_path):
     spec = SandboxSpec(memory_mb=1536, max_procs=48, cpus=0.5)
     box = await backend.open(spec, tmp_path / "ws")
     try:
-        proc = await box.exec(["sh", "-c", "grep 'Max address space' /proc/self/limits; echo ready; sleep 600"],
+        proc = await box.exec(["sh", "-c", "grep 'Max data size' /proc/self/limits; echo ready; sleep 600"],
                               env=dict(os.environ), stdout=PIPE)
         limits = (await proc.stdout.readline()).decode()
         assert await proc.stdout.readline() == b"ready\n"

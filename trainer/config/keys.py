@@ -193,7 +193,8 @@ class RolloutConfig:
     concurrency: int = _key(8, "episodes running at once", ge=1)
     timeout_s: float = _key(300.0, "seconds per episode; past it the agent's process group is killed", gt=0)
     retries: int = _key(2, "extra attempts when the engine was unreachable, never for a wrong answer", ge=0)
-    memory_mb: int = _key(8192, "address-space cap of each agent process, MB (running/limits.py); 0: none", ge=0)
+    memory_mb: int = _key(8192, "writable-memory cap (RLIMIT_DATA) of each agent process, MB (running/limits.py); "
+                               "0: none", ge=0)
     max_procs: int = _key(512, "processes and threads of each agent with all it starts (a pids cgroup where the "
                           "machine offers one, harness/running/limits.py); 0: none", ge=0)
     warm_start: bool = _key(True, "a `rollout.agent` forks from an interpreter that has imported the openai SDK "
