@@ -62,6 +62,9 @@ HARBOR_IN_CI = {"codex": ("hello-file",), "claude": ("fix-failing-test",), "open
 # Each CLI's shell tool (its name and the argument holding the command), as the CLI declares it.
 SHELL_TOOLS = {"codex": ("exec_command", "cmd"), "claude": ("Bash", "command"), "opencode": ("bash", "command"),
                "qwen": ("run_shell_command", "command"), "mini": ("bash", "command")}
+# "File /app/mathutils.py has not been read in this session. Use the read_file tool first": Qwen Code's answer to
+# a `sed -i` of a file it has not read (its read_file takes an absolute path).
+QWEN_READS = {"fix-failing-test": "/app/mathutils.py"}
 AGENTS_VENV = ROOT / ".venv-agents"  # mini-swe-agent (make install: examples/coding_agents/requirements.txt)
 AIDER_VENV = ROOT / ".venv-aider"  # aider (make install: examples/coding_agents/requirements-aider.txt)
 
@@ -74,6 +77,8 @@ def _harbor_replies(agent: str, name: str) -> list[str]:
     tool, key = SHELL_TOOLS[agent]
     calls = [_call(tool, {key: c, **({"description": "Run it"} if agent == "claude" else {})})
              for c in HARBOR_SOLUTIONS[name]]
+    if agent == "qwen" and name in QWEN_READS:  # Qwen Code refuses a shell edit of a file it has not read
+        calls.insert(0, _call("read_file", {"file_path": QWEN_READS[name]}))
     return [*calls, _call("bash", {"command": "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"}) if agent == "mini"
             else "done"]
 
