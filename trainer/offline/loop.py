@@ -48,9 +48,13 @@ from trainer.model.layout import computed_metrics
 from trainer.model.lora import activate
 from trainer.model.policy import collate, device_of, micro_batches, padded, to_device, token_logprobs
 from trainer.offline.data import OfflineData, OfflineDataError
-from trainer.rl import parts
+from trainer.rl.engines import push_weights, weight_sync
+from trainer.rl.experience import broadcast
+from trainer.rl.lifecycle import seed_all, wind_down, write_trained
 from trainer.rl.oom import oom_explained
-from trainer.rl.rollout import start_rollouts
+from trainer.rl.rollout import start_rollouts, validate
+from trainer.rl.tracking import log_metrics, tracker_for
+from trainer.rl.update import by_policy
 
 log = logging.getLogger("harness.train")
 
@@ -71,12 +75,12 @@ def train_offline(cfg: TrainConfig, mode: Mode) -> dict[str, float]:
 def _train(cfg: TrainConfig, mode: Mode, dist: Dist) -> dict[str, float]:
     # ---------------------------------------------------------------------------------------------- setup
     t, o = cfg.trainer, cfg.offline
-    parts.seed_all(t.seed + dist.rank)
+    seed_all(t.seed + dist.rank)
     out = run_dir(cfg)
     if dist.is_main:
         out.mkdir(parents=True, exist_ok=True)
         save_resolved(cfg)
-    data = parts.broadcast(_samples_or_error(cfg, mode) if dist.is_main else None, dist)
+    data = broadcast(_samples_or_error(cfg, mode) if dist.is_main else None, dist)
     if isinstance(data, Exception):  # on every rank, so each ends with the same clear error
         raise data
     samples, advantages, policies = data.samples, data.advantages, data.policies
@@ -103,14 +107,14 @@ def _train(cfg: TrainConfig, mode: Mode, dist: Dist) -> dict[str, float]:
         try:
             if val_tasks:  # the agent validates the trained weights on the engine
                 rollouts = start_rollouts(cfg, out)
-                sync = parts.weight_sync(rollouts, cfg, out)
-                tracker = parts.tracker_for(rollouts.store, rollouts.run_id, cfg)
+                sync = weight_sync(rollouts, cfg, out)
+                tracker = tracker_for(rollouts.store, rollouts.run_id, cfg)
             else:  # metrics only
                 store = Store.open(out / "harness.duckdb")
                 run_id = f"{mode.replace('_', '-')}-{uuid.uuid4().hex[:12]}"
                 store.start_run(run_id, {"command": mode, "model": cfg.model.path,
                                          "offline": config_to_dict(cfg)["offline"]}, harness.__version__)
-                tracker = parts.tracker_for(store, run_id, cfg)
+                tracker = tracker_for(store, run_id, cfg)
         except duckdb.IOException as exc:  # another process (a proxy still recording?) holds the file
             raise OfflineDataError(f"can't write this run's metrics into {str(out / 'harness.duckdb')!r}: {exc}. "
                                    "Stop the process that holds it, or give this run another experiment_name (and "
@@ -118,12 +122,12 @@ def _train(cfg: TrainConfig, mode: Mode, dist: Dist) -> dict[str, float]:
         log.info("%s: %d samples, %d steps (%d epochs of batches of %d), curve at %s", mode, len(samples),
                  total_steps, o.epochs, o.batch_size, out / "curve.png")
     if start > 0 and sync is not None:  # the engine serves the checkpoint's weights
-        parts.push_weights(model, sync, dist, version=start)
+        push_weights(model, sync, dist, version=start)
     if start == 0:
         before = {**data.metrics, **_data_nll_metrics(model, samples, policies, adapters, pad_id, cfg, dist)}
         if t.val_before_train and val_tasks:
-            before.update(parts.validate(rollouts, 0, val_tasks, cfg) if dist.is_main else {})
-        parts.log_metrics(tracker, 0, before)
+            before.update(validate(rollouts, 0, val_tasks, cfg) if dist.is_main else {})
+        log_metrics(tracker, 0, before)
 
     metrics: dict[str, float] = {}
     try:
@@ -136,7 +140,7 @@ def _train(cfg: TrainConfig, mode: Mode, dist: Dist) -> dict[str, float]:
                 metrics = _optimizer_step(model, optimizer, rows, advs, samples[0], pad_id, cfg, dist)
             else:  # each policy's samples through its adapter, with its own clipping and optimizer step
                 metrics = {}
-                for name, idx in parts.by_policy(adapters, [policies[i] for i in batch]):
+                for name, idx in by_policy(adapters, [policies[i] for i in batch]):
                     activate(model, name)
                     mine = _optimizer_step(model, optimizer, [rows[i] for i in idx], [advs[i] for i in idx],
                                            samples[0], pad_id, cfg, dist)
@@ -156,16 +160,16 @@ def _train(cfg: TrainConfig, mode: Mode, dist: Dist) -> dict[str, float]:
 
             # ------------------------------------------------ 3. validation with the agent, checkpoint, metrics
             if val_tasks and t.test_freq and (step % t.test_freq == 0 or last):
-                metrics.update(parts.push_weights(model, sync, dist, version=step))
-                metrics.update(parts.validate(rollouts, step, val_tasks, cfg) if dist.is_main else {})
+                metrics.update(push_weights(model, sync, dist, version=step))
+                metrics.update(validate(rollouts, step, val_tasks, cfg) if dist.is_main else {})
             if (t.save_freq and step % t.save_freq == 0) or last:
                 save(out, step, model, optimizer, scheduler, {"mode": mode, "model": this_model, "plan": fingerprint},
                      dist, keep_last=cfg.trainer.keep_checkpoints)
             metrics["time/step_s"] = time.perf_counter() - started
-            parts.log_metrics(tracker, step, metrics)
-        parts.write_trained(model, cfg, out, dist)
+            log_metrics(tracker, step, metrics)
+        write_trained(model, cfg, out, dist)
     finally:
-        parts.wind_down(tracker, rollouts)
+        wind_down(tracker, rollouts)
         if store is not None:
             store.end_run(run_id)
             store.close()
@@ -324,7 +328,7 @@ def _data_nll_metrics(model, samples: list[Sample], policies: list[str] | None, 
     if not adapters:
         return {"offline/data_nll": _data_nll(model, samples, pad_id, cfg, dist)}
     out, total, tokens = {}, 0.0, 0
-    for name, idx in parts.by_policy(adapters, policies):
+    for name, idx in by_policy(adapters, policies):
         activate(model, name)
         mine = [samples[i] for i in idx]
         out[f"policy/{name}/offline/data_nll"] = nll = _data_nll(model, mine, pad_id, cfg, dist)

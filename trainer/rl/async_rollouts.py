@@ -21,8 +21,8 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 
 from harness.core.records import Task
-from trainer.rl.experience import Experience, mean
-from trainer.rl.rollout import StepRollout
+from trainer.rl.experience import Experience
+from trainer.rl.rollout import StepRollout, mean
 
 log = logging.getLogger("harness.train")
 

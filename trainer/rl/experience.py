@@ -17,7 +17,8 @@ from harness.core.records import FINISHED, Sample
 from trainer.config import TrainConfig, trains
 from trainer.config.roles import adapters_of, policy_of
 from trainer.maths import algorithms as algo
-from trainer.rl.rollout import StepRollout
+from trainer.model.fsdp import Dist
+from trainer.rl.rollout import StepRollout, mean
 
 
 @dataclass
@@ -106,11 +107,6 @@ def experience_of(rollout: StepRollout, cfg: TrainConfig) -> Experience:
         metrics[f"policy/{name}/reward/mean"] = mean([rewards[u] for u in mine])
     return Experience(samples, rewards, groups, metrics, spans if any(spans) else None, units, tasks, versions,
                       rollout.baselines, policies if adapters else None)
-
-
-def mean(values) -> float | None:
-    values = [v for v in values if v is not None]
-    return sum(values) / len(values) if values else None
 
 
 def advantages_of(exp: Experience, old, ref, cfg: TrainConfig,
@@ -226,3 +222,12 @@ def mean_token_kl(samples: list[Sample], old, ref, kind: str) -> float | None:
         total += float((algo.kl_penalty(lp, ref_lp, kind) * m).sum())
         count += float(m.sum())
     return total / count if count else None
+
+
+def broadcast(experience: Experience | None, dist: Dist) -> Experience:
+    """Rank 0's experience, on every rank."""
+    if dist.world == 1:
+        return experience
+    box = [experience]
+    torch.distributed.broadcast_object_list(box, src=0)
+    return box[0]

@@ -54,22 +54,12 @@ from trainer.model.checkpoint import check_resume, find_resume, load, model_fing
 from trainer.model.fsdp import Dist, init_distributed, shutdown
 from trainer.rl.async_rollouts import RolloutsAhead, keep_fresh, plan_steps
 from trainer.rl.correction import correct_step, still_trained
-from trainer.rl.experience import advantages_of, experience_of, gae_of, mean_token_kl
+from trainer.rl.engines import push_weights, sleep_engines, wake_engines, weight_sync
+from trainer.rl.experience import advantages_of, broadcast, experience_of, gae_of, mean_token_kl
+from trainer.rl.lifecycle import seed_all, wind_down, write_trained
 from trainer.rl.oom import oom_explained
-from trainer.rl.parts import (
-    broadcast,
-    log_metrics,
-    push_weights,
-    seed_all,
-    sleep_engines,
-    tracker_for,
-    validate,
-    wake_engines,
-    weight_sync,
-    wind_down,
-    write_trained,
-)
-from trainer.rl.rollout import greedy_baselines, start_rollouts
+from trainer.rl.rollout import greedy_baselines, start_rollouts, validate
+from trainer.rl.tracking import log_metrics, tracker_for
 from trainer.rl.update import score, update_policies
 
 log = logging.getLogger("harness.train")

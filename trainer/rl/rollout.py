@@ -25,6 +25,7 @@ from harness.core.merge import Merged, merge_episode, summarise_merges
 from harness.core.records import FINISHED, INFRA_ERROR, INTERRUPTED, Call, EpisodeOutcome, Judgement, Sample, Task
 from harness.running.hub import model_name
 from harness.running.proxied import agent_env, agents_config, proxy_config
+from harness.running.report import pass_at_k
 from harness.running.runner import RunConfig, Runner, start_warm
 from harness.running.vllm_server import Engine, attach, start_vllm
 from harness.running.warm import WarmStarter
@@ -260,6 +261,29 @@ def greedy_baselines(rollouts: Rollouts, step: int, tasks: list[Task], cfg: Trai
     greedy = rollouts.collect(step, tasks, tag="greedy", repeat=1, sampling=SamplingOverrides(
         temperature=0.0, top_p=1.0, max_tokens_cap=r.max_tokens, seed=sampling_seed(cfg)))
     return {e.task_id: e.reward for e in greedy.episodes if e.status == FINISHED and e.reward is not None}
+
+
+def validate(rollouts: Rollouts, step: int, tasks, cfg: TrainConfig) -> dict[str, float]:
+    """pass@n and mean reward of the validation tasks at validation sampling."""
+    v = cfg.rollout.validation
+    rollout = rollouts.collect(step, tasks, tag="val", repeat=v.n,
+                               sampling=SamplingOverrides(temperature=v.temperature, top_p=v.top_p,
+                                                          max_tokens_cap=cfg.rollout.max_tokens,
+                                                          seed=sampling_seed(cfg)))
+    threshold = cfg.task_judge.success_threshold
+    by_task: dict[str, list[bool]] = {}
+    for e in rollout.episodes:
+        by_task.setdefault(e.task_id, []).append(e.reward is not None and e.reward >= threshold)
+    rewards = [e.reward for e in rollout.episodes if e.reward is not None]
+    passes = [pass_at_k(len(hits), sum(hits), v.n) for hits in by_task.values()]
+    return {"val/pass@n": mean(passes), "val/reward_mean": mean(rewards), "time/validation_s":
+            rollout.timings["rollout_s"]}
+
+
+def mean(values) -> float | None:
+    """The mean of the values that are not None; None when there are none."""
+    values = [v for v in values if v is not None]
+    return sum(values) / len(values) if values else None
 
 
 def guard_of(settings: dict) -> GuardConfig:

@@ -16,6 +16,7 @@ from rich.console import Console
 from rich.table import Table
 
 from harness.store.database import Store
+from trainer.config import TrainConfig, config_to_dict, run_dir
 
 log = logging.getLogger("harness.train")
 
@@ -133,3 +134,16 @@ def _wandb(project: str, experiment: str, config: dict, run_dir: Path):
     import wandb
 
     return wandb.init(project=project, name=experiment, config=config, mode="offline", dir=str(run_dir))
+
+
+def tracker_for(store, run_id: str, cfg: TrainConfig) -> Tracker:
+    """The run's metrics, into `store` under `run_id` and the logging section's backends."""
+    lg = cfg.logging
+    return Tracker(store, run_id, run_dir(cfg), project=cfg.project_name, experiment=cfg.experiment_name,
+                   config=config_to_dict(cfg), console=lg.console, curve_png=lg.curve_png, swanlab=lg.swanlab,
+                   wandb=lg.wandb)
+
+
+def log_metrics(tracker: Tracker | None, step: int, metrics: dict) -> None:
+    if tracker is not None:
+        tracker.log(step, metrics)

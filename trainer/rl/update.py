@@ -18,9 +18,14 @@ from trainer.model.layout import computed_metrics
 from trainer.model.lora import activate
 from trainer.model.policy import collate, device_of, micro_batches, padded, to_device, token_logprobs
 from trainer.rl.correction import bypass_keys, bypass_measures
-from trainer.rl.parts import by_policy
 
 log = logging.getLogger("harness.train")
+
+
+def by_policy(adapters: tuple[str, ...], policies: list[str]) -> list[tuple[str, list[int]]]:
+    """Each policy (adapter) that has samples, with the positions of its samples in `policies` (each sample's)."""
+    out = [(name, [i for i, p in enumerate(policies) if p == name]) for name in adapters]
+    return [(name, idx) for name, idx in out if idx]
 
 
 def score(model, reference, experience, adapters: tuple[str, ...], pad_id: int, cfg: TrainConfig):
