@@ -2,13 +2,13 @@
 asked for, in exactly the shape vLLM's chat endpoint sends with token ids and logprobs on; proxy/forward.py then
 records it and strips what the agent did not ask for, as for any chat call.
 
-The generated text becomes a message with the model's reply parsing (proxy/tool_parsers.py: reasoning, content,
+The generated text becomes a message with the model's reply parsing (proxy/parsing/native.py: reasoning, content,
 tool calls), whole or piece by piece as the stream comes, as vLLM's chat endpoint sends it.
 """
 
 from __future__ import annotations
 
-from proxy.tool_parsers import ChoiceStream, RequestParsing
+from proxy.parsing.native import ChoiceStream, RequestParsing
 
 
 def _chat_id(completion_id: str | None) -> str:

@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from proxy.guard import GuardConfig
+from proxy.parsing.native import check_reasoning_parser, check_tool_parser
 from proxy.roles import DEFAULT_POLICY, RoleRule, policy_names
-from proxy.tool_parsers import check_reasoning_parser, check_tool_parser
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,7 @@ class ProxyConfig:
     record_batch: int = 2048
     record_delay_s: float = 0.2  # ...or this long after the oldest unflushed call
     token_exact: bool = True  # build continued conversations' prompts from recorded ids (proxy/continuity.py)
-    # How generated text becomes reasoning, content and tool calls on the token-exact path (proxy/tool_parsers.py):
+    # How generated text becomes reasoning, content and tool calls on the token-exact path (proxy/parsing/native.py):
     # the names the engine was started with (vLLM's --tool-call-parser / --reasoning-parser), and the model's
     # directory, whose tokenizer vLLM's own parsers need (None: the proxy's own parsers, Hermes only).
     tool_parser: str = "hermes"

@@ -38,8 +38,8 @@ import orjson
 
 from harness.core.records import Call
 from proxy.engine_client import HttpClient
+from proxy.parsing.native import RequestParsing
 from proxy.splice import AS_RENDERED, REASONING_HISTORY, RENDER_FAILED, Plan, splice
-from proxy.tool_parsers import RequestParsing
 
 # Fallback reasons (Call.extra["continuity"]["reason"]).
 NO_EARLIER_CALL = "no_earlier_call"  # nothing of this episode to continue (its first call, or forgotten)

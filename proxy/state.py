@@ -14,7 +14,7 @@ from proxy.continuity import Timelines
 from proxy.engine_client import EngineClient
 from proxy.episodes import Episodes
 from proxy.http_json import ApiError
-from proxy.tool_parsers import ReplyParsing
+from proxy.parsing.native import ReplyParsing
 from proxy.upstreams import Engines
 from proxy.wire.common import ConversationStore
 

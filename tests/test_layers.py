@@ -265,7 +265,7 @@ def test_importing_a_parser_or_the_config_does_not_load_the_server():
     import subprocess
     import sys
 
-    code = ("import sys, proxy.tool_parsers, proxy.config, proxy.roles, proxy.guard\n"
+    code = ("import sys, proxy.parsing.native, proxy.config, proxy.roles, proxy.guard\n"
             "loaded = [m for m in ('proxy.app', 'proxy.server', 'aiohttp', 'duckdb') if m in sys.modules]\n"
             "print(','.join(loaded))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)

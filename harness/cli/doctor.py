@@ -13,7 +13,7 @@ the tokenizer and template alone (no engine, no weights):
    vLLM, which parses tool-call arguments into objects): text before a tool call, compact arguments,
    surrounding newlines, a <think> block.
 3. tool-parser: what the template renders for assistant tool calls parses back, with the parser the engine and
-   the proxy use (vLLM's own where vLLM is installed: proxy/parsing.py), to the same names, arguments and content.
+   the proxy use (vLLM's own where vLLM is installed: proxy/parsing/), to the same names, arguments and content.
 4. reasoning: where the template renders a reply's reasoning (`reasoning_content`): for the latest turn, inside
    its tool loop, after a new user message; and so which `reasoning_history` choice fits (docs/proxy.md).
 5. close-token: the token that ends an assistant turn is a stop token of the model (tokenizer eos or
@@ -59,7 +59,7 @@ from harness.cli.doctor_render import (
     user,
 )
 from proxy.parsing import reply_parsing
-from proxy.tool_parsers import check_reasoning_parser
+from proxy.parsing.native import check_reasoning_parser
 
 __all__ = ["Check", "DoctorError", "Finding", "Report", "diagnose", "format_report", "load_tokenizer"]
 
@@ -275,7 +275,7 @@ def other_readers(template: Template, model_dir: str | Path, tried: str, reasoni
             return False
 
     def readers(turns: list[ToolTurn]) -> list[str]:
-        from proxy.tool_parsers import TOOL_PARSERS
+        from proxy.parsing.native import TOOL_PARSERS
 
         other_ids = None  # the turns as agents send them back to a parser of the other kind of call ids
 

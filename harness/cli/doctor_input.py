@@ -7,8 +7,8 @@ import json
 from pathlib import Path
 
 from harness import install_hint
-from proxy.tool_parsers import check_reasoning_parser
-from proxy.tool_parsers import check_tool_parser as check_parser_name
+from proxy.parsing.native import check_reasoning_parser
+from proxy.parsing.native import check_tool_parser as check_parser_name
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 

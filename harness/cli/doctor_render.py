@@ -11,7 +11,7 @@ import copy
 import json
 from dataclasses import dataclass
 
-from proxy.tool_parsers import Parsed, ReplyParsing
+from proxy.parsing.native import Parsed, ReplyParsing
 
 CONTEXT_CHARS = 40  # chars of text shown on each side of a difference
 _TOKENS_SHOWN = 6  # tokens shown on each side of a token difference

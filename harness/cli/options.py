@@ -10,7 +10,7 @@ import os
 import socket
 from pathlib import Path
 
-from proxy.tool_parsers import check_reasoning_parser, check_tool_parser
+from proxy.parsing.native import check_reasoning_parser, check_tool_parser
 
 DEFAULT_RUN_DIR = Path("runs")
 

@@ -10,7 +10,7 @@ import logging
 import sys
 
 from harness import install_hint
-from proxy.parser_families import REASONING_PARSER_FAMILIES, TOOL_PARSER_FAMILIES
+from proxy.parsing.families import REASONING_PARSER_FAMILIES, TOOL_PARSER_FAMILIES
 
 __all__ = ["add_parser"]
 
@@ -64,7 +64,7 @@ def _loading(model: str) -> tuple[list[str], list[str]]:
     if not vllm_available():
         raise ValueError("--model needs vLLM installed here, whose parsers are checked against the tokenizer: "
                          f"{install_hint('engine')}, or leave --model out to list every parser")
-    from proxy.vllm_parsing import loading_parsers
+    from proxy.parsing.vllm import loading_parsers
 
     return loading_parsers(directory)
 

@@ -41,7 +41,7 @@ from typing import Any
 
 from harness.running.engine_log import last_log_line, log_header
 from harness.running.hub import model_name, model_reference, resolve_model
-from proxy.tool_parsers import check_reasoning_parser, check_tool_parser
+from proxy.parsing.native import check_reasoning_parser, check_tool_parser
 
 __all__ = ["Engine", "EngineError", "attach", "engine_command", "is_sleeping", "placement", "sleep",
            "start_or_attach", "start_vllm", "wake_up"]

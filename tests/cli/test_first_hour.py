@@ -11,8 +11,8 @@ import sys
 import pytest
 
 from harness.cli.main import main
-from proxy.parser_families import REASONING_PARSER_FAMILIES, TOOL_PARSER_FAMILIES
-from proxy.tool_parsers import REASONING_PARSERS, TOOL_PARSERS
+from proxy.parsing.families import REASONING_PARSER_FAMILIES, TOOL_PARSER_FAMILIES
+from proxy.parsing.native import REASONING_PARSERS, TOOL_PARSERS
 
 
 def _harness(*args: str, env: dict[str, str] | None = None, **kwargs) -> subprocess.CompletedProcess:

@@ -13,7 +13,7 @@ import pytest
 from harness.core.records import OK, Call, Choice
 from proxy.chat_answer import ChatAnswer
 from proxy.continuity import Plan, Timelines, completions_body, first_edit, prefix_hashes, unsupported
-from proxy.tool_parsers import NativeParsing
+from proxy.parsing.native import NativeParsing
 from tests.support import RunningProxy, db_rows
 
 TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]

@@ -1,4 +1,4 @@
-"""The family table covers every parser name vLLM accepts, no more, in the order proxy/tool_parsers.py lists them."""
+"""The family table covers every parser name vLLM accepts, no more, in the order proxy/parsing/native.py lists them."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-import proxy.parser_families as parser_families
-from proxy.parser_families import REASONING_PARSER_FAMILIES, TOOL_PARSER_FAMILIES
-from proxy.tool_parsers import REASONING_PARSERS, TOOL_PARSERS
+import proxy.parsing.families as parser_families
+from proxy.parsing.families import REASONING_PARSER_FAMILIES, TOOL_PARSER_FAMILIES
+from proxy.parsing.native import REASONING_PARSERS, TOOL_PARSERS
 
 
 def test_every_tool_parser_has_a_family_in_order():

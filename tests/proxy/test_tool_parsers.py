@@ -8,7 +8,7 @@ import re
 import pytest
 
 from proxy.parsing import reply_parsing
-from proxy.tool_parsers import (
+from proxy.parsing.native import (
     REASONING_PARSERS,
     TOOL_PARSERS,
     Parsed,

@@ -1,4 +1,4 @@
-"""vLLM's own reply parsers run in the proxy (proxy/vllm_parsing.py): a token-exact answer becomes the message the
+"""vLLM's own reply parsers run in the proxy (proxy/parsing/vllm.py): a token-exact answer becomes the message the
 engine's chat endpoint would send, whole and streamed, with reasoning apart; replies that do not parse are flagged.
 The engine tier checks the same against the engine itself (test_parsers_engine.py)."""
 
@@ -11,7 +11,7 @@ import pytest
 from harness.core.records import Call, Choice
 from proxy.chat_answer import ChatAnswer
 from proxy.parsing import reply_parsing
-from proxy.tool_parsers import NativeParsing
+from proxy.parsing.native import NativeParsing
 
 pytest.importorskip("vllm")
 

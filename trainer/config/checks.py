@@ -167,7 +167,7 @@ def _check_lora(cfg: TrainConfig) -> None:
 
 def _check_parsers(cfg: TrainConfig) -> None:
     """The parser names vLLM knows (building them on the model's tokenizer is --check's: harness/cli/train.py)."""
-    from proxy.tool_parsers import check_reasoning_parser, check_tool_parser
+    from proxy.parsing.native import check_reasoning_parser, check_tool_parser
 
     r = cfg.rollout
     try:

@@ -1,12 +1,12 @@
 """Which reply parsing a proxy gets: vLLM's own parsers where vLLM is installed beside it and the model's tokenizer
-is known (proxy/vllm_parsing.py), else the proxy's own (proxy/tool_parsers.py)."""
+is known (proxy/parsing/vllm.py), else the proxy's own (proxy/parsing/native.py)."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from proxy.tool_parsers import NativeParsing, ReplyParsing
+from proxy.parsing.native import NativeParsing, ReplyParsing
 
 __all__ = ["harmony", "reply_parsing", "vllm_available"]
 
@@ -34,7 +34,7 @@ def reply_parsing(tool_parser: str | None, reasoning_parser: str | None = None,
     """vLLM's own parsers when vLLM is installed here and `tokenizer` (the model's directory) is given; else the
     proxy's own, which know the Hermes format and no reasoning format (a ValueError says what to do)."""
     if tokenizer is not None and vllm_available():
-        from proxy.vllm_parsing import VllmParsing
+        from proxy.parsing.vllm import VllmParsing
 
         return VllmParsing(tool_parser, reasoning_parser, tokenizer)
     return NativeParsing(tool_parser, reasoning_parser)

@@ -2,7 +2,7 @@
 by the very code the engine's chat endpoint runs (`vllm.parser`: `--tool-call-parser` and `--reasoning-parser`,
 every family vLLM knows), on the same text and token ids, the same way, whole or streamed.
 
-Imported only when a proxy parses replies and vLLM is installed beside it (proxy/tool_parsers.py decides); the
+Imported only when a proxy parses replies and vLLM is installed beside it (proxy/parsing/__init__.py decides); the
 proxy core never imports vLLM otherwise. The steps mirror vLLM's chat endpoint (`OpenAIServingChat`): one parser
 per choice, `adjust_request` before generating, `parse` for a whole answer, `parse_delta` for each streamed piece,
 `finish_reason` "tool_calls" when calls were made, `parallel_tool_calls: false` keeping the first call.
@@ -19,7 +19,7 @@ from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionReque
 from vllm.parser.parser_manager import ParserManager
 from vllm.tokenizers import get_tokenizer
 
-from proxy.tool_parsers import ChoiceStream, Parsed, ReplyParsing, RequestParsing, new_tool_call_id
+from proxy.parsing.native import ChoiceStream, Parsed, ReplyParsing, RequestParsing, new_tool_call_id
 
 __all__ = ["VllmParsing", "loading_parsers"]
 
@@ -62,7 +62,7 @@ def _tokenizer(model_dir: str):
 def loading_parsers(model_dir: str | Path) -> tuple[list[str], list[str]]:
     """The tool parsers and the reasoning parsers whose tokens this model's tokenizer has (vLLM checks a parser
     against the tokenizer when it loads it): which names can be used with the model at all."""
-    from proxy.tool_parsers import REASONING_PARSERS, TOOL_PARSERS
+    from proxy.parsing.native import REASONING_PARSERS, TOOL_PARSERS
 
     tokenizer = _tokenizer(str(model_dir))
 

@@ -3,7 +3,7 @@ docs/proxy.md's family table draws on. Written from vLLM 0.32's parser sources (
 vllm/reasoning/ and the unified parsers in vllm/parser/ they adapt: class docstrings, comments, marker tokens),
 with vLLM's tool-calling and reasoning docs for the model names those sources leave out.
 
-Every name of `TOOL_PARSERS` / `REASONING_PARSERS` (proxy/tool_parsers.py) has an entry, in the same order (the
+Every name of `TOOL_PARSERS` / `REASONING_PARSERS` (proxy/parsing/native.py) has an entry, in the same order (the
 tests check both against the installed vLLM's registries). Each value is a short human string: the families, then
 the output format in brackets. Where the source names no model beyond the parser's own name (`dots`, `inkling`,
 `minicpm5`, `muse_glimmer`, ...), the value says only that name and the format. Pure data: no imports, so the

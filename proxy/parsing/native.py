@@ -5,11 +5,11 @@ When the proxy generates from token ids (`/v1/completions`), vLLM's chat endpoin
 proxy parses the completion itself, with the parsers the engine is started with: `tool_parser` is a name vLLM's
 `--tool-call-parser` accepts (`TOOL_PARSERS`), `reasoning_parser` one `--reasoning-parser` accepts
 (`REASONING_PARSERS`). Where vLLM is installed beside the proxy and the model's tokenizer is at hand, its own
-parser code runs (proxy/vllm_parsing.py): every family, exactly as the engine would. Otherwise the proxy's core,
+parser code runs (proxy/parsing/vllm.py): every family, exactly as the engine would. Otherwise the proxy's core,
 which must not import vllm, torch or transformers, has its own parser for the Hermes format (`hermes`,
 `qwen3_json`: Qwen2.5, Qwen3, Hermes), checked against vLLM's in the tests.
 
-The seam: proxy/parsing.py's `reply_parsing(...)` once per proxy -> `.request(body)` once per chat request ->
+The seam: proxy/parsing/__init__.py's `reply_parsing(...)` once per proxy -> `.request(body)` once per chat request ->
 `.whole(...)` for a finished choice, `.stream(...)` for a streamed one.
 """
 
