@@ -53,10 +53,12 @@ REPLIES = """
 SELECT c.episode_id, ch.text FROM calls c JOIN choices ch USING (call_id) WHERE c.status = 'ok'
 """
 REWARDS = "SELECT episode_id, reward FROM judgements"
+# The run's shape, which the report states (kept in one place so the text cannot drift from the config).
+STEP_LIMIT, GROUP, TASKS_A_STEP, VAL_N, MAX_TOKENS = 3, 4, 2, 2, 192
 
 
 def config(model: Path, tasks: Path, out: Path, steps: int, seed: int, variant: str) -> dict:
-    env = {"MINI_CONFIG": "textbased", "MINI_STEP_LIMIT": "3"}
+    env = {"MINI_CONFIG": "textbased", "MINI_STEP_LIMIT": str(STEP_LIMIT)}
     if variant != "shipped":
         env["MINI_ACTION_REGEX"] = ACTIONS[variant]
     return {"harness": {
@@ -64,8 +66,9 @@ def config(model: Path, tasks: Path, out: Path, steps: int, seed: int, variant: 
         "data": {"train": str(tasks), "validation": str(tasks), "validation_split": "test"},
         "rollout": {"command": f"{sys.executable} {AGENT} mini", "env": env,
                     "sandbox": "bwrap", "sandbox_binds": [str(ROOT / ".venv-agents")],
-                    "num_repeat": 4, "batch_size": 2, "concurrency": 8, "timeout_s": 300, "temperature": 1.0,
-                    "max_tokens": 192, "validation": {"n": 2, "temperature": 1.0},
+                    "num_repeat": GROUP, "batch_size": TASKS_A_STEP, "concurrency": 8, "timeout_s": 300,
+                    "temperature": 1.0,
+                    "max_tokens": MAX_TOKENS, "validation": {"n": VAL_N, "temperature": 1.0},
                     "engine": {"max_model_len": 8192}},
         "trainer": {"adv_estimator": "grpo", "loss_agg_mode": "episode-mean", "lr": 3.0e-5, "warmup_steps": 0,
                     "ppo_epochs": 1, "mini_batch_size": 2, "micro_batch_tokens": 8192, "total_steps": steps,
@@ -116,10 +119,11 @@ def measure(db_path: Path, variant: str) -> dict:
             solved.setdefault(key[1], []).append(reward >= 1.0)
     val = metrics["val/reward_mean"]
     first, last = min(val), max(val)
-    share = {k: statistics.mean(v) for k, v in formed.items()}
+    share = {k: statistics.mean(map(float, v)) for k, v in formed.items()}  # 0.0, not a bool mean of 0
     train_steps = sorted(s for kind, s in share if kind == "train")
     return {"val_before": val[first], "val_after": val[last],
-            "solved_before": statistics.mean(solved[first]), "solved_after": statistics.mean(solved[last]),
+            "solved_before": statistics.mean(map(float, solved[first])),
+            "solved_after": statistics.mean(map(float, solved[last])),
             "formed_before": share.get(("val", first)), "formed_after": share.get(("val", last)),
             "formed_train": [round(share[("train", s)], 2) for s in train_steps],
             "reward_train": [round(metrics["reward/mean"][s], 3) for s in sorted(metrics["reward/mean"])],
@@ -163,6 +167,7 @@ def main() -> None:
     if args.rerun or not tasks.exists():
         make_tasks(tasks)
     n_tasks, oracle_mean = oracle(tasks, args.out)
+    n_train = sum(d.name.startswith("train-") for d in tasks.iterdir())  # make_tasks' names: <split>-<i>-<kind>
     if oracle_mean != 1.0:
         raise SystemExit(f"the oracle scored {oracle_mean} over {n_tasks} tasks, not 1: see {args.out}/oracle-*")
     rows = {}
@@ -179,11 +184,13 @@ def main() -> None:
         f"`{' '.join(sys.argv[1:]) or 'defaults'}`",
         "",
         "SmolLM2-135M-Instruct (real weights, no forcing) behind mini-swe-agent 2.4.6 as it ships, its text-based "
-        "config (one ```mswea_bash_command block per reply, 3 calls a task), each episode in a bubblewrap sandbox, "
+        f"config (one ```mswea_bash_command block per reply, {STEP_LIMIT} calls a task), each episode in a bubblewrap "
+        "sandbox, "
         f"over easy Harbor tasks (bench/easy_harbor_tasks.py; the oracle scored {oracle_mean:.0f} on all "
         f"{n_tasks}), judged by their tests/test.sh (1: done, 0.5: the right file or directory but not all of "
-        "it). 24 training tasks, 4 episodes each a group, 2 tasks a step; 8 held-out tasks (names and words no "
-        "training task uses), 2 episodes each at temperature 1.0, before the first step and after the last. "
+        f"it). {n_train} training tasks, {GROUP} episodes each a group, {TASKS_A_STEP} tasks a step, replies cut at "
+        f"{MAX_TOKENS} tokens; {n_tasks - n_train} held-out tasks (names and words no training task uses), {VAL_N} "
+        "episodes each at temperature 1.0, before the first step and after the last. "
         "`shipped`: mini's action regex; `fences`: one that also takes a ```bash, ```sh, ```shell or bare ``` block. "
         "Well-formed: a reply with exactly one block the variant's regex finds (an action mini runs).",
         "",
